@@ -1,0 +1,82 @@
+"""The `hpc-train` command: train, config show, prepare-data."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpc_train.config import ConfigError, JobConfig, load_config, to_yaml, validate
+from hpc_train.launch.bootstrap import detect_rank_env
+
+
+def _config_and_overrides(args: argparse.Namespace) -> JobConfig:
+    """CONFIG is optional: a first argument holding '=' is already an override."""
+    items = [args.config, *args.overrides] if args.config else list(args.overrides)
+    path = items.pop(0) if items and "=" not in items[0] else None
+    return load_config(path, items)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from hpc_train.launch.local import launch_local
+    from hpc_train.train.loop import run_training
+
+    cfg = _config_and_overrides(args)
+    rank_env = detect_rank_env()
+    validate(cfg, rank_env.world_size if rank_env else cfg.parallel.nproc)  # before any process starts
+    if rank_env is not None:
+        run_training(rank_env, cfg)
+    else:
+        launch_local(run_training, cfg.parallel.nproc, cfg)
+
+
+def cmd_config_show(args: argparse.Namespace) -> None:
+    cfg = _config_and_overrides(args)
+    print(to_yaml(cfg), end="")
+    rank_env = detect_rank_env()
+    world = rank_env.world_size if rank_env else cfg.parallel.nproc
+    dp = validate(cfg, world, check_paths=False)
+    print(f"# valid for world size {world}: pp={cfg.parallel.pp} dp={dp} tp={cfg.parallel.tp}", file=sys.stderr)
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> None:
+    from hpc_train.data.prepare import expand_inputs, prepare_data
+
+    written = prepare_data(expand_inputs(args.inputs), args.output, args.tokenizer, args.valid_every)
+    for split, prefix in written.items():
+        print(f"{split}: {prefix}.bin / {prefix}.idx")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpc-train", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("config", nargs="?", help="YAML config (e.g. configs/tiny.yaml)")
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=10")
+        return p
+
+    with_config(sub.add_parser("train", help="train (joins Slurm/torchrun, else starts parallel.nproc ranks)"))
+    cfg_cmd = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
+    with_config(cfg_cmd.add_parser("show", help="print the resolved config and check it"))
+    prep = sub.add_parser("prepare-data", help="tokenize text files into an indexed dataset")
+    prep.add_argument("inputs", nargs="+", help="text files or globs (quote globs: '**/*.txt')")
+    prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
+    prep.add_argument("--tokenizer", default="byte", help="'byte' (default) or a Hugging Face tokenizer.json")
+    prep.add_argument("--valid-every", type=int, default=0, help="hold out every N-th file as PREFIX_valid")
+    return parser
+
+
+COMMANDS = {"train": cmd_train, "config": cmd_config_show, "prepare-data": cmd_prepare_data}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"hpc-train: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

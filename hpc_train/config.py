@@ -1,0 +1,321 @@
+"""Configuration: the schema (dataclasses), loading YAML + `key=value` overrides, and validation.
+
+Every section is a plain dataclass; omegaconf merges YAML files and command-line overrides over the
+defaults and type-checks them. `validate` then checks what omegaconf cannot: choices, paths and the
+quantities derived from the parallel layout. Every error is a `ConfigError` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+BUILTIN_DATA = "stdlib"  # data path naming the embedded corpus (the interpreter's own standard library)
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the key and what to change."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257  # byte-level tokenizer: 256 bytes + end-of-document
+    vocab_multiple: int = 128  # embedding rows are padded to a multiple of this (x tp), as Megatron does
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
+    d_model: int = 128
+    ffn_hidden: int | None = None  # None = SwiGLU's 8/3 * d_model rounded up to ffn_multiple
+    ffn_multiple: int = 64
+    seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    recompute: str = "none"  # none | selective | full
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 1  # local processes when not started by Slurm or torchrun
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None  # None = world_size / (tp * pp)
+    virtual_stages: int = 1
+    schedule: str = "1f1b"  # 1f1b | interleaved_1f1b
+    sequence_parallel: bool = False
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    timeout_s: int = 600  # collective timeout: a dead rank ends the job instead of hanging it
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    global_batch_size: int | None = None  # None = micro_batch_size * grad_accum * dp; if set it must match
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    eval_interval: int = 50  # 0 = never
+    eval_batches: int = 4
+    save_final_model: bool = True  # write run_dir/model_final.pt (consolidated weights) at the end
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    decay_steps: int | None = None  # None = train.steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping
+    zero_stage: int = 0  # 0 = plain data parallelism; 1 = optimizer state sharded over dp
+    offload: str = "none"  # none | cpu
+
+
+@dataclass
+class DataConfig:
+    train_path: str = BUILTIN_DATA  # prefix of a .bin/.idx pair, or "stdlib" for the embedded corpus
+    valid_path: str | None = None  # None with "stdlib" = its held-out split; None otherwise = no eval
+    cache_dir: str = "${oc.env:HPC_TRAIN_CACHE,'~/.cache/hpc_train'}"  # where the embedded corpus is built
+
+
+@dataclass
+class CheckpointConfig:
+    """Keys of the checkpointing subsystem; fault-tolerant sharded checkpoints arrive in their own issue."""
+
+    interval: int = 0
+    keep_last: int = 3
+    async_save: bool = False
+
+
+@dataclass
+class SlurmConfig:
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    time: str = "01:00:00"
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | none
+
+
+@dataclass
+class JobConfig:
+    name: str = "run"
+    run_dir: str = "runs/${name}"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+CHOICES = {
+    "model.recompute": ("none", "selective", "full"),
+    "parallel.schedule": ("1f1b", "interleaved_1f1b"),
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "optim.offload": ("none", "cpu"),
+    "logging.progress": ("auto", "bar", "lines", "none"),
+}
+POSITIVE = (
+    "model.n_layers", "model.n_heads", "model.d_model", "model.seq_len", "model.vocab_size",
+    "model.vocab_multiple", "model.ffn_multiple", "parallel.nproc", "parallel.tp", "parallel.pp",
+    "parallel.virtual_stages", "parallel.timeout_s", "train.steps", "train.micro_batch_size",
+    "train.grad_accum", "train.eval_batches", "slurm.nodes", "slurm.tasks_per_node", "logging.log_interval",
+)  # fmt: skip
+NON_NEGATIVE = (
+    "train.eval_interval", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay", "optim.lr",
+    "optim.min_lr", "checkpoint.interval", "checkpoint.keep_last", "slurm.gpus_per_node",
+)  # fmt: skip
+
+
+def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        keys.append(full)
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            keys.extend(_all_keys(child, f"{full}."))
+    return keys
+
+
+def _merge_error(err: OmegaConfBaseException, source: str) -> ConfigError:
+    """Turn an omegaconf merge error into a message naming the key, the value and the fix."""
+    key = err.full_key or err.key or "?"
+    if isinstance(err, ConfigKeyError):
+        valid = _all_keys(OmegaConf.structured(JobConfig))
+        close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else "; `hpc-train config show` lists the valid keys"
+        return ConfigError(f"unknown config key '{key}' (from {source}){hint}")
+    if isinstance(err, ValidationError) and err.value is not None and key != "?":
+        expected = OmegaConf.get_type(OmegaConf.structured(JobConfig), str(key))
+        expected_name = getattr(expected, "__name__", str(expected))
+        return ConfigError(
+            f"config key '{key}' (from {source}) got {err.value!r} of type {type(err.value).__name__}, "
+            f"expected {expected_name}"
+        )
+    return ConfigError(f"invalid config (from {source}): {err.msg}")
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=10)")
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults <- YAML file <- `key=value` overrides, type-checked and interpolations resolved."""
+    merged = OmegaConf.structured(JobConfig)
+    layers: list[tuple[str, DictConfig]] = []
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file '{path}' does not exist; the presets live in configs/")
+        loaded = OmegaConf.load(path)
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections, not a list")
+        layers.append((str(path), loaded))
+    layers.append(("command line", parse_overrides(overrides or [])))
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            raise _merge_error(err, source) from None
+    try:
+        OmegaConf.resolve(merged)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"could not resolve config: {err.msg}") from None
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _get(cfg: JobConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def derive_dp(cfg: JobConfig, world_size: int) -> int:
+    """The data-parallel size: world / (tp * pp), checked against `parallel.dp` when that is given."""
+    p = cfg.parallel
+    model_parallel = p.tp * p.pp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tp x pp = {p.tp} x {p.pp} = {model_parallel}; "
+            f"use a world size that is a multiple of {model_parallel} or change parallel.tp / parallel.pp"
+        )
+    dp = world_size // model_parallel
+    if p.dp is not None and p.dp != dp:
+        raise ConfigError(
+            f"parallel.dp={p.dp} but world size {world_size} / (tp x pp = {model_parallel}) gives dp={dp}; "
+            f"set parallel.dp={dp}, leave it out to derive it, or change the number of processes"
+        )
+    return dp
+
+
+def unavailable_features(cfg: JobConfig) -> list[str]:
+    """Settings this release accepts in the schema but cannot run yet, each with the value that works."""
+    p = cfg.parallel
+    checks = [
+        (p.tp > 1, f"parallel.tp={p.tp}: tensor parallelism is not built yet; use parallel.tp=1"),
+        (p.pp > 1, f"parallel.pp={p.pp}: pipeline parallelism is not built yet; use parallel.pp=1"),
+        (p.virtual_stages > 1, "parallel.virtual_stages > 1 needs pipeline parallelism; use 1"),
+        (p.sequence_parallel, "parallel.sequence_parallel needs tensor parallelism; use false"),
+        (cfg.optim.zero_stage == 1, "optim.zero_stage=1 is not built yet; use optim.zero_stage=0"),
+        (cfg.optim.offload != "none", "optim.offload needs ZeRO-1, not built yet; use optim.offload=none"),
+        (cfg.model.recompute != "none", "model.recompute policies are not built yet; use model.recompute=none"),
+        (cfg.checkpoint.interval > 0, "checkpointing is not built yet; use checkpoint.interval=0"),
+    ]
+    return [message for failed, message in checks if failed]
+
+
+def validate(cfg: JobConfig, world_size: int, check_paths: bool = True, check_available: bool = True) -> int:
+    """Check choices, ranges, paths and the parallel layout; return the data-parallel size."""
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+    for key in NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", cfg.name):
+        raise ConfigError(f"name={cfg.name!r} may hold only letters, digits, '.', '_' and '-'")
+
+    m, p = cfg.model, cfg.parallel
+    kv_heads = m.n_kv_heads or m.n_heads
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    if (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"head dim d_model/n_heads={m.d_model // m.n_heads} must be even for rotary embedding")
+    if m.n_heads % kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv_heads}")
+    if m.n_heads % p.tp:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; pick a tp dividing it")
+    if kv_heads % p.tp:
+        raise ConfigError(f"model.n_kv_heads={kv_heads} is not divisible by parallel.tp={p.tp}; pick a tp dividing it")
+    if m.n_layers % (p.pp * p.virtual_stages):
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} is not divisible by parallel.pp x parallel.virtual_stages = "
+            f"{p.pp} x {p.virtual_stages}; pick a layout whose stage count divides the layers"
+        )
+    dp = derive_dp(cfg, world_size)
+
+    t = cfg.train
+    derived_gbs = t.micro_batch_size * t.grad_accum * dp
+    if t.global_batch_size is not None and t.global_batch_size != derived_gbs:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} != micro_batch_size x grad_accum x dp = "
+            f"{t.micro_batch_size} x {t.grad_accum} x {dp} = {derived_gbs}; "
+            f"set train.grad_accum={t.global_batch_size // (t.micro_batch_size * dp) or 1} or leave "
+            "global_batch_size out"
+        )
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
+    if cfg.optim.zero_stage not in (0, 1):
+        raise ConfigError(f"optim.zero_stage={cfg.optim.zero_stage} is not supported; use 0 or 1")
+    unavailable = unavailable_features(cfg) if check_available else []
+    if unavailable:
+        raise ConfigError("; ".join(unavailable))
+    if check_paths:
+        for key in ("data.train_path", "data.valid_path"):
+            check_data_path(key, _get(cfg, key))
+    return dp
+
+
+def check_data_path(key: str, prefix: str | None) -> None:
+    if prefix is None or prefix == BUILTIN_DATA:
+        return
+    for suffix in (".bin", ".idx"):
+        if not Path(prefix + suffix).is_file():
+            raise ConfigError(
+                f"{key}={prefix!r}: '{prefix}{suffix}' does not exist; give the prefix of a dataset made by "
+                f"`hpc-train prepare-data`, or {key}={BUILTIN_DATA} for the embedded corpus"
+            )

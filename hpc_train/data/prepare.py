@@ -1,0 +1,88 @@
+"""Text files -> indexed token datasets, and the embedded default corpus.
+
+The embedded corpus is the running interpreter's own standard library (`.py` sources found through
+`sysconfig`), tokenized byte-level: it needs no download and is the same on every machine with the same
+Python. It is built once into a cache directory under a file lock, so concurrent ranks never race.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import hashlib
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from hpc_train.config import BUILTIN_DATA
+from hpc_train.data.indexed import IndexedDatasetWriter
+from hpc_train.data.tokenizer import build_tokenizer
+
+VALID_SUFFIX = "_valid"
+
+
+def expand_inputs(patterns: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"input '{pattern}' matches no file")
+        files.extend(Path(m) for m in matches if Path(m).is_file())
+    return files
+
+
+def prepare_data(
+    files: list[Path], output: str, tokenizer: str = "byte", valid_every: int = 0, progress: bool = True
+) -> dict[str, str]:
+    """Tokenize each file as one document into OUTPUT.bin/.idx; with `valid_every=N`, every N-th document
+    goes to the held-out OUTPUT_valid instead. Returns the prefixes written."""
+    tok = build_tokenizer(tokenizer)
+    writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name)}
+    if valid_every:
+        writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name)
+    for i, path in enumerate(tqdm(files, desc="tokenizing", unit="file", disable=not progress)):
+        ids = tok.encode(path.read_text(encoding="utf-8", errors="replace"))
+        if tok.eod_id is not None:
+            ids = np.append(ids, tok.eod_id)
+        split = "valid" if valid_every and i % valid_every == valid_every - 1 else "train"
+        writers[split].add_document(ids)
+    for writer in writers.values():
+        writer.close()
+    return {split: writer.prefix for split, writer in writers.items()}
+
+
+def stdlib_sources() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+
+
+def builtin_corpus(cache_dir: str, progress: bool = True) -> tuple[str, str]:
+    """(train prefix, valid prefix) of the embedded corpus, building it on first use."""
+    files = stdlib_sources()
+    digest = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    base = Path(os.path.expanduser(cache_dir)) / f"stdlib-py{version}-{digest}"
+    train, valid = str(base / "train"), str(base / "train") + VALID_SUFFIX
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (Path(valid + ".idx").is_file() and Path(train + ".idx").is_file()):
+            prepare_data(files, train, "byte", valid_every=50, progress=progress)
+    return train, valid
+
+
+def dataset_prefixes(train_path: str, valid_path: str | None, cache_dir: str, progress: bool) -> tuple[str, str | None]:
+    """Resolve `data.train_path` / `data.valid_path` to dataset prefixes, building the embedded corpus
+    when it is asked for (its held-out split is the default validation set)."""
+    if BUILTIN_DATA not in (train_path, valid_path):
+        return train_path, valid_path
+    builtin_train, builtin_valid = builtin_corpus(cache_dir, progress)
+    train = builtin_train if train_path == BUILTIN_DATA else train_path
+    if valid_path == BUILTIN_DATA or (valid_path is None and train_path == BUILTIN_DATA):
+        return train, builtin_valid
+    return train, valid_path

@@ -1,0 +1,114 @@
+"""Rank bootstrap: who am I, from Slurm's or torchrun's environment, and joining the process group.
+
+Under Slurm (an srun step), rank/world/local rank come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID,
+MASTER_ADDR is the first host of the expanded SLURM_JOB_NODELIST and MASTER_PORT is derived from the job
+id, so every task of the job computes the same rendezvous without talking to the others.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+PORT_BASE, PORT_SPAN = 20000, 20000
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # slurm | torchrun | local
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside [...]."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return [p for p in parts if p]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm host list: `node[01-03,07],gpu5` -> node01 node02 node03 node07 gpu5.
+    Zero padding is kept; several bracket groups in one name (`r[1-2]n[1-2]`) expand as a product."""
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist.strip()):
+        match = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", part)
+        if not match:
+            hosts.append(part)
+            continue
+        prefix, ranges, rest = match.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            width = len(lo)
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.extend(f"{prefix}{n:0{width}d}{tail}" for tail in expand_nodelist(rest) or [""])
+    return hosts
+
+
+def slurm_master_port(job_id: str | int) -> int:
+    return PORT_BASE + int(job_id) % PORT_SPAN
+
+
+def detect_rank_env(env: Mapping[str, str] | None = None) -> RankEnv | None:
+    """The distributed environment this process was started in, or None when it was started alone."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (also when torchrun runs inside a Slurm job)
+        return RankEnv(
+            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            node_rank=int(env.get("GROUP_RANK", 0)), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)), source="torchrun",
+        )  # fmt: skip
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:  # an srun step
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]
+        tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+        return RankEnv(
+            rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=int(re.match(r"\d+", tasks_per_node).group()),
+            node_rank=int(env.get("SLURM_NODEID", 0)),
+            master_addr=env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
+            master_port=int(env.get("MASTER_PORT") or slurm_master_port(env["SLURM_JOB_ID"])), source="slurm",
+        )  # fmt: skip
+    return None
+
+
+def select_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(rank_env: RankEnv, device: torch.device, backend: str, timeout_s: int) -> None:
+    """Join the default process group: nccl on CUDA, gloo on CPU (or as configured)."""
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cpu":  # share the cores between the processes on this node
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rank_env.local_world_size))
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://{rank_env.master_addr}:{rank_env.master_port}",
+        rank=rank_env.rank, world_size=rank_env.world_size, timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip

@@ -1,0 +1,35 @@
+"""Local launcher: start `parallel.nproc` ranks on this machine when no Slurm or torchrun started us."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from hpc_train.launch.bootstrap import RankEnv
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_rank_env(rank: int, nproc: int, port: int) -> RankEnv:
+    return RankEnv(rank, nproc, rank, nproc, 0, "127.0.0.1", port, "local")
+
+
+def _spawned(rank: int, entry: Callable[..., Any], nproc: int, port: int, args: tuple) -> None:
+    entry(local_rank_env(rank, nproc, port), *args)
+
+
+def launch_local(entry: Callable[..., Any], nproc: int, *args: Any) -> Any:
+    """Run `entry(rank_env, *args)` on `nproc` ranks. One rank runs in this process and its result is
+    returned; several are spawned, and the first failing rank's traceback is raised here."""
+    port = free_port()
+    if nproc == 1:
+        return entry(local_rank_env(0, 1, port), *args)
+    mp.start_processes(_spawned, args=(entry, nproc, port, args), nprocs=nproc, start_method="spawn")
+    return None

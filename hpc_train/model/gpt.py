@@ -1,0 +1,149 @@
+"""A GPT-style decoder: token embedding, rotary positions, pre-norm RMSNorm, causal SDPA attention,
+SwiGLU MLP, optional tied output head.
+
+Attention reshapes by head dimension, not by head count, so the same code runs on the local head shard
+of a tensor-parallel rank. The embedding and head are padded to `padded_vocab_size` rows (Megatron's
+vocabulary padding); the padding is sliced off before the loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpc_train.config import ModelConfig
+
+
+def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
+    multiple = cfg.vocab_multiple * tp
+    return math.ceil(cfg.vocab_size / multiple) * multiple
+
+
+def ffn_hidden_size(cfg: ModelConfig) -> int:
+    if cfg.ffn_hidden is not None:
+        return cfg.ffn_hidden
+    hidden = int(8 * cfg.d_model / 3)
+    return math.ceil(hidden / cfg.ffn_multiple) * cfg.ffn_multiple
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); rotate-half form of RoPE."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_heads
+        kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its q group
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = ffn_hidden_size(cfg)
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)  # down (residual projection)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        vocab = padded_vocab_size(cfg)
+        self.tok_embeddings = nn.Embedding(vocab, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rotary_tables(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) without targets; the mean next-token loss with them."""
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.output(self.norm(x))[..., : self.cfg.vocab_size]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def init_weights(model: GPT, seed: int) -> None:
+    """Deterministic init from `seed` (independent of the global RNG and of the device): N(0, std) for
+    every matrix, std / sqrt(2 * n_layers) for the residual projections (GPT-2 / Megatron), ones for norms."""
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("attn.wo.weight", "mlp.w2.weight")) else cfg.init_std
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs per token, 6N + 12 * L * d * s (Megatron / nanoGPT / PaLM): N counts every weight
+    that takes part in a matmul (the input embedding is a lookup, so it counts only when tied to the head)."""
+    d, layers, vocab = cfg.d_model, cfg.n_layers, padded_vocab_size(cfg)
+    head_dim = d // cfg.n_heads
+    kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * ffn_hidden_size(cfg)
+    matmul_params = layers * per_layer + vocab * d
+    return 6 * matmul_params + 12 * layers * d * cfg.seq_len
