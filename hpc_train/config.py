@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,7 +155,7 @@ NON_NEGATIVE = (
 
 def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
     keys = []
-    for key in node.keys():
+    for key in node:
         full = f"{prefix}{key}"
         keys.append(full)
         child = node._get_node(key)
@@ -172,7 +173,9 @@ def _merge_error(err: OmegaConfBaseException, source: str) -> ConfigError:
         hint = f"; did you mean '{close[0]}'?" if close else "; `hpc-train config show` lists the valid keys"
         return ConfigError(f"unknown config key '{key}' (from {source}){hint}")
     if isinstance(err, ValidationError) and err.value is not None and key != "?":
-        expected = OmegaConf.get_type(OmegaConf.structured(JobConfig), str(key))
+        expected = JobConfig
+        for part in str(key).split("."):
+            expected = typing.get_type_hints(expected)[part]
         expected_name = getattr(expected, "__name__", str(expected))
         return ConfigError(
             f"config key '{key}' (from {source}) got {err.value!r} of type {type(err.value).__name__}, "
@@ -249,7 +252,10 @@ def unavailable_features(cfg: JobConfig) -> list[str]:
         (p.sequence_parallel, "parallel.sequence_parallel needs tensor parallelism; use false"),
         (cfg.optim.zero_stage == 1, "optim.zero_stage=1 is not built yet; use optim.zero_stage=0"),
         (cfg.optim.offload != "none", "optim.offload needs ZeRO-1, not built yet; use optim.offload=none"),
-        (cfg.model.recompute != "none", "model.recompute policies are not built yet; use model.recompute=none"),
+        (
+            cfg.model.recompute != "none",
+            "model.recompute policies are not built yet; use model.recompute=none",
+        ),
         (cfg.checkpoint.interval > 0, "checkpointing is not built yet; use checkpoint.interval=0"),
     ]
     return [message for failed, message in checks if failed]

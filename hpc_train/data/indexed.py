@@ -46,10 +46,15 @@ class IndexedDatasetWriter:
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
-        header = json.dumps({
-            "dtype": self.dtype.name, "vocab_size": self.vocab_size, "num_tokens": self.offsets[-1],
-            "num_docs": len(self.offsets) - 1, "tokenizer": self.tokenizer,
-        }).encode()
+        header = json.dumps(
+            {
+                "dtype": self.dtype.name,
+                "vocab_size": self.vocab_size,
+                "num_tokens": self.offsets[-1],
+                "num_docs": len(self.offsets) - 1,
+                "tokenizer": self.tokenizer,
+            }
+        ).encode()
         idx_tmp = f"{self.prefix}.idx.tmp{os.getpid()}"
         with open(idx_tmp, "wb") as f:
             f.write(MAGIC + struct.pack("<Q", len(header)) + header)

@@ -180,8 +180,7 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device) -> TrainResu
             group["lr"] = lr
         start = time.perf_counter()
         micro_batches = [
-            tuple(x.to(device, non_blocking=True) for x in train_set.batch(idx))
-            for idx in sampler.next_micro_batches()
+            tuple(x.to(device, non_blocking=True) for x in train_set.batch(idx)) for idx in sampler.next_micro_batches()
         ]
         stats = train_step(model, optimizer, micro_batches, dp_group, cfg.optim.grad_clip, t.precision, scaler)
         elapsed = time.perf_counter() - start

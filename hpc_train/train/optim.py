@@ -18,9 +18,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     fused = device.type == "cuda"  # PyTorch's fused AdamW on GPU; foreach on CPU
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
-    )
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

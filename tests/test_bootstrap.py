@@ -1,0 +1,56 @@
+import pytest
+
+from hpc_train.launch.bootstrap import detect_rank_env, expand_nodelist, slurm_master_port
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("gpu[8-11],cpu3", ["gpu8", "gpu9", "gpu10", "gpu11", "cpu3"]),
+        ("a[098-101]-ib", ["a098-ib", "a099-ib", "a100-ib", "a101-ib"]),
+        ("r[1-2]n[1,3]", ["r1n1", "r1n3", "r2n1", "r2n3"]),
+        ("n[1-2],m[5],x", ["n1", "n2", "m5", "x"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+SRUN_ENV = {
+    "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "gpu[03-04,09-10]",
+    "SLURM_STEP_NODELIST": "gpu[03-04,09-10]",
+    "SLURM_TASKS_PER_NODE": "2(x4)",
+}
+
+
+def test_rank_env_from_slurm():
+    env = detect_rank_env(SRUN_ENV)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (5, 8, 1, 2, 1)
+    assert env.master_addr == "gpu03" and env.source == "slurm"
+    assert env.master_port == slurm_master_port("123456") == 20000 + 123456 % 20000
+    assert detect_rank_env({**SRUN_ENV, "MASTER_PORT": "4242"}).master_port == 4242
+
+
+def test_rank_env_torchrun_batch_script_and_alone():
+    torchrun = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "host",
+        "MASTER_PORT": "29400",
+    }
+    env = detect_rank_env({**SRUN_ENV, **torchrun})  # torchrun inside a Slurm job wins
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.source) == (3, 4, 1, "host", "torchrun")
+    batch_script = {k: v for k, v in SRUN_ENV.items() if k != "SLURM_STEP_ID"}
+    assert detect_rank_env(batch_script) is None  # the batch shell is not a rank: it launches them
+    assert detect_rank_env({}) is None

@@ -1,0 +1,89 @@
+import subprocess
+import sys
+
+import pytest
+
+from hpc_train.config import ConfigError, load_config, validate
+from tests.conftest import ROOT
+
+
+def check(overrides: list[str], world_size: int = 1, path: str | None = None) -> None:
+    cfg = load_config(path, overrides)
+    validate(cfg, world_size)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, expected",
+    [
+        (["train.step=5"], 1, ["unknown config key 'train.step'", "did you mean 'train.steps'"]),
+        (["trian.steps=5"], 1, ["unknown config key 'trian'", "did you mean 'train'"]),
+        (["model.n_layer=5"], 1, ["'model.n_layer'", "'model.n_layers'"]),
+        (["train.steps=abc"], 1, ["train.steps", "'abc'", "expected int"]),
+        (["train.micro_batch_size=2.5"], 1, ["train.micro_batch_size", "2.5", "expected int"]),
+        (["train.precision=fp8"], 1, ["train.precision='fp8'", "fp32, bf16, fp16"]),
+        (["train.steps=0"], 1, ["train.steps=0 must be > 0"]),
+        (["parallel.tp=2"], 3, ["world size 3 is not divisible by tp x pp = 2 x 1"]),
+        (["model.n_heads=4", "parallel.tp=3"], 3, ["model.n_heads=4 is not divisible by parallel.tp=3"]),
+        (["model.n_layers=4", "parallel.pp=3"], 3, ["model.n_layers=4 is not divisible by parallel.pp"]),
+        (["parallel.dp=4"], 2, ["parallel.dp=4", "gives dp=2"]),
+        (["train.global_batch_size=64", "train.micro_batch_size=8"], 2, ["global_batch_size=64", "grad_accum=4"]),
+        (["data.train_path=/nonexistent/corpus"], 1, ["data.train_path", "/nonexistent/corpus.bin' does not exist"]),
+        (["model.d_model=100", "model.n_heads=3"], 1, ["model.d_model=100 is not divisible by model.n_heads=3"]),
+        (["model.n_kv_heads=3"], 1, ["model.n_heads=4 is not divisible by model.n_kv_heads=3"]),
+        (["optim.min_lr=1.0"], 1, ["optim.min_lr=1.0 is larger than optim.lr"]),
+        (["parallel.tp=2"], 2, ["tensor parallelism is not built yet"]),
+        (["steps"], 1, ["override 'steps' is not of the form key=value"]),
+    ],
+)
+def test_bad_input_names_the_problem(overrides, world, expected):
+    with pytest.raises(ConfigError) as info:
+        check(overrides, world)
+    for text in expected:
+        assert text in str(info.value)
+
+
+def test_missing_and_malformed_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file 'nope.yaml' does not exist"):
+        load_config("nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz' \(from .*bad.yaml\)"):
+        load_config(bad)
+
+
+def test_layering_and_derived_values():
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["train.steps=7", "optim.lr=0.01"])
+    assert (cfg.name, cfg.run_dir, cfg.train.steps, cfg.optim.lr) == ("tiny", "runs/tiny", 7, 0.01)
+    assert cfg.model.d_model == 128  # from the YAML, over the default
+    assert validate(cfg, 2, check_paths=False) == 2  # dp derived from the world size
+    cfg = load_config(None, ["train.micro_batch_size=4", "train.grad_accum=2", "train.global_batch_size=16"])
+    assert validate(cfg, 2) == 2
+
+
+@pytest.mark.parametrize("preset", ["gpt_125m", "gpt_1_3b", "gpt_7b", "gpt_70b"])
+def test_presets_have_consistent_layouts(preset):
+    cfg = load_config(ROOT / f"configs/{preset}.yaml")
+    world = cfg.slurm.nodes * cfg.slurm.tasks_per_node
+    assert cfg.slurm.gpus_per_node == cfg.slurm.tasks_per_node
+    dp = validate(cfg, world, check_paths=False, check_available=False)
+    assert dp * cfg.parallel.tp * cfg.parallel.pp == world
+
+
+def test_config_show_cli():
+    out = subprocess.run(
+        [sys.executable, "-m", "hpc_train.cli", "config", "show", "configs/tiny.yaml", "train.steps=3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "steps: 3" in out.stdout and "run_dir: runs/tiny" in out.stdout
+    assert "valid for world size 2: pp=1 dp=2 tp=1" in out.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "hpc_train.cli", "train", "configs/tiny.yaml", "train.stpes=3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert "did you mean 'train.steps'" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,101 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter
+from hpc_train.data.prepare import builtin_corpus
+from hpc_train.data.sampler import ResumableSampler
+from tests.conftest import ROOT
+
+
+def test_indexed_roundtrip_and_dtypes(tmp_path):
+    docs = [np.arange(10), np.arange(5) + 100, np.array([70000, 1])]
+    w = IndexedDatasetWriter(tmp_path / "big", vocab_size=70001, tokenizer="test")
+    for d in docs:
+        w.add_document(d)
+    w.close()
+    ds = IndexedDataset(tmp_path / "big", seq_len=4)
+    assert ds.tokens.dtype == np.uint32 and ds.header["num_docs"] == 3
+    assert list(ds.doc_offsets) == [0, 10, 15, 17]
+    assert np.array_equal(np.asarray(ds.tokens), np.concatenate(docs))
+    x, y = ds.batch(np.array([0, 3]))
+    assert x.tolist() == [[0, 1, 2, 3], [102, 103, 104, 70000]]
+    assert y[0].tolist() == [1, 2, 3, 4]
+    small = IndexedDatasetWriter(tmp_path / "small", vocab_size=257, tokenizer="byte")
+    small.add_document(np.array([1, 2, 3]))
+    small.close()
+    assert IndexedDataset(tmp_path / "small", 1).tokens.dtype == np.uint16
+    with pytest.raises(ValueError, match="token id out of range"):
+        IndexedDatasetWriter(tmp_path / "bad", vocab_size=10, tokenizer="x").add_document(np.array([10]))
+
+
+def test_truncated_dataset_is_refused(tmp_path):
+    w = IndexedDatasetWriter(tmp_path / "d", vocab_size=257, tokenizer="byte")
+    w.add_document(np.arange(100))
+    w.close()
+    with open(tmp_path / "d.bin", "r+b") as f:
+        f.truncate(50)
+    with pytest.raises(ValueError, match="truncated"):
+        IndexedDataset(tmp_path / "d", 8)
+
+
+def test_sampler_resume_and_dp_invariance():
+    def make(dp_rank=0, dp=1, consumed=0, mbs=2):
+        s = ResumableSampler(
+            num_samples=37, global_batch_size=8, micro_batch_size=mbs, dp_rank=dp_rank, dp_size=dp, seed=5
+        )
+        s.load_state_dict({"consumed_samples": consumed})
+        return s
+
+    full = make()
+    steps = [np.concatenate(full.next_micro_batches()) for _ in range(12)]  # crosses two epoch boundaries
+    assert sorted(np.concatenate(steps[:5])[:37].tolist()) == list(range(37))  # epoch 0 is a permutation
+    resumed = make(consumed=5 * 8)
+    assert all(np.array_equal(np.concatenate(resumed.next_micro_batches()), steps[k]) for k in range(5, 12))
+    ranks = [make(dp_rank=r, dp=2) for r in range(2)]
+    for k in range(12):  # dp=2: the ranks' slices put together are dp=1's global batch
+        assert np.array_equal(np.concatenate([np.concatenate(r.next_micro_batches()) for r in ranks]), steps[k])
+    assert [len(m) for m in make(mbs=4).next_micro_batches()] == [4, 4]
+
+
+def test_prepare_data_cli_byte_and_hf(tmp_path):
+    for i in range(6):
+        (tmp_path / f"doc{i}.txt").write_text(f"hello world number {i}\n" * 20)
+    run = lambda *a: subprocess.run(
+        [sys.executable, "tools/prepare_data.py", *a], cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    run(str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "byte"), "--valid-every", "3")
+    train, valid = IndexedDataset(tmp_path / "byte", 8), IndexedDataset(tmp_path / "byte_valid", 8)
+    assert (train.header["num_docs"], valid.header["num_docs"]) == (4, 2)
+    first = bytes(np.asarray(train.tokens[: train.doc_offsets[1] - 1]).astype(np.uint8)).decode()
+    assert first == "hello world number 0\n" * 20 and train.tokens[train.doc_offsets[1] - 1] == 256
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([str(p) for p in tmp_path.glob("doc*.txt")], trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    run(str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "tokenizer.json"))
+    hf = IndexedDataset(tmp_path / "hf", 4)
+    assert hf.vocab_size == tok.get_vocab_size() and hf.header["num_docs"] == 6
+    assert hf.tokens[hf.doc_offsets[1] - 1] == tok.token_to_id("</s>")
+    assert tok.decode(np.asarray(hf.tokens[:4]).tolist()) == "hello world number 0"
+    bad = subprocess.run(
+        [sys.executable, "tools/prepare_data.py", str(tmp_path / "*.nothing"), "--output", "x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "matches no file" in bad.stderr
+
+
+def test_builtin_corpus_is_built_once(tmp_path):
+    train, valid = builtin_corpus(str(tmp_path), progress=False)
+    ds, held_out = IndexedDataset(train, 128), IndexedDataset(valid, 128)
+    assert ds.vocab_size == 257 and len(ds) > 10 * len(held_out) > 0
+    stamp = (tmp_path.glob("*/train.bin").__next__()).stat().st_mtime_ns
+    assert builtin_corpus(str(tmp_path), progress=False) == (train, valid)
+    assert next(tmp_path.glob("*/train.bin")).stat().st_mtime_ns == stamp

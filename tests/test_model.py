@@ -1,0 +1,54 @@
+import torch
+
+from hpc_train.config import ModelConfig
+from hpc_train.model.gpt import GPT, count_params, flops_per_token, init_weights, padded_vocab_size
+
+
+def tiny(**kw) -> ModelConfig:
+    return ModelConfig(**{"n_layers": 2, "n_heads": 4, "d_model": 64, "seq_len": 16, **kw})
+
+
+def test_init_is_deterministic_and_scaled():
+    a, b, c = GPT(tiny()), GPT(tiny()), GPT(tiny())
+    init_weights(a, 1)
+    init_weights(b, 1)
+    init_weights(c, 2)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["layers.0.attn.wq.weight"], sc["layers.0.attn.wq.weight"])
+    std_q, std_o = sa["layers.0.attn.wq.weight"].std(), sa["layers.0.attn.wo.weight"].std()
+    assert abs(std_o / std_q - 0.5) < 0.05  # residual projections scaled by 1/sqrt(2 * n_layers) = 1/2
+    assert torch.equal(sa["norm.weight"], torch.ones(64))
+
+
+def test_causal_and_padded_vocab():
+    cfg = tiny(vocab_size=257)
+    assert padded_vocab_size(cfg) == 384 and padded_vocab_size(cfg, tp=4) == 512
+    model = GPT(cfg)
+    init_weights(model, 0)
+    tokens = torch.randint(0, 257, (2, 16))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 257
+    logits, logits_changed = model(tokens), model(changed)
+    assert logits.shape == (2, 16, 257)  # padding rows never reach the loss
+    assert torch.allclose(logits[:, :10], logits_changed[:, :10], atol=1e-6)
+    assert not torch.allclose(logits[:, 10:], logits_changed[:, 10:])
+
+
+def test_grouped_query_attention_and_tied_head():
+    model = GPT(tiny(n_kv_heads=2, tie_embeddings=True))
+    init_weights(model, 0)
+    assert model.layers[0].attn.wk.weight.shape == (32, 64)
+    assert model.output.weight is model.tok_embeddings.weight
+    loss = model(torch.randint(0, 257, (2, 16)), torch.randint(0, 257, (2, 16)))
+    loss.backward()
+    assert abs(loss.item() - torch.log(torch.tensor(257.0)).item()) < 0.2  # near-uniform at init
+
+
+def test_flops_per_token_counts_matmul_weights():
+    cfg = tiny()
+    model = GPT(cfg)
+    matmul_params = count_params(model) - model.tok_embeddings.weight.numel()  # untied: lookup not counted
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    expected = 6 * (matmul_params - norms) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    assert flops_per_token(cfg) == expected

@@ -1,0 +1,96 @@
+"""Step time of hpc_train's single-process training step against a plain hand-written PyTorch loop
+(nanoGPT style: forward, backward, clip, AdamW step), same model, same batch, in one process.
+
+The two alternate round by round so that drift in machine speed hits both; the ratio of medians is
+printed (target <= 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from hpc_train.config import load_config
+from hpc_train.launch.bootstrap import init_distributed
+from hpc_train.launch.local import free_port, local_rank_env
+from hpc_train.model.gpt import GPT, count_params, init_weights
+from hpc_train.train.loop import train_step
+from hpc_train.train.optim import build_optimizer, lr_at
+
+
+def make_model_and_optimizer(cfg):
+    model = GPT(cfg.model)
+    init_weights(model, cfg.train.seed)
+    return model, build_optimizer(model, cfg.optim, torch.device("cpu"))
+
+
+def plain_step(model, optimizer, tokens, targets, grad_clip):
+    loss = model(tokens, targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("overrides", nargs="*", default=[])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5, help="steps per round")
+    args = parser.parse_args()
+    cfg = load_config(
+        None,
+        [
+            "model.n_layers=4",
+            "model.d_model=256",
+            "model.n_heads=8",
+            "model.seq_len=256",
+            "train.micro_batch_size=8",
+            *args.overrides,
+        ],
+    )
+    init_distributed(local_rank_env(0, 1, free_port()), torch.device("cpu"), "gloo", 60)
+    group = dist.new_group([0])
+    gen = torch.Generator().manual_seed(0)
+    shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
+    tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
+    targets = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
+    ours, ours_opt = make_model_and_optimizer(cfg)
+    plain, plain_opt = make_model_and_optimizer(cfg)
+
+    def run_ours(step: int) -> None:
+        for g in ours_opt.param_groups:
+            g["lr"] = lr_at(step, cfg.optim, cfg.train.steps)
+        train_step(ours, ours_opt, [(tokens, targets)], group, cfg.optim.grad_clip)
+
+    def run_plain(step: int) -> None:
+        plain_step(plain, plain_opt, tokens, targets, cfg.optim.grad_clip)
+
+    times = {"hpc_train": [], "plain": []}
+    for fn in (run_ours, run_plain):  # warm-up
+        fn(0)
+    for r in range(args.rounds):
+        for name, fn in (("hpc_train", run_ours), ("plain", run_plain))[:: 1 if r % 2 == 0 else -1]:
+            start = time.perf_counter()
+            for s in range(args.steps):
+                fn(s)
+            times[name].append((time.perf_counter() - start) / args.steps)
+    ours_ms, plain_ms = (statistics.median(times[k]) * 1e3 for k in ("hpc_train", "plain"))
+    tokens_per_step = shape[0] * shape[1]
+    print(
+        f"model {count_params(ours) / 1e6:.2f}M params, batch {shape[0]} x {shape[1]}, "
+        f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps"
+    )
+    print(f"hpc_train step: {ours_ms:8.2f} ms  ({tokens_per_step / ours_ms * 1e3:,.0f} tok/s)")
+    print(f"plain loop:     {plain_ms:8.2f} ms  ({tokens_per_step / plain_ms * 1e3:,.0f} tok/s)")
+    print(f"ratio hpc_train / plain: {ours_ms / plain_ms:.3f}  (target <= 1.05)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
