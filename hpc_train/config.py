@@ -8,6 +8,7 @@ quantities derived from the parallel layout. Every error is a `ConfigError` nami
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import typing
@@ -40,6 +41,12 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     recompute: str = "none"  # none | selective | full
+
+    def ffn_size(self) -> int:
+        """The SwiGLU hidden size: ffn_hidden, or 8/3 * d_model rounded up to ffn_multiple."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return math.ceil(int(8 * self.d_model / 3) / self.ffn_multiple) * self.ffn_multiple
 
 
 @dataclass
@@ -246,10 +253,11 @@ def unavailable_features(cfg: JobConfig) -> list[str]:
     """Settings this release accepts in the schema but cannot run yet, each with the value that works."""
     p = cfg.parallel
     checks = [
-        (p.tp > 1, f"parallel.tp={p.tp}: tensor parallelism is not built yet; use parallel.tp=1"),
-        (p.pp > 1, f"parallel.pp={p.pp}: pipeline parallelism is not built yet; use parallel.pp=1"),
-        (p.virtual_stages > 1, "parallel.virtual_stages > 1 needs pipeline parallelism; use 1"),
-        (p.sequence_parallel, "parallel.sequence_parallel needs tensor parallelism; use false"),
+        (
+            cfg.train.precision == "fp16" and p.tp * p.pp > 1,
+            "train.precision=fp16 under tensor/pipeline parallelism needs a loss-scale agreement over all ranks, "
+            "not built yet; use train.precision=bf16",
+        ),
         (cfg.optim.zero_stage == 1, "optim.zero_stage=1 is not built yet; use optim.zero_stage=0"),
         (cfg.optim.offload != "none", "optim.offload needs ZeRO-1, not built yet; use optim.offload=none"),
         (
@@ -285,6 +293,10 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True, check_av
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv_heads}")
     if m.n_heads % p.tp:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; pick a tp dividing it")
+    if m.ffn_size() % p.tp:
+        raise ConfigError(
+            f"MLP hidden size {m.ffn_size()} is not divisible by parallel.tp={p.tp}; set model.ffn_hidden"
+        )
     if kv_heads % p.tp:
         raise ConfigError(f"model.n_kv_heads={kv_heads} is not divisible by parallel.tp={p.tp}; pick a tp dividing it")
     if m.n_layers % (p.pp * p.virtual_stages):
@@ -307,6 +319,9 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True, check_av
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
     if cfg.optim.zero_stage not in (0, 1):
         raise ConfigError(f"optim.zero_stage={cfg.optim.zero_stage} is not supported; use 0 or 1")
+    check_pipeline(cfg)
+    if cfg.model.tie_embeddings and p.tp * p.pp > 1:
+        raise ConfigError("model.tie_embeddings=true is supported only with parallel.tp=1 and parallel.pp=1")
     unavailable = unavailable_features(cfg) if check_available else []
     if unavailable:
         raise ConfigError("; ".join(unavailable))
@@ -314,6 +329,25 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True, check_av
         for key in ("data.train_path", "data.valid_path"):
             check_data_path(key, _get(cfg, key))
     return dp
+
+
+def check_pipeline(cfg: JobConfig) -> None:
+    """Schedules need at least as many micro-batches (train.grad_accum) as pipeline stages."""
+    p, ga = cfg.parallel, cfg.train.grad_accum
+    if p.schedule == "1f1b" and p.virtual_stages > 1:
+        raise ConfigError(
+            f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved_1f1b "
+            "(1f1b runs one stage per rank)"
+        )
+    if p.schedule == "interleaved_1f1b" and p.pp > 1 and p.virtual_stages < 2:
+        raise ConfigError("parallel.schedule=interleaved_1f1b needs parallel.virtual_stages >= 2")
+    if p.pp > 1 and ga < p.pp:
+        raise ConfigError(
+            f"train.grad_accum={ga} gives {ga} micro-batches per step, fewer than parallel.pp={p.pp} pipeline "
+            f"stages; set train.grad_accum >= {p.pp} (more micro-batches also shrink the pipeline bubble)"
+        )
+    if p.schedule == "interleaved_1f1b" and p.pp > 1 and ga % p.pp:
+        raise ConfigError(f"interleaved 1F1B needs train.grad_accum={ga} to be a multiple of parallel.pp={p.pp}")
 
 
 def check_data_path(key: str, prefix: str | None) -> None:

@@ -31,7 +31,12 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
         (["model.d_model=100", "model.n_heads=3"], 1, ["model.d_model=100 is not divisible by model.n_heads=3"]),
         (["model.n_kv_heads=3"], 1, ["model.n_heads=4 is not divisible by model.n_kv_heads=3"]),
         (["optim.min_lr=1.0"], 1, ["optim.min_lr=1.0 is larger than optim.lr"]),
-        (["parallel.tp=2"], 2, ["tensor parallelism is not built yet"]),
+        (["parallel.pp=2"], 2, ["train.grad_accum=1 gives 1 micro-batches", "set train.grad_accum >= 2"]),
+        (["parallel.pp=2", "train.grad_accum=2", "parallel.virtual_stages=2"], 2, ["schedule=interleaved_1f1b"]),
+        (["parallel.pp=2", "train.grad_accum=3", "parallel.schedule=interleaved_1f1b"], 2, ["virtual_stages >= 2"]),
+        (["model.ffn_hidden=100", "parallel.tp=8", "model.n_heads=8"], 8, ["MLP hidden size 100", "tp=8"]),
+        (["parallel.tp=2", "model.tie_embeddings=true"], 2, ["tie_embeddings=true is supported only"]),
+        (["optim.zero_stage=1"], 2, ["optim.zero_stage=1 is not built yet"]),
         (["steps"], 1, ["override 'steps' is not of the form key=value"]),
     ],
 )

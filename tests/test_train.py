@@ -150,4 +150,4 @@ def test_tiny_config_learns_on_the_embedded_corpus(tmp_path):
     weights = read_final_model(tmp_path)
     model = GPT(load_config(tmp_path / "config.yaml").model)
     model.load_state_dict(weights)  # the exported weights load into a fresh model
-    assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long))).all()
+    assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long))[..., :257]).all()

@@ -15,17 +15,13 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.config import load_config
+from hpc_train.distributed.mesh import build_mesh
+from hpc_train.distributed.parallelize import parallelize
 from hpc_train.launch.bootstrap import init_distributed
 from hpc_train.launch.local import free_port, local_rank_env
 from hpc_train.model.gpt import GPT, count_params, init_weights
 from hpc_train.train.loop import train_step
 from hpc_train.train.optim import build_optimizer, lr_at
-
-
-def make_model_and_optimizer(cfg):
-    model = GPT(cfg.model)
-    init_weights(model, cfg.train.seed)
-    return model, build_optimizer(model, cfg.optim, torch.device("cpu"))
 
 
 def plain_step(model, optimizer, tokens, targets, grad_clip):
@@ -54,19 +50,22 @@ def main() -> None:
             *args.overrides,
         ],
     )
-    init_distributed(local_rank_env(0, 1, free_port()), torch.device("cpu"), "gloo", 60)
-    group = dist.new_group([0])
+    cpu = torch.device("cpu")
+    init_distributed(local_rank_env(0, 1, free_port()), cpu, "gloo", 60)
     gen = torch.Generator().manual_seed(0)
     shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
     tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
     targets = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
-    ours, ours_opt = make_model_and_optimizer(cfg)
-    plain, plain_opt = make_model_and_optimizer(cfg)
+    ours = parallelize(cfg, build_mesh("cpu", 1, 1, 1), cpu)
+    ours_opt = build_optimizer(ours.parameters, cfg.optim, cpu)
+    plain = GPT(cfg.model)
+    init_weights(plain, cfg.train.seed)
+    plain_opt = build_optimizer(list(plain.parameters()), cfg.optim, cpu)
 
     def run_ours(step: int) -> None:
         for g in ours_opt.param_groups:
             g["lr"] = lr_at(step, cfg.optim, cfg.train.steps)
-        train_step(ours, ours_opt, [(tokens, targets)], group, cfg.optim.grad_clip)
+        train_step(ours, ours_opt, [(tokens, targets)], cfg.optim.grad_clip)
 
     def run_plain(step: int) -> None:
         plain_step(plain, plain_opt, tokens, targets, cfg.optim.grad_clip)
@@ -83,7 +82,7 @@ def main() -> None:
     ours_ms, plain_ms = (statistics.median(times[k]) * 1e3 for k in ("hpc_train", "plain"))
     tokens_per_step = shape[0] * shape[1]
     print(
-        f"model {count_params(ours) / 1e6:.2f}M params, batch {shape[0]} x {shape[1]}, "
+        f"model {count_params(plain) / 1e6:.2f}M params, batch {shape[0]} x {shape[1]}, "
         f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps"
     )
     print(f"hpc_train step: {ours_ms:8.2f} ms  ({tokens_per_step / ours_ms * 1e3:,.0f} tok/s)")

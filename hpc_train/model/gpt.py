@@ -3,12 +3,13 @@ SwiGLU MLP, optional tied output head.
 
 Attention reshapes by head dimension, not by head count, so the same code runs on the local head shard
 of a tensor-parallel rank. The embedding and head are padded to `padded_vocab_size` rows (Megatron's
-vocabulary padding); the padding is sliced off before the loss.
+vocabulary padding); the padded entries get -inf logits, so they never enter the loss.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +21,6 @@ from hpc_train.config import ModelConfig
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
     multiple = cfg.vocab_multiple * tp
     return math.ceil(cfg.vocab_size / multiple) * multiple
-
-
-def ffn_hidden_size(cfg: ModelConfig) -> int:
-    if cfg.ffn_hidden is not None:
-        return cfg.ffn_hidden
-    hidden = int(8 * cfg.d_model / 3)
-    return math.ceil(hidden / cfg.ffn_multiple) * cfg.ffn_multiple
 
 
 def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +52,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos[:seq], sin[:seq]), apply_rotary(k, cos[:seq], sin[:seq])
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its q group
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -69,7 +63,7 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        hidden = ffn_hidden_size(cfg)
+        hidden = cfg.ffn_size()
         self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)  # gate
         self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)  # up
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)  # down (residual projection)
@@ -92,46 +86,68 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The whole model, or one pipeline stage of it: `layer_ids` picks the blocks (their names stay global,
+    `layers.<i>`), `first` adds the embedding, `last` the final norm and output head. `tp` only sets the
+    vocabulary padding; the tensor-parallel sharding itself is applied by `distributed.tensor_parallel`."""
+
+    def __init__(
+        self, cfg: ModelConfig, tp: int = 1, layer_ids: range | None = None, first: bool = True, last: bool = True
+    ):
         super().__init__()
         self.cfg = cfg
-        vocab = padded_vocab_size(cfg)
-        self.tok_embeddings = nn.Embedding(vocab, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.d_model, vocab, bias=False)
-        if cfg.tie_embeddings:
+        vocab = padded_vocab_size(cfg, tp)
+        layer_ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+        self.tok_embeddings = nn.Embedding(vocab, cfg.d_model) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in layer_ids})
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if last else None
+        self.output = nn.Linear(cfg.d_model, vocab, bias=False) if last else None
+        if cfg.tie_embeddings and first and last:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rotary_tables(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if last:  # padded vocabulary entries get -inf logits: they never take part in the softmax
+            mask = torch.full((vocab,), float("-inf"))
+            mask[: cfg.vocab_size] = 0.0
+            self.register_buffer("vocab_mask", mask, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, seq, vocab) without targets; the mean next-token loss with them."""
-        seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        logits = self.output(self.norm(x))[..., : self.cfg.vocab_size]
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (or a previous stage's hidden states) -> hidden states, or padded logits on the last
+        stage; with `targets`, the mean next-token loss."""
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x, self.rope_cos, self.rope_sin)
+        if self.output is None:
+            return x
+        logits = self.output(self.norm(x)) + self.vocab_mask
+        return logits if targets is None else cross_entropy(logits, targets)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss in fp32; works on vocab-sharded DTensor logits inside `loss_parallel()`."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def init_weights(model: GPT, seed: int) -> None:
-    """Deterministic init from `seed` (independent of the global RNG and of the device): N(0, std) for
-    every matrix, std / sqrt(2 * n_layers) for the residual projections (GPT-2 / Megatron), ones for norms."""
+    """Deterministic init: every parameter draws from its own generator, seeded by `seed` and its name, so
+    a pipeline stage or a differently padded vocabulary gets exactly the values of the full model.
+    N(0, std) for matrices, std / sqrt(2 * n_layers) for the residual projections (GPT-2 / Megatron),
+    ones for norms, zeros for the vocabulary padding rows."""
     cfg = model.cfg
-    gen = torch.Generator().manual_seed(seed)
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # mt19937: 32-bit seeds
             std = residual_std if name.endswith(("attn.wo.weight", "mlp.w2.weight")) else cfg.init_std
-            param.copy_(torch.randn(param.shape, generator=gen) * std)
+            if name in ("tok_embeddings.weight", "output.weight"):
+                param.zero_()
+                param[: cfg.vocab_size].copy_(torch.randn((cfg.vocab_size, *param.shape[1:]), generator=gen) * std)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
 def count_params(model: nn.Module) -> int:
@@ -144,6 +160,6 @@ def flops_per_token(cfg: ModelConfig) -> int:
     d, layers, vocab = cfg.d_model, cfg.n_layers, padded_vocab_size(cfg)
     head_dim = d // cfg.n_heads
     kv = (cfg.n_kv_heads or cfg.n_heads) * head_dim
-    per_layer = d * d * 2 + d * kv * 2 + 3 * d * ffn_hidden_size(cfg)
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * cfg.ffn_size()
     matmul_params = layers * per_layer + vocab * d
     return 6 * matmul_params + 12 * layers * d * cfg.seq_len

@@ -10,9 +10,8 @@ from torch import nn
 from hpc_train.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """Weight decay on matrices only; norms and biases (1-D parameters) are not decayed."""
-    params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
