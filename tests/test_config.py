@@ -92,3 +92,11 @@ def test_config_show_cli():
     )
     assert bad.returncode == 2
     assert "did you mean 'train.steps'" in bad.stderr and "Traceback" not in bad.stderr
+    layout = subprocess.run(
+        [sys.executable, "-m", "hpc_train.cli", "train", "configs/tiny.yaml", "parallel.tp=4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert layout.returncode == 2 and "world size 2 is not divisible by tp x pp = 4 x 1" in layout.stderr
+    assert "hpc_train:" not in layout.stdout  # refused before any rank or process group started
