@@ -69,6 +69,8 @@ class TrainConfig:
     grad_accum: int = 1
     global_batch_size: int | None = None  # None = micro_batch_size * grad_accum * dp; if set it must match
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    initial_loss_scale: float = 65536.0  # fp16 only: dynamic loss scaling
+    loss_scale_window: int = 1000  # fp16: clean steps before the scale doubles
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     eval_interval: int = 50  # 0 = never
@@ -88,6 +90,7 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = no clipping
     zero_stage: int = 0  # 0 = plain data parallelism; 1 = optimizer state sharded over dp
+    bucket_mb: float = 25.0  # gradient reduction bucket size
     offload: str = "none"  # none | cpu
 
 
@@ -152,11 +155,12 @@ POSITIVE = (
     "model.n_layers", "model.n_heads", "model.d_model", "model.seq_len", "model.vocab_size",
     "model.vocab_multiple", "model.ffn_multiple", "parallel.nproc", "parallel.tp", "parallel.pp",
     "parallel.virtual_stages", "parallel.timeout_s", "train.steps", "train.micro_batch_size",
-    "train.grad_accum", "train.eval_batches", "slurm.nodes", "slurm.tasks_per_node", "logging.log_interval",
+    "train.grad_accum", "train.eval_batches", "train.initial_loss_scale", "train.loss_scale_window",
+    "slurm.nodes", "slurm.tasks_per_node", "logging.log_interval",
 )  # fmt: skip
 NON_NEGATIVE = (
     "train.eval_interval", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay", "optim.lr",
-    "optim.min_lr", "checkpoint.interval", "checkpoint.keep_last", "slurm.gpus_per_node",
+    "optim.min_lr", "optim.bucket_mb", "checkpoint.interval", "checkpoint.keep_last", "slurm.gpus_per_node",
 )  # fmt: skip
 
 
@@ -251,15 +255,7 @@ def derive_dp(cfg: JobConfig, world_size: int) -> int:
 
 def unavailable_features(cfg: JobConfig) -> list[str]:
     """Settings this release accepts in the schema but cannot run yet, each with the value that works."""
-    p = cfg.parallel
     checks = [
-        (
-            cfg.train.precision == "fp16" and p.tp * p.pp > 1,
-            "train.precision=fp16 under tensor/pipeline parallelism needs a loss-scale agreement over all ranks, "
-            "not built yet; use train.precision=bf16",
-        ),
-        (cfg.optim.zero_stage == 1, "optim.zero_stage=1 is not built yet; use optim.zero_stage=0"),
-        (cfg.optim.offload != "none", "optim.offload needs ZeRO-1, not built yet; use optim.offload=none"),
         (
             cfg.model.recompute != "none",
             "model.recompute policies are not built yet; use model.recompute=none",
@@ -319,6 +315,8 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True, check_av
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
     if cfg.optim.zero_stage not in (0, 1):
         raise ConfigError(f"optim.zero_stage={cfg.optim.zero_stage} is not supported; use 0 or 1")
+    if cfg.optim.offload != "none" and cfg.optim.zero_stage == 0:
+        raise ConfigError("optim.offload=cpu offloads the sharded optimizer state: set optim.zero_stage=1")
     check_pipeline(cfg)
     if cfg.model.tie_embeddings and p.tp * p.pp > 1:
         raise ConfigError("model.tie_embeddings=true is supported only with parallel.tp=1 and parallel.pp=1")

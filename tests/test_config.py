@@ -36,7 +36,8 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
         (["parallel.pp=2", "train.grad_accum=3", "parallel.schedule=interleaved_1f1b"], 2, ["virtual_stages >= 2"]),
         (["model.ffn_hidden=100", "parallel.tp=8", "model.n_heads=8"], 8, ["MLP hidden size 100", "tp=8"]),
         (["parallel.tp=2", "model.tie_embeddings=true"], 2, ["tie_embeddings=true is supported only"]),
-        (["optim.zero_stage=1"], 2, ["optim.zero_stage=1 is not built yet"]),
+        (["optim.offload=cpu"], 2, ["optim.offload=cpu offloads the sharded optimizer state", "zero_stage=1"]),
+        (["optim.zero_stage=2"], 2, ["optim.zero_stage=2 is not supported; use 0 or 1"]),
         (["steps"], 1, ["override 'steps' is not of the form key=value"]),
     ],
 )

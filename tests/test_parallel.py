@@ -29,7 +29,22 @@ LAYOUTS = {
     "pp2_tp2": (4, ["parallel.pp=2", "parallel.tp=2", SP, "train.micro_batch_size=4", "train.grad_accum=2"]),
     "pp2_dp2": (4, ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=2"]),
     "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2", SP, "train.micro_batch_size=2", "train.grad_accum=2"]),
+    "dp2": (2, ["train.micro_batch_size=4"]),
+    "dp4": (4, ["train.micro_batch_size=2"]),
 }
+# ZeRO-1 (small buckets: several buckets, shard boundaries inside parameters) against the same layout
+# with plain data parallelism
+ZERO1 = ["optim.zero_stage=1", "optim.bucket_mb=0.05"]
+ZERO_LAYOUTS = {
+    "dp2_zero1": "dp2",
+    "dp2_zero1_offload": "dp2",
+    "dp4_zero1": "dp4",
+    "tp2_dp2_zero1": "tp2_dp2",
+    "pp2_dp2_zero1": "pp2_dp2",
+}
+for _name, _base in ZERO_LAYOUTS.items():
+    _offload = ["optim.offload=cpu"] if "offload" in _name else []
+    LAYOUTS[_name] = (LAYOUTS[_base][0], [*LAYOUTS[_base][1], *ZERO1, *_offload])
 
 
 def _run_layouts(rank_env, ports, cfgs):
@@ -60,3 +75,11 @@ def test_layout_matches_single_process(runs, layout):
         assert abs(r["grad_norm"] - g["grad_norm"]) <= TOL * max(1.0, r["grad_norm"]), r["step"]
     assert max_param_diff(read_final_model(runs / layout), read_final_model(runs / "reference")) <= TOL
     assert ref[-1]["loss"] < ref[0]["loss"]
+
+
+@pytest.mark.parametrize("layout", list(ZERO_LAYOUTS))
+def test_zero1_matches_plain_data_parallel(runs, layout):
+    zero, plain = read_final_model(runs / layout), read_final_model(runs / ZERO_LAYOUTS[layout])
+    assert max_param_diff(zero, plain) <= 1e-6
+    losses = [m["loss"] for m in read_metrics(runs / layout)]
+    assert losses == pytest.approx([m["loss"] for m in read_metrics(runs / ZERO_LAYOUTS[layout])], abs=1e-6)

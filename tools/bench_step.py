@@ -17,11 +17,12 @@ import torch.distributed as dist
 from hpc_train.config import load_config
 from hpc_train.distributed.mesh import build_mesh
 from hpc_train.distributed.parallelize import parallelize
+from hpc_train.distributed.zero import build_optimizer
 from hpc_train.launch.bootstrap import init_distributed
 from hpc_train.launch.local import free_port, local_rank_env
 from hpc_train.model.gpt import GPT, count_params, init_weights
 from hpc_train.train.loop import train_step
-from hpc_train.train.optim import build_optimizer, lr_at
+from hpc_train.train.optim import adamw, lr_at
 
 
 def plain_step(model, optimizer, tokens, targets, grad_clip):
@@ -57,15 +58,13 @@ def main() -> None:
     tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
     targets = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
     ours = parallelize(cfg, build_mesh("cpu", 1, 1, 1), cpu)
-    ours_opt = build_optimizer(ours.parameters, cfg.optim, cpu)
+    ours_opt = build_optimizer(ours.parameters, cfg.optim, ours.group("dp"))
     plain = GPT(cfg.model)
     init_weights(plain, cfg.train.seed)
-    plain_opt = build_optimizer(list(plain.parameters()), cfg.optim, cpu)
+    plain_opt = adamw(list(plain.parameters()), cfg.optim, cpu)
 
     def run_ours(step: int) -> None:
-        for g in ours_opt.param_groups:
-            g["lr"] = lr_at(step, cfg.optim, cfg.train.steps)
-        train_step(ours, ours_opt, [(tokens, targets)], cfg.optim.grad_clip)
+        train_step(ours, ours_opt, [(tokens, targets)], lr_at(step, cfg.optim, cfg.train.steps), cfg.optim.grad_clip)
 
     def run_plain(step: int) -> None:
         plain_step(plain, plain_opt, tokens, targets, cfg.optim.grad_clip)

@@ -9,9 +9,11 @@ then are local shards flattened and averaged over the data-parallel group.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 
@@ -38,14 +40,14 @@ def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Te
     return [b for b in buckets if b]
 
 
-def allreduce_gradients(params: list[torch.nn.Parameter], dp_group: dist.ProcessGroup, bucket_mb: int = 25) -> None:
+def allreduce_gradients(params: list[torch.nn.Parameter], dp_group: dist.ProcessGroup, bucket_mb: float) -> None:
     """Average the local gradient shards over the data-parallel group, one flat buffer per bucket
     (sum, then divide: gloo has no AVG)."""
     world = dist.get_world_size(dp_group)
     if world == 1:
         return
     grads = [local(p.grad) for p in params if p.grad is not None]
-    for bucket in _buckets(grads, bucket_mb * 2**20):
+    for bucket in _buckets(grads, int(bucket_mb * 2**20)):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=dp_group)
         flat.div_(world)
@@ -55,30 +57,39 @@ def allreduce_gradients(params: list[torch.nn.Parameter], dp_group: dist.Process
             offset += g.numel()
 
 
-def clip_grad_norm(
-    params: list[torch.nn.Parameter], max_norm: float, tp_group: dist.ProcessGroup, pp_group: dist.ProcessGroup
-) -> float:
-    """Clip by the global L2 norm, every element counted once: sharded gradients are summed over tp,
-    replicated ones counted once, pipeline stages summed. Gradients are identical across dp by now.
-    Returns the norm before clipping (same formula as torch.nn.utils.clip_grad_norm_)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    device = local(grads[0]).device
-    sharded_sq = torch.zeros((), device=device, dtype=torch.float32)
-    replicated_sq = torch.zeros((), device=device, dtype=torch.float32)
-    for g in grads:
-        sq = local(g).float().pow(2).sum()
-        if isinstance(g, DTensor) and any(not isinstance(pl, Replicate) for pl in g.placements):
-            sharded_sq += sq
-        else:
-            replicated_sq += sq
-    if dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sharded_sq, group=tp_group)
-    total_sq = sharded_sq + replicated_sq
-    if dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total_sq, group=pp_group)
+def is_tp_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and any(not isinstance(pl, Replicate) for pl in t.placements)
+
+
+@dataclass
+class GradGroups:
+    """The gradient elements this rank holds, for norms and overflow checks: split by whether they are
+    sharded over tp (summed over tp) or replicated (counted once); `dp_sharded` when each dp rank holds
+    a different part (ZeRO) rather than the same averaged copy."""
+
+    tp_sharded: list[torch.Tensor]
+    tp_replicated: list[torch.Tensor]
+    dp_sharded: bool
+
+    @property
+    def all(self) -> list[torch.Tensor]:
+        return self.tp_sharded + self.tp_replicated
+
+
+def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: DeviceMesh) -> float:
+    """Clip by the global L2 norm with every element counted once across tp, pp and dp; returns the norm
+    before clipping (the formula of torch.nn.utils.clip_grad_norm_, with its 1e-6)."""
+    device = grads.all[0].device
+    sq = lambda ts: sum((t.float().pow(2).sum() for t in ts), torch.zeros((), device=device))
+    sharded_sq, total_sq = sq(grads.tp_sharded), sq(grads.tp_replicated)
+    if mesh["tp"].size() > 1:
+        dist.all_reduce(sharded_sq, group=mesh["tp"].get_group())
+    total_sq += sharded_sq
+    for dim in ("pp", "dp") if grads.dp_sharded else ("pp",):
+        if mesh[dim].size() > 1:
+            dist.all_reduce(total_sq, group=mesh[dim].get_group())
     norm = math.sqrt(total_sq.item())
-    if max_norm > 0:
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            torch._foreach_mul_([local(g) for g in grads], coef)
+    coef = max_norm / (norm + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        torch._foreach_mul_(grads.all, coef)
     return norm

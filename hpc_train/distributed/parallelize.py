@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -32,7 +33,11 @@ class ParallelModel:
     cfg: JobConfig
     chunks: list[GPT]  # this rank's pipeline stages (one without pipeline parallelism)
     mesh: DeviceMesh
-    schedule: Any | None  # the pipeline schedule when pp > 1
+    schedule: Any | None = None  # the pipeline schedule when pp > 1
+    loss_scale: float = 1.0  # fp16 dynamic loss scale, applied to the loss before backward
+
+    def scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets) * self.loss_scale
 
     @property
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -70,8 +75,21 @@ def parallelize(cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> Paral
         if tp > 1:
             apply_tensor_parallel(chunk, mesh["tp"], cfg.parallel.sequence_parallel)
         chunks.append(chunk)
-    schedule = build_schedule(chunks, stages, cfg, mesh["pp"], device, cross_entropy) if pp > 1 else None
-    return ParallelModel(cfg, chunks, mesh, schedule)
+    model = ParallelModel(cfg, chunks, mesh)
+    if pp > 1:
+        model.schedule = build_schedule(chunks, stages, cfg, mesh["pp"], device, model.scaled_loss)
+    return model
+
+
+def cast_parameters(model: ParallelModel, precision: str) -> None:
+    """Keep the model's parameters in the training dtype (ZeRO-1 holds the fp32 master copy). The
+    Parameter objects stay the same (the optimizer holds them); buffers (RoPE tables, the vocab mask)
+    stay fp32. `param.data = ...` would leave a DTensor's local shard in fp32, so swap whole tensors."""
+    dtype = AUTOCAST_DTYPES[precision]
+    if dtype is not None:
+        for param in model.parameters:
+            cast = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            torch.utils.swap_tensors(param, cast)
 
 
 def step_context(model: ParallelModel, device: torch.device) -> contextlib.ExitStack:
@@ -85,10 +103,8 @@ def step_context(model: ParallelModel, device: torch.device) -> contextlib.ExitS
     return stack
 
 
-def _run(
-    model: ParallelModel, micro_batches: MicroBatches, backward: bool, scaler: torch.amp.GradScaler | None
-) -> torch.Tensor:
-    """Mean loss over this rank's micro-batches (zero on pipeline stages without the loss)."""
+def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> torch.Tensor:
+    """Mean (unscaled) loss over this rank's micro-batches (zero on pipeline stages without the loss)."""
     device = micro_batches[0][0].device
     total = torch.zeros((), device=device)
     with step_context(model, device):
@@ -96,7 +112,7 @@ def _run(
             for tokens, targets in micro_batches:
                 loss = model.chunks[0](tokens, targets) / len(micro_batches)
                 if backward:
-                    (scaler.scale(loss) if scaler else loss).backward()
+                    (loss * model.loss_scale).backward()
                 total += local(loss.detach())
             return total
         tokens = torch.cat([t for t, _ in micro_batches])
@@ -107,19 +123,17 @@ def _run(
         run = model.schedule.step if backward else model.schedule.eval
         run(*inputs, target=target, losses=losses)
         for loss in losses:
-            total += local(loss.detach()) / len(losses)
+            total += local(loss.detach()) / (len(losses) * model.loss_scale)
     return total
 
 
-def forward_backward(
-    model: ParallelModel, micro_batches: MicroBatches, scaler: torch.amp.GradScaler | None = None
-) -> torch.Tensor:
-    return _run(model, micro_batches, backward=True, scaler=scaler)
+def forward_backward(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
+    return _run(model, micro_batches, backward=True)
 
 
 @torch.no_grad()
 def forward_only(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
-    return _run(model, micro_batches, backward=False, scaler=None)
+    return _run(model, micro_batches, backward=False)
 
 
 def reduce_loss(model: ParallelModel, loss: torch.Tensor) -> float:

@@ -21,21 +21,26 @@ from hpc_train.config import ConfigError, JobConfig, to_yaml, validate
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import dataset_prefixes
 from hpc_train.data.sampler import ResumableSampler
-from hpc_train.distributed.grads import allreduce_gradients, clip_grad_norm, fix_grad_placements
+from hpc_train.distributed.grads import clip_grad_norm
 from hpc_train.distributed.mesh import build_mesh
 from hpc_train.distributed.parallelize import (
     MicroBatches,
     ParallelModel,
+    cast_parameters,
     forward_backward,
     forward_only,
     full_state_dict,
     parallelize,
     reduce_loss,
 )
+from hpc_train.distributed.zero import DataParallelOptimizer, ZeroOptimizer, build_optimizer
 from hpc_train.launch.bootstrap import RankEnv, init_distributed, select_device
 from hpc_train.model.gpt import GPT, count_params, flops_per_token
+from hpc_train.train.loss_scale import LossScaler
 from hpc_train.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes
-from hpc_train.train.optim import build_optimizer, lr_at
+from hpc_train.train.optim import lr_at
+
+Optimizer = DataParallelOptimizer | ZeroOptimizer
 
 FINAL_MODEL = "model_final.pt"
 
@@ -52,28 +57,43 @@ class TrainResult:
     eval_losses: dict[int, float] = field(default_factory=dict)
 
 
+def apply_gradients(
+    model: ParallelModel,
+    optimizer: Optimizer,
+    lr: float,
+    grad_clip: float,
+    scaler: LossScaler | None = None,
+) -> float | None:
+    """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step.
+    Returns the gradient norm, or None when the step was skipped for an overflow."""
+    optimizer.reduce_gradients()
+    grads = optimizer.grad_groups()
+    if scaler is not None:
+        overflow = scaler.found_inf(grads.all)
+        scaler.update(overflow)
+        if overflow:
+            optimizer.zero_grad()
+            return None
+        scaler.unscale(grads.all)
+    grad_norm = clip_grad_norm(grads, grad_clip, model.mesh)
+    optimizer.step(lr)
+    optimizer.zero_grad()
+    return grad_norm
+
+
 def train_step(
     model: ParallelModel,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     micro_batches: MicroBatches,
+    lr: float,
     grad_clip: float,
-    scaler: torch.amp.GradScaler | None = None,
+    scaler: LossScaler | None = None,
 ) -> StepResult:
-    """Accumulate gradients over the micro-batches, average them over dp, clip by the global norm, step."""
-    loss = forward_backward(model, micro_batches, scaler)
-    params = model.parameters
-    fix_grad_placements(params)
-    allreduce_gradients(params, model.group("dp"))
-    if scaler:
-        scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(params, grad_clip, model.group("tp"), model.group("pp"))
-    if scaler:  # skips the step when any gradient is inf/nan (identical on every dp rank after all-reduce)
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(reduce_loss(model, loss), grad_norm)
+    """One optimizer step on this rank's micro-batches; the loss is the global-batch mean."""
+    model.loss_scale = scaler.scale if scaler else 1.0
+    loss = forward_backward(model, micro_batches)
+    grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler)
+    return StepResult(reduce_loss(model, loss), grad_norm if grad_norm is not None else float("nan"))
 
 
 def rank_micro_batches(dataset: IndexedDataset, indices: list[np.ndarray], device: torch.device) -> MicroBatches:
@@ -147,8 +167,10 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device) -> TrainResu
 
     train_set, valid_set = load_datasets(cfg, show_progress=is_logger)
     model = parallelize(cfg, mesh, device)
-    optimizer = build_optimizer(model.parameters, cfg.optim, device)
-    scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16" else None
+    optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
+    if cfg.optim.zero_stage == 1:  # the optimizer took the fp32 master copy; the model runs in bf16/fp16
+        cast_parameters(model, t.precision)
+    scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
     global_batch = t.micro_batch_size * t.grad_accum * dp
     sampler = ResumableSampler(len(train_set), global_batch, t.micro_batch_size, model.rank("dp"), dp, t.seed)
     flops_token, peak_flops = flops_per_token(cfg.model), device_peak_flops(device)
@@ -171,11 +193,9 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device) -> TrainResu
     result = TrainResult()
     for step in range(1, t.steps + 1):
         lr = lr_at(step - 1, cfg.optim, t.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         start = time.perf_counter()
         micro_batches = rank_micro_batches(train_set, sampler.next_micro_batches(), device)
-        stats = train_step(model, optimizer, micro_batches, cfg.optim.grad_clip, scaler)
+        stats = train_step(model, optimizer, micro_batches, lr, cfg.optim.grad_clip, scaler)
         elapsed = time.perf_counter() - start
         result.losses.append(stats.loss)
 
@@ -194,7 +214,7 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device) -> TrainResu
             consumed_samples=sampler.consumed_samples,
         )
         if scaler:
-            record["loss_scale"] = scaler.get_scale()
+            record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
         if log:
             log.write(record, show=step % cfg.logging.log_interval == 0 or step == t.steps)
 

@@ -10,14 +10,19 @@ from torch import nn
 from hpc_train.config import OptimConfig
 
 
-def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """Weight decay on matrices only; norms and biases (1-D parameters) are not decayed."""
+def adamw(
+    params: list[nn.Parameter], cfg: OptimConfig, device: torch.device, decay_params: set[int] | None = None
+) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norms and biases, the 1-D parameters, are not decayed),
+    or on the parameters whose ids are in `decay_params`. Fused on GPU, foreach on CPU."""
+    decays = (lambda p: id(p) in decay_params) if decay_params is not None else (lambda p: p.ndim >= 2)
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if decays(p)], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
     ]
-    fused = device.type == "cuda"  # PyTorch's fused AdamW on GPU; foreach on CPU
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=(device.type == "cuda") or None
+    )
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

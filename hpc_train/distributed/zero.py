@@ -1,0 +1,217 @@
+"""Optimizers over the data-parallel group: plain data parallelism (zero_stage 0) and ZeRO-1, Megatron's
+distributed optimizer (zero_stage 1).
+
+ZeRO-1: local gradients (each already in its parameter's tensor-parallel placement) are copied into
+contiguous fp32 buckets; each bucket is reduce-scattered over dp so rank r receives the averaged
+gradients of its contiguous 1/dp slice. Rank r keeps fp32 master weights and AdamW moments for that
+slice only (12 bytes per owned element, nothing more), updates it with torch's AdamW (the same
+arithmetic as zero_stage 0), casts it to the parameters' dtype and all-gathers each bucket back into
+the model. With `offload="cpu"` the master weights and moments live in host memory and the update runs
+there (ZeRO-Offload). Stage 2 would keep only the owned slice of the gradient buckets after the
+reduce-scatter; the bucket layout here is the seam for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpc_train.config import OptimConfig
+from hpc_train.distributed.grads import (
+    GradGroups,
+    allreduce_gradients,
+    fix_grad_placements,
+    is_tp_sharded,
+    local,
+)
+from hpc_train.train.optim import adamw
+
+# torch >= 2.13 names these *_single for gloo; older releases only have the *_tensor names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class DataParallelOptimizer:
+    """zero_stage 0: every dp rank averages the full gradients (all-reduce) and runs the same AdamW."""
+
+    def __init__(self, params: list[nn.Parameter], cfg: OptimConfig, dp_group: dist.ProcessGroup):
+        self.params, self.dp_group, self.bucket_mb = params, dp_group, cfg.bucket_mb
+        self.optimizer = adamw(params, cfg, params[0].device)
+
+    def reduce_gradients(self) -> None:
+        fix_grad_placements(self.params)
+        allreduce_gradients(self.params, self.dp_group, self.bucket_mb)
+
+    def grad_groups(self) -> GradGroups:
+        grads = [(p.grad, local(p.grad)) for p in self.params if p.grad is not None]
+        return GradGroups(
+            tp_sharded=[g for d, g in grads if is_tp_sharded(d)],
+            tp_replicated=[g for d, g in grads if not is_tp_sharded(d)],
+            dp_sharded=False,
+        )
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        return sum(t.nbytes for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]  # where each parameter's local elements start in the bucket
+    numel: int  # padded to a multiple of dp
+    grad: torch.Tensor  # fp32, the whole bucket (this rank's local gradients, then reduce-scattered)
+    grad_shard: torch.Tensor  # fp32, this rank's 1/dp slice after the reduce-scatter
+    runs: list[_Run] = field(default_factory=list)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.grad_shard.numel()
+
+
+@dataclass
+class _Run:
+    """A stretch of the owned slice lying inside one parameter: one fp32 master view for AdamW."""
+
+    shard_start: int  # offset in the bucket's owned slice
+    numel: int
+    master: nn.Parameter  # view into the master buffer
+    decay: bool
+    tp_sharded: bool
+
+
+class ZeroOptimizer:
+    """zero_stage 1: optimizer state sharded over the data-parallel group (see the module docstring)."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        cfg: OptimConfig,
+        dp_group: dist.ProcessGroup,
+    ):
+        self.params, self.dp_group = params, dp_group
+        self.dp, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.device = local(params[0]).device
+        self.state_device = torch.device("cpu") if cfg.offload == "cpu" else self.device
+        self.buckets = self._make_buckets(params, max(1, int(cfg.bucket_mb * 2**20) // 4))
+        owned = sum(run_len for b in self.buckets for run_len in self._owned_lengths(b))
+        self.master = torch.empty(owned, dtype=torch.float32, device=self.state_device)
+        self._make_runs()
+        decay = [r.master for b in self.buckets for r in b.runs if r.decay]
+        no_decay = [r.master for b in self.buckets for r in b.runs if not r.decay]
+        self.optimizer = adamw(decay + no_decay, cfg, self.state_device, decay_params=set(map(id, decay)))
+
+    def _make_buckets(self, params: list[nn.Parameter], bucket_numel: int) -> list[_Bucket]:
+        groups: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for p in params:
+            n = local(p).numel()
+            if groups[-1] and (size + n > bucket_numel or local(p).dtype != local(groups[-1][0]).dtype):
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += n
+        buckets = []
+        for group in filter(None, groups):
+            offsets = [0]
+            for p in group:
+                offsets.append(offsets[-1] + local(p).numel())
+            numel = math.ceil(offsets[-1] / self.dp) * self.dp
+            grad = torch.zeros(numel, dtype=torch.float32, device=self.device)
+            shard = torch.zeros(numel // self.dp, dtype=torch.float32, device=self.device)
+            buckets.append(_Bucket(group, offsets[:-1], numel, grad, shard))
+        return buckets
+
+    def _owned_lengths(self, bucket: _Bucket):
+        lo, hi = self.dp_rank * bucket.shard_numel, (self.dp_rank + 1) * bucket.shard_numel
+        for p, start in zip(bucket.params, bucket.offsets, strict=True):
+            begin, end = max(lo, start), min(hi, start + local(p).numel())
+            if begin < end:
+                yield end - begin
+
+    def _make_runs(self) -> None:
+        """Cut the owned slice of every bucket at parameter boundaries; fill the fp32 master weights."""
+        master_offset = 0
+        for bucket in self.buckets:
+            lo = self.dp_rank * bucket.shard_numel
+            for p, start in zip(bucket.params, bucket.offsets, strict=True):
+                flat = local(p).detach().reshape(-1)
+                begin, end = max(lo, start), min(lo + bucket.shard_numel, start + flat.numel())
+                if begin >= end:
+                    continue
+                view = self.master[master_offset : master_offset + end - begin]
+                view.copy_(flat[begin - start : end - start])
+                master = nn.Parameter(view)  # shares the master buffer's storage
+                bucket.runs.append(_Run(begin - lo, end - begin, master, p.ndim >= 2, is_tp_sharded(p)))
+                master_offset += end - begin
+
+    def reduce_gradients(self) -> None:
+        """Copy local gradients into the fp32 buckets and reduce-scatter them: mean over dp."""
+        fix_grad_placements(self.params)
+        for bucket in self.buckets:
+            for p, start in zip(bucket.params, bucket.offsets, strict=True):
+                g = local(p.grad) if p.grad is not None else None
+                target = bucket.grad[start : start + local(p).numel()]
+                target.copy_(g.reshape(-1)) if g is not None else target.zero_()
+            _reduce_scatter(bucket.grad_shard, bucket.grad, group=self.dp_group)
+            bucket.grad_shard.div_(self.dp)
+
+    def _owned_grads(self, bucket: _Bucket) -> list[torch.Tensor]:
+        return [bucket.grad_shard[r.shard_start : r.shard_start + r.numel] for r in bucket.runs]
+
+    def grad_groups(self) -> GradGroups:
+        runs = [(r, g) for b in self.buckets for r, g in zip(b.runs, self._owned_grads(b), strict=True)]
+        return GradGroups(
+            tp_sharded=[g for r, g in runs if r.tp_sharded],
+            tp_replicated=[g for r, g in runs if not r.tp_sharded],
+            dp_sharded=True,
+        )
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """Update the owned slice (fp32 master + moments), then all-gather every bucket into the params."""
+        for bucket in self.buckets:
+            for run, grad in zip(bucket.runs, self._owned_grads(bucket), strict=True):
+                run.master.grad = grad.to(self.state_device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for bucket in self.buckets:
+            dtype = local(bucket.params[0]).dtype
+            shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=self.device)
+            for run in bucket.runs:
+                shard[run.shard_start : run.shard_start + run.numel].copy_(run.master)
+            full = torch.empty(bucket.numel, dtype=dtype, device=self.device)
+            _all_gather(full, shard, group=self.dp_group)
+            for p, start in zip(bucket.params, bucket.offsets, strict=True):
+                tensor = local(p)
+                tensor.copy_(full[start : start + tensor.numel()].view_as(tensor))
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for bucket in self.buckets:
+            for run in bucket.runs:
+                run.master.grad = None
+
+    def state_bytes(self) -> int:
+        """Exact bytes of optimizer state on this rank: fp32 master weights + the two AdamW moments."""
+        moments = sum(t.nbytes for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
+        return self.master.nbytes + moments
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig, dp_group: dist.ProcessGroup):
+    if cfg.zero_stage == 1:
+        return ZeroOptimizer(params, cfg, dp_group)
+    return DataParallelOptimizer(params, cfg, dp_group)

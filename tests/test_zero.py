@@ -1,0 +1,112 @@
+"""ZeRO-1 optimizer state and fp16 dynamic loss scaling, in real gloo process groups."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpc_train.config import load_config
+from hpc_train.data.indexed import IndexedDataset
+from hpc_train.distributed.mesh import build_mesh
+from hpc_train.distributed.parallelize import cast_parameters, forward_backward, parallelize
+from hpc_train.distributed.zero import ZeroOptimizer
+from hpc_train.launch.bootstrap import init_distributed
+from hpc_train.launch.local import launch_local
+from hpc_train.train.loop import apply_gradients, run_training, train_step
+from hpc_train.train.loss_scale import LossScaler
+from tests.conftest import ROOT, read_metrics
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _zero_checks(rank_env, cfg):
+    """tp=2 x dp=2 with sequence parallelism, ZeRO-1, fp16."""
+    cpu = torch.device("cpu")
+    init_distributed(rank_env, cpu, "gloo", 120)
+    try:
+        mesh = build_mesh("cpu", 1, 2, 2)
+        model = parallelize(cfg, mesh, cpu)
+        optimizer = ZeroOptimizer(model.parameters, cfg.optim, model.group("dp"))
+        cast_parameters(model, "fp16")
+        assert all(_local(p).dtype == torch.float16 for p in model.parameters)
+        data = IndexedDataset(cfg.data.train_path, cfg.model.seq_len)
+        offset = 4 * mesh["dp"].get_local_rank()
+        batch = [data.batch(np.arange(offset + 2 * i, offset + 2 * i + 2)) for i in range(2)]
+        scaler = LossScaler(scale=1024.0, window=2)
+
+        # Optimizer state: fp32 master weights + two fp32 moments for the owned 1/dp slice, nothing more.
+        train_step(model, optimizer, batch, 1e-3, 1.0, scaler)
+        owned = optimizer.master.numel()
+        assert optimizer.state_bytes() == 12 * owned
+        local_params = sum(_local(p).numel() for p in model.parameters)
+        owned_by_all = [None, None]
+        dist.all_gather_object(owned_by_all, owned, group=model.group("dp"))
+        assert sum(owned_by_all) == local_params  # the dp ranks' slices partition the parameters exactly
+        assert (
+            owned
+            <= sum(b.shard_numel for b in optimizer.buckets)
+            <= math.ceil(local_params / 2) + len(optimizer.buckets)
+        )
+        runs = [r for b in optimizer.buckets for r in b.runs]
+        assert all(r.master.untyped_storage().data_ptr() == optimizer.master.untyped_storage().data_ptr() for r in runs)
+
+        # A planted overflow on one rank only: every rank skips the step and halves the scale.
+        before = [_local(p).clone() for p in model.parameters]
+        model.loss_scale = scaler.scale
+        forward_backward(model, batch)
+        if dist.get_rank() == 3:
+            _local(model.parameters[2].grad).view(-1)[0] = float("inf")
+        assert apply_gradients(model, optimizer, 1e-3, 1.0, scaler) is None
+        assert (scaler.scale, scaler.skipped_steps) == (512.0, 1)
+        assert all(torch.equal(b, _local(p)) for b, p in zip(before, model.parameters, strict=True))
+
+        # Two clean steps (the window) double the scale again, and the parameters move.
+        for _ in range(2):
+            assert math.isfinite(train_step(model, optimizer, batch, 1e-3, 1.0, scaler).grad_norm)
+        assert (scaler.scale, scaler.skipped_steps) == (1024.0, 1)
+        assert not all(torch.equal(b, _local(p)) for b, p in zip(before, model.parameters, strict=True))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero1_state_bytes_and_fp16_overflow_agreement(make_cfg):
+    cfg = make_cfg("optim.zero_stage=1", "optim.bucket_mb=0.05", "train.precision=fp16", "parallel.tp=2",
+                   "parallel.sequence_parallel=true")  # fmt: skip
+    launch_local(_zero_checks, 4, cfg)
+
+
+@pytest.fixture(scope="module")
+def precision_runs(tmp_path_factory):
+    """tiny.yaml for 50 steps, 2 processes with ZeRO-1, in fp32, bf16 and fp16."""
+    runs = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        run_dir = tmp_path_factory.mktemp(precision)
+        overrides = ["train.steps=50", "optim.zero_stage=1", f"run_dir={run_dir}", f"train.precision={precision}",
+                     "logging.progress=none", "train.eval_interval=0"]  # fmt: skip
+        cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
+        launch_local(run_training, 2, cfg)
+        runs[precision] = read_metrics(run_dir)
+    return runs
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_tracks_fp32(precision_runs, precision):
+    """bf16/fp16 weights with fp32 master weights follow the fp32 curve. Per-step losses are noisy (the
+    batches differ a lot and the warmup peak amplifies small weight differences), so the tolerance is on
+    the mean gap over the 50 steps (< 0.08; measured 0.043 bf16, 0.034 fp16), the gap of the last-10
+    means (< 0.1) and a no-divergence bound on every step (< 0.6; measured max 0.16 bf16, 0.44 fp16)."""
+    ref = [m["loss"] for m in precision_runs["fp32"]]
+    got = [m["loss"] for m in precision_runs[precision]]
+    gaps = [abs(r - g) for r, g in zip(ref, got, strict=True)]
+    assert ref[-1] < ref[0] - 1.5
+    assert sum(gaps) / len(gaps) < 0.08
+    assert abs(sum(ref[-10:]) - sum(got[-10:])) / 10 < 0.1
+    assert max(gaps) < 0.6
+    if precision == "fp16":
+        last = precision_runs["fp16"][-1]
+        assert last["skipped_steps"] <= 3  # a few overflows while the scale settles (measured: 1)
+        assert last["loss_scale"] == 65536.0 / 2 ** last["skipped_steps"]  # no growth inside the 1000-step window
