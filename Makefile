@@ -1,11 +1,11 @@
 # Two commands do all the setup: `make demo` (train configs/tiny.yaml on CPU, several processes)
-# and `make test` (lint + the test suite). Both create/update .venv themselves.
+# and `make test` (lint, start the local Slurm cluster, the test suite). Both create/update .venv.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo demo-slurm cluster test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +20,18 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hpc-train train configs/tiny.yaml $(ARGS)
 
+# A real local Slurm cluster (2 emulated nodes, accounting); needs root on Debian/Ubuntu.
+cluster:
+	bash slurm/local-cluster.sh start
+
+demo-slurm: $(STAMP) cluster
+	$(BIN)/hpc-train submit configs/tiny.yaml slurm.nodes=2 slurm.tasks_per_node=1 --wait $(ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint cluster
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: $(STAMP)

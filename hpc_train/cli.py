@@ -1,4 +1,4 @@
-"""The `hpc-train` command: train, config show, prepare-data."""
+"""The `hpc-train` command: train, submit, config show, prepare-data."""
 
 from __future__ import annotations
 
@@ -38,6 +38,23 @@ def cmd_config_show(args: argparse.Namespace) -> None:
     print(f"# valid for world size {world}: pp={cfg.parallel.pp} dp={dp} tp={cfg.parallel.tp}", file=sys.stderr)
 
 
+def cmd_submit(args: argparse.Namespace) -> None:
+    from hpc_train.launch import slurm
+
+    cfg = _config_and_overrides(args)
+    if args.dry_run:
+        print(slurm.dry_run(cfg), end="")
+        return
+    job = slurm.submit(cfg)
+    print(slurm.submission_summary(cfg, job), flush=True)
+    if args.wait:
+        state = slurm.follow(job)
+        print(f"job {job.job_id} finished: {state}")
+        if state != "COMPLETED":
+            print(slurm.failure_report(job, cfg.slurm.nodes * cfg.slurm.tasks_per_node), file=sys.stderr)
+            sys.exit(1)
+
+
 def cmd_prepare_data(args: argparse.Namespace) -> None:
     from hpc_train.data.prepare import expand_inputs, prepare_data
 
@@ -56,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     with_config(sub.add_parser("train", help="train (joins Slurm/torchrun, else starts parallel.nproc ranks)"))
+    submit = with_config(sub.add_parser("submit", help="submit a Slurm job (sbatch through submitit)"))
+    submit.add_argument("--dry-run", action="store_true", help="print the sbatch script and config; submit nothing")
+    submit.add_argument("--wait", action="store_true", help="follow the job to its end, streaming rank 0's output")
     cfg_cmd = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
     with_config(cfg_cmd.add_parser("show", help="print the resolved config and check it"))
     prep = sub.add_parser("prepare-data", help="tokenize text files into an indexed dataset")
@@ -66,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config_show, "prepare-data": cmd_prepare_data}
+COMMANDS = {"train": cmd_train, "submit": cmd_submit, "config": cmd_config_show, "prepare-data": cmd_prepare_data}
 
 
 def main(argv: list[str] | None = None) -> None:

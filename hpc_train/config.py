@@ -112,14 +112,25 @@ class CheckpointConfig:
 
 @dataclass
 class SlurmConfig:
+    """The sbatch job `hpc-train submit` generates (through submitit): one task per rank (per GPU)."""
+
     nodes: int = 1
     tasks_per_node: int = 1
-    gpus_per_node: int = 0
+    gpus_per_node: int = 0  # 0 = CPU job; otherwise must equal tasks_per_node
     cpus_per_task: int | None = None
-    mem: str | None = None
+    mem: str | None = None  # e.g. 200G, or 0 for all of a node's memory
+    time: str = "01:00:00"  # MM, HH:MM:SS or D-HH:MM:SS
     partition: str | None = None
     account: str | None = None
-    time: str = "01:00:00"
+    qos: str | None = None
+    constraint: str | None = None
+    exclusive: bool = False
+    job_name: str | None = None  # None = name
+    log_dir: str | None = None  # None = <run_dir>/slurm
+    signal_delay_s: int = 120  # Slurm sends the preemption/time-limit warning signal this long before the end
+    max_requeues: int = 3  # how often a preempted or timed-out job is requeued
+    setup: list[str] = field(default_factory=list)  # shell lines before srun: module loads, exports
+    extra: dict[str, str] = field(default_factory=dict)  # more #SBATCH directives, e.g. {mail-type: END}
 
 
 @dataclass
@@ -161,6 +172,7 @@ POSITIVE = (
 NON_NEGATIVE = (
     "train.eval_interval", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay", "optim.lr",
     "optim.min_lr", "optim.bucket_mb", "checkpoint.interval", "checkpoint.keep_last", "slurm.gpus_per_node",
+    "slurm.signal_delay_s", "slurm.max_requeues",
 )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -90,6 +91,15 @@ def detect_rank_env(env: Mapping[str, str] | None = None) -> RankEnv | None:
             master_port=int(env.get("MASTER_PORT") or slurm_master_port(env["SLURM_JOB_ID"])), source="slurm",
         )  # fmt: skip
     return None
+
+
+def describe_rank(rank_env: RankEnv) -> dict[str, int | str]:
+    """Where this rank runs, for the run's rank_layout.json (the node name as Slurm knows it)."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return {
+        "rank": rank_env.rank, "local_rank": rank_env.local_rank, "node_rank": rank_env.node_rank,
+        "node": node, "source": rank_env.source,
+    }  # fmt: skip
 
 
 def select_device(requested: str, local_rank: int) -> torch.device:

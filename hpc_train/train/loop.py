@@ -7,6 +7,7 @@ AdamW) -> metrics.jsonl, eval, final weights.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -22,7 +23,7 @@ from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import dataset_prefixes
 from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.grads import clip_grad_norm
-from hpc_train.distributed.mesh import build_mesh
+from hpc_train.distributed.mesh import MESH_DIMS, build_mesh
 from hpc_train.distributed.parallelize import (
     MicroBatches,
     ParallelModel,
@@ -34,7 +35,7 @@ from hpc_train.distributed.parallelize import (
     reduce_loss,
 )
 from hpc_train.distributed.zero import DataParallelOptimizer, ZeroOptimizer, build_optimizer
-from hpc_train.launch.bootstrap import RankEnv, init_distributed, select_device
+from hpc_train.launch.bootstrap import RankEnv, describe_rank, init_distributed, select_device
 from hpc_train.model.gpt import GPT, count_params, flops_per_token
 from hpc_train.train.loss_scale import LossScaler
 from hpc_train.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes
@@ -165,6 +166,12 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device) -> TrainResu
     run_dir = Path(cfg.run_dir)
     seed_everything(t.seed, rank_env.rank)
 
+    layout = [None] * rank_env.world_size  # every rank's place, checked once so a mismatch shows up early
+    dist.all_gather_object(layout, {**describe_rank(rank_env), **{d: mesh[d].get_local_rank() for d in MESH_DIMS}})
+    if is_logger:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "rank_layout.json").write_text(json.dumps(layout, indent=1))
+
     train_set, valid_set = load_datasets(cfg, show_progress=is_logger)
     model = parallelize(cfg, mesh, device)
     optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
@@ -178,7 +185,6 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device) -> TrainResu
 
     log = None
     if is_logger:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         log = MetricsLog(run_dir, t.steps, cfg.logging.progress)

@@ -1,0 +1,194 @@
+"""The Slurm submit path: config -> submitit executor -> sbatch job with one srun task per rank.
+
+Every task runs `SlurmTask`, which bootstraps its rank from Slurm's environment (launch/bootstrap.py)
+and trains. `executor_for` turns the config's `slurm` section into submitit's parameters after the whole
+layout has been validated, so a bad layout is refused before anything reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_train.config import ConfigError, JobConfig, to_yaml, validate
+
+# Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+TIME_FORMATS = (
+    r"(?P<m>\d+)",
+    r"(?P<m>\d+):(?P<s>\d+)",
+    r"(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)",
+    r"(?P<d>\d+)-(?P<h>\d+)",
+    r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+)",
+    r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)",
+)
+
+
+def time_limit_minutes(value: str) -> int:
+    """Slurm time limit -> whole minutes (rounded up), or a ConfigError naming the accepted formats."""
+    for pattern in TIME_FORMATS:
+        match = re.fullmatch(pattern, value.strip())
+        if match:
+            parts = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+            seconds = ((parts.get("d", 0) * 24 + parts.get("h", 0)) * 60 + parts.get("m", 0)) * 60 + parts.get("s", 0)
+            if seconds <= 0:
+                break
+            return math.ceil(seconds / 60)
+    raise ConfigError(f"slurm.time={value!r} is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS (e.g. 04:00:00)")
+
+
+def validate_submission(cfg: JobConfig, check_paths: bool = True) -> int:
+    """The Foundation checks with world size = nodes x tasks per node, plus the Slurm-only ones; returns dp."""
+    s = cfg.slurm
+    if s.gpus_per_node and s.gpus_per_node != s.tasks_per_node:
+        raise ConfigError(
+            f"slurm.gpus_per_node={s.gpus_per_node} but slurm.tasks_per_node={s.tasks_per_node}: hpc_train runs "
+            f"one rank per GPU; set slurm.tasks_per_node={s.gpus_per_node}"
+        )
+    time_limit_minutes(s.time)
+    world = s.nodes * s.tasks_per_node
+    try:
+        return validate(cfg, world, check_paths=check_paths)
+    except ConfigError as err:
+        raise ConfigError(f"{err} (world size = slurm.nodes x slurm.tasks_per_node = {world})") from None
+
+
+def log_folder(cfg: JobConfig) -> Path:
+    return Path(cfg.slurm.log_dir or f"{cfg.run_dir}/slurm").absolute()
+
+
+def executor_parameters(cfg: JobConfig) -> dict[str, Any]:
+    s = cfg.slurm
+    params: dict[str, Any] = {
+        "job_name": s.job_name or cfg.name,
+        "nodes": s.nodes,
+        "ntasks_per_node": s.tasks_per_node,
+        "time": time_limit_minutes(s.time),
+        "signal_delay_s": s.signal_delay_s,
+        # one failing rank ends the whole step instead of leaving the others blocked in a collective
+        "srun_args": ["--kill-on-bad-exit=1"],
+    }
+    optional = {
+        "gpus_per_node": s.gpus_per_node or None,
+        "cpus_per_task": s.cpus_per_task,
+        "mem": s.mem,
+        "partition": s.partition,
+        "account": s.account,
+        "qos": s.qos,
+        "constraint": s.constraint,
+        "exclusive": s.exclusive or None,
+        "setup": list(s.setup) or None,
+        "additional_parameters": dict(s.extra) or None,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def executor_for(cfg: JobConfig):
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=log_folder(cfg), max_num_timeout=cfg.slurm.max_requeues)
+    executor.update_parameters(**executor_parameters(cfg))
+    return executor
+
+
+@dataclass
+class SlurmTask:
+    """What every srun task runs (pickled by submitit): join the job's ranks and train."""
+
+    cfg: JobConfig
+
+    def __call__(self) -> None:
+        from hpc_train.launch.bootstrap import detect_rank_env
+        from hpc_train.train.loop import run_training
+
+        rank_env = detect_rank_env()
+        if rank_env is None:
+            raise RuntimeError("SlurmTask runs inside an srun step; no SLURM_PROCID/SLURM_STEP_ID found")
+        run_training(rank_env, self.cfg)
+
+
+def sbatch_script(cfg: JobConfig) -> str:
+    """The exact script `submit` hands to sbatch (submitit fills the pickle folder at submission)."""
+    executor = executor_for(cfg)
+    return executor._make_submission_file_text(executor._submitit_command_str, uid="dry-run")
+
+
+def dry_run(cfg: JobConfig) -> str:
+    dp = validate_submission(cfg)
+    p = cfg.parallel
+    return (
+        f"# hpc_train dry run: nothing submitted. {cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node} task(s) "
+        f"= {cfg.slurm.nodes * cfg.slurm.tasks_per_node} ranks as (pp={p.pp}, dp={dp}, tp={p.tp})\n"
+        f"# ---- sbatch script ----\n{sbatch_script(cfg)}\n# ---- resolved config ----\n{to_yaml(cfg)}"
+    )
+
+
+def submit(cfg: JobConfig):
+    validate_submission(cfg)
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    return executor_for(cfg).submit(SlurmTask(cfg))
+
+
+def task_logs(job, task: int) -> tuple[Path, Path]:
+    paths = job.task(task).paths
+    return paths.stdout, paths.stderr
+
+
+def failure_report(job, num_tasks: int, lines: int = 12) -> str:
+    """The end of the stderr of the first rank whose log holds a Python error (else of rank 0)."""
+    chosen = 0
+    for task in range(num_tasks):
+        err = task_logs(job, task)[1]
+        if err.is_file() and "Traceback" in err.read_text(errors="replace"):
+            chosen = task
+            break
+    err = task_logs(job, chosen)[1]
+    text = err.read_text(errors="replace").splitlines()[-lines:] if err.is_file() else ["(no stderr log)"]
+    return f"rank {chosen} ({err}):\n" + "\n".join(f"  {line}" for line in text)
+
+
+TERMINAL_STATES = (
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+)  # fmt: skip
+
+
+def final_state(job) -> str | None:
+    """The job's Slurm state from accounting once it has ended, else None (`done()` alone turns true as
+    soon as the result files exist, before Slurm has recorded the end)."""
+    state = job.get_info(mode="force").get("State", "")
+    return state.split()[0] if state.startswith(TERMINAL_STATES) else None
+
+
+def follow(job, poll_s: float = 1.0, out=sys.stdout) -> str:
+    """Stream rank 0's stdout until the job ends; return its final Slurm state."""
+    stdout = task_logs(job, 0)[0]
+    offset = 0
+    while True:
+        done = final_state(job)
+        if stdout.is_file():
+            with open(stdout, errors="replace") as f:
+                f.seek(offset)
+                chunk = f.read()
+                offset = f.tell()
+            if chunk:
+                out.write(chunk)
+                out.flush()
+        if done:
+            return done
+        time.sleep(poll_s)
+
+
+def submission_summary(cfg: JobConfig, job) -> str:
+    stdout, stderr = task_logs(job, 0)
+    return (
+        f"submitted job {job.job_id}: {cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node} task(s), run dir "
+        f"{cfg.run_dir}\n  rank 0 logs: {stdout}\n              {stderr}\n"
+        f"  follow: tail -f {shlex.quote(str(stdout))}   |   squeue -j {job.job_id}   |   "
+        f"sacct -j {job.job_id}"
+    )
