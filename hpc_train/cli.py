@@ -1,4 +1,4 @@
-"""The `hpc-train` command: train, submit, config show, prepare-data."""
+"""The `hpc-train` command: train, submit, config show, ckpt, prepare-data."""
 
 from __future__ import annotations
 
@@ -55,6 +55,42 @@ def cmd_submit(args: argparse.Namespace) -> None:
             sys.exit(1)
 
 
+def cmd_ckpt(args: argparse.Namespace) -> None:
+    """list / verify / inspect the checkpoints of a run directory (or a checkpoints directory)."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hpc_train.checkpoint.store import CheckpointStore
+
+    root = Path(args.run_dir)
+    store = CheckpointStore(root / "checkpoints" if (root / "checkpoints").is_dir() else root)
+    infos = [store.verify(info, full=args.ckpt_command == "verify") for info in store.scan()]
+    if not infos:
+        raise FileNotFoundError(f"no checkpoints under {store.root}")
+    if args.ckpt_command == "inspect":
+        chosen = next((i for i in infos if args.step in (None, i.step) and i.problem is None), None)
+        if chosen is None:
+            raise FileNotFoundError(f"no usable checkpoint{'' if args.step is None else f' of step {args.step}'}")
+        print(f"{chosen.path} (step {chosen.step}, layout {chosen.manifest['layout']})")
+        for key, meta in sorted(FileSystemReader(str(chosen.path)).read_metadata().state_dict_metadata.items()):
+            shape = tuple(getattr(meta, "size", ())) or "-"
+            dtype = getattr(getattr(meta, "properties", None), "dtype", "")
+            print(f"  {key:<48} {shape!s:<16} {dtype}")
+        return
+    latest = store.latest_pointer()
+    print(f"{'checkpoint':<22} {'step':>8} {'size MB':>9}  {'layout':<40} status")
+    for info in infos:
+        size = sum(f.stat().st_size for f in info.path.iterdir() if f.is_file()) / 2**20
+        layout = info.manifest["layout"] if info.manifest else {}
+        short = " ".join(f"{k}={layout[k]}" for k in ("tp", "pp", "dp", "zero_stage") if k in layout)
+        status = "ok" if info.problem is None else f"UNUSABLE: {info.problem}"
+        mark = " (latest)" if info.path.name == latest else ""
+        print(f"{info.path.name:<22} {info.step:>8} {size:>9.1f}  {short:<40} {status}{mark}")
+    if args.ckpt_command == "verify" and any(i.problem for i in infos):
+        sys.exit(1)
+
+
 def cmd_prepare_data(args: argparse.Namespace) -> None:
     from hpc_train.data.prepare import expand_inputs, prepare_data
 
@@ -76,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit = with_config(sub.add_parser("submit", help="submit a Slurm job (sbatch through submitit)"))
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch script and config; submit nothing")
     submit.add_argument("--wait", action="store_true", help="follow the job to its end, streaming rank 0's output")
+    ckpt = sub.add_parser("ckpt", help="list, verify (checksums) or inspect a run's checkpoints")
+    ckpt.add_argument("ckpt_command", choices=["list", "verify", "inspect"])
+    ckpt.add_argument("run_dir", help="a run directory or its checkpoints directory")
+    ckpt.add_argument("--step", type=int, help="inspect: this step (default: the newest usable)")
     cfg_cmd = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
     with_config(cfg_cmd.add_parser("show", help="print the resolved config and check it"))
     prep = sub.add_parser("prepare-data", help="tokenize text files into an indexed dataset")
@@ -86,7 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"train": cmd_train, "submit": cmd_submit, "config": cmd_config_show, "prepare-data": cmd_prepare_data}
+COMMANDS = {
+    "train": cmd_train,
+    "submit": cmd_submit,
+    "config": cmd_config_show,
+    "ckpt": cmd_ckpt,
+    "prepare-data": cmd_prepare_data,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -103,11 +103,15 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Keys of the checkpointing subsystem; fault-tolerant sharded checkpoints arrive in their own issue."""
+    """Sharded, verified checkpoints. A run resumes from the newest one that verifies in `dir`."""
 
-    interval: int = 0
-    keep_last: int = 3
-    async_save: bool = False
+    dir: str = "${run_dir}/checkpoints"
+    interval: int = 0  # save every N steps (and at the end); 0 = only when preempted
+    keep_last: int = 3  # committed checkpoints kept (the newest complete one is never deleted)
+    keep_every: int = 0  # also keep every K-th step forever; 0 = off
+    async_save: bool = False  # write in the background while training continues
+    verify: str = "full"  # full (sizes + sha256) | sizes (for very large checkpoints)
+    resume: bool = True
 
 
 @dataclass
@@ -161,6 +165,7 @@ CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "optim.offload": ("none", "cpu"),
     "logging.progress": ("auto", "bar", "lines", "none"),
+    "checkpoint.verify": ("full", "sizes"),
 }
 POSITIVE = (
     "model.n_layers", "model.n_heads", "model.d_model", "model.seq_len", "model.vocab_size",
@@ -272,7 +277,6 @@ def unavailable_features(cfg: JobConfig) -> list[str]:
             cfg.model.recompute != "none",
             "model.recompute policies are not built yet; use model.recompute=none",
         ),
-        (cfg.checkpoint.interval > 0, "checkpointing is not built yet; use checkpoint.interval=0"),
     ]
     return [message for failed, message in checks if failed]
 

@@ -40,8 +40,13 @@ class ParallelModel:
         return cross_entropy(logits, targets) * self.loss_scale
 
     @property
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Global names (`layers.<i>....`), the same whatever the layout."""
+        return [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters() if p.requires_grad]
+
+    @property
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+        return [p for _, p in self.named_parameters]
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.mesh[dim].get_group()

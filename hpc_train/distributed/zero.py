@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import (
@@ -64,6 +65,35 @@ class DataParallelOptimizer:
 
     def state_bytes(self) -> int:
         return sum(t.nbytes for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
+
+    def param_states(self) -> list[dict[str, torch.Tensor]]:
+        """Per parameter, in the parameter's own shape and placement: exp_avg, exp_avg_sq."""
+        return [{k: self.optimizer.state[p][k] for k in MOMENTS} for p in self.params]
+
+    def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
+        for p, state in zip(self.params, states, strict=True):
+            moments = {k: state[k].to(p.dtype).clone() for k in MOMENTS}
+            self.optimizer.state[p] = {"step": adam_step_tensor(step, self.optimizer, p), **moments}
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def adam_step_tensor(step: int, optimizer: torch.optim.AdamW, p: torch.Tensor) -> torch.Tensor:
+    """AdamW's per-parameter step counter as torch keeps it (on the device when fused)."""
+    fused = optimizer.param_groups[0].get("fused")
+    return torch.tensor(float(step), dtype=torch.float32, device=local(p).device if fused else "cpu")
+
+
+def _flat_slice(t: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    return local(t).reshape(-1)[offset : offset + numel].float()
+
+
+def like_param(p: nn.Parameter, local_tensor: torch.Tensor) -> torch.Tensor:
+    """`local_tensor` (this rank's part) as a tensor laid out like `p`: a DTensor when `p` is one."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local_tensor, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    return local_tensor
 
 
 @dataclass
@@ -204,6 +234,52 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             for run in bucket.runs:
                 run.master.grad = None
+
+    def _gather_bucket(self, bucket: _Bucket, owned: list[torch.Tensor]) -> torch.Tensor:
+        """All-gather the dp ranks' owned slices of one fp32 quantity into the whole bucket."""
+        shard = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=self.device)
+        for run, values in zip(bucket.runs, owned, strict=True):
+            shard[run.shard_start : run.shard_start + run.numel].copy_(values)
+        full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+        _all_gather(full, shard, group=self.dp_group)
+        return full
+
+    def param_states(self) -> list[dict[str, torch.Tensor]]:
+        """Per parameter, in the parameter's own shape and placement: exp_avg, exp_avg_sq and the fp32
+        master weights, gathered over dp (checkpoints store them per parameter so they can be resharded;
+        this holds the whole local optimizer state once, for the save)."""
+        states: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
+        for bucket in self.buckets:
+            owned = {
+                "master": [r.master.detach() for r in bucket.runs],
+                **{k: [self.optimizer.state[r.master][k] for r in bucket.runs] for k in MOMENTS},
+            }
+            for key, values in owned.items():
+                full = self._gather_bucket(bucket, values)
+                for p, start in zip(bucket.params, bucket.offsets, strict=True):
+                    shape = local(p).shape
+                    states[id(p)][key] = like_param(p, full[start : start + shape.numel()].view(shape).clone())
+        return [states[id(p)] for p in self.params]
+
+    @torch.no_grad()
+    def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
+        """Take each rank's owned slices of per-parameter states (missing master: the weights themselves)."""
+        by_param = {id(p): s for p, s in zip(self.params, states, strict=True)}
+        for bucket in self.buckets:
+            lo = self.dp_rank * bucket.shard_numel
+            for run in bucket.runs:
+                begin = lo + run.shard_start
+                p, start = next(
+                    (p, s)
+                    for p, s in zip(bucket.params, bucket.offsets, strict=True)
+                    if s <= begin < s + local(p).numel()
+                )
+                state, offset = by_param[id(p)], begin - start
+                run.master.copy_(_flat_slice(state.get("master", p), offset, run.numel))
+                self.optimizer.state[run.master] = {
+                    "step": adam_step_tensor(step, self.optimizer, run.master),
+                    **{k: _flat_slice(state[k], offset, run.numel).to(self.state_device).clone() for k in MOMENTS},
+                }
 
     def state_bytes(self) -> int:
         """Exact bytes of optimizer state on this rank: fp32 master weights + the two AdamW moments."""

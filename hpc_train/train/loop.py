@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpc_train.checkpoint.checkpointer import Checkpointer
+from hpc_train.checkpoint.store import fault_point
 from hpc_train.config import ConfigError, JobConfig, to_yaml, validate
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import dataset_prefixes
@@ -40,6 +42,7 @@ from hpc_train.model.gpt import GPT, count_params, flops_per_token
 from hpc_train.train.loss_scale import LossScaler
 from hpc_train.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes
 from hpc_train.train.optim import lr_at
+from hpc_train.train.preemption import StopRequest, requeue_slurm_job
 
 Optimizer = DataParallelOptimizer | ZeroOptimizer
 
@@ -54,8 +57,9 @@ class StepResult:
 
 @dataclass
 class TrainResult:
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # of the steps this run trained (after a resume)
     eval_losses: dict[int, float] = field(default_factory=dict)
+    requeued: bool = False
 
 
 def apply_gradients(
@@ -89,10 +93,12 @@ def train_step(
     lr: float,
     grad_clip: float,
     scaler: LossScaler | None = None,
+    step: int = 0,
 ) -> StepResult:
     """One optimizer step on this rank's micro-batches; the loss is the global-batch mean."""
     model.loss_scale = scaler.scale if scaler else 1.0
     loss = forward_backward(model, micro_batches)
+    fault_point("mid_step", step, dist.get_rank())
     grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler)
     return StepResult(reduce_loss(model, loss), grad_norm if grad_norm is not None else float("nan"))
 
@@ -149,20 +155,31 @@ def load_datasets(cfg: JobConfig, show_progress: bool) -> tuple[IndexedDataset, 
 
 
 def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
-    """The per-rank entry point: join the process group, train, leave it."""
+    """The per-rank entry point: join the process group, train (resuming from the newest valid
+    checkpoint), leave it. A stop signal ends training early with a committed checkpoint."""
     device = select_device(cfg.train.device, rank_env.local_rank)
     init_distributed(rank_env, device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    stop = StopRequest().install()
     try:
-        return _train(cfg, rank_env, device)
+        return _train(cfg, rank_env, device, stop)
     finally:
+        stop.uninstall()
         dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device) -> TrainResult:
+def keep_metrics_until(path: Path, step: int) -> None:
+    """On resume: the records of steps after the checkpoint are re-run, so drop them (one record a step)."""
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRequest) -> TrainResult:
     dp = validate(cfg, rank_env.world_size)
     p, t = cfg.parallel, cfg.train
     mesh = build_mesh(device.type, p.pp, dp, p.tp)
     is_logger = rank_env.rank == 0
+    report = print if is_logger and cfg.logging.progress != "none" else (lambda message: None)
     run_dir = Path(cfg.run_dir)
     seed_everything(t.seed, rank_env.rank)
 
@@ -183,11 +200,20 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device) -> TrainResu
     flops_token, peak_flops = flops_per_token(cfg.model), device_peak_flops(device)
     tokens_per_step = global_batch * cfg.model.seq_len
 
+    checkpointer = Checkpointer(cfg, model, optimizer, report)
+    start_step = 0
+    progress = checkpointer.resume() if cfg.checkpoint.resume else None
+    if progress is not None:
+        start_step = progress["step"]
+        sampler.load_state_dict(progress)
+        if scaler is not None and progress.get("loss_scaler"):
+            scaler.load_state_dict(progress["loss_scaler"])
+
     log = None
     if is_logger:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        log = MetricsLog(run_dir, t.steps, cfg.logging.progress)
+        keep_metrics_until(run_dir / "metrics.jsonl", start_step)
+        log = MetricsLog(run_dir, t.steps, cfg.logging.progress, start_step)
         with torch.device("meta"):  # the whole model's size, without allocating it
             n_params = count_params(GPT(cfg.model))
         log.message(
@@ -196,38 +222,61 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device) -> TrainResu
             f"{global_batch} x {cfg.model.seq_len} tokens | {train_set.prefix} ({len(train_set):,} samples)"
         )
 
+    def save(step: int) -> None:
+        loss_scaler = scaler.state_dict() if scaler else None
+        checkpointer.save(
+            step, {"step": step, "consumed_samples": sampler.consumed_samples, "loss_scaler": loss_scaler}
+        )
+
     result = TrainResult()
-    for step in range(1, t.steps + 1):
+    saved_step = start_step
+    for step in range(start_step + 1, t.steps + 1):
         lr = lr_at(step - 1, cfg.optim, t.steps)
         start = time.perf_counter()
         micro_batches = rank_micro_batches(train_set, sampler.next_micro_batches(), device)
-        stats = train_step(model, optimizer, micro_batches, lr, cfg.optim.grad_clip, scaler)
+        stats = train_step(model, optimizer, micro_batches, lr, cfg.optim.grad_clip, scaler, step)
         elapsed = time.perf_counter() - start
         result.losses.append(stats.loss)
 
         record = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm}
         if valid_set is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             record["eval_loss"] = result.eval_losses[step] = evaluate(model, valid_set, cfg)
-        memory = torch.tensor(float(peak_memory_bytes(device)), device=device)
-        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
+        agreed = torch.tensor([float(peak_memory_bytes(device)), float(stop.signum is not None)], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         tokens_per_s = tokens_per_step / elapsed
         record.update(
             tokens_per_s=tokens_per_s,
             tflops=tokens_per_s * flops_token / rank_env.world_size / 1e12,
             mfu=tokens_per_s * flops_token / (rank_env.world_size * peak_flops),
-            memory_gb=memory.item() / 1e9,
+            memory_gb=agreed[0].item() / 1e9,
             step_time_s=elapsed,
             consumed_samples=sampler.consumed_samples,
         )
         if scaler:
             record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
+        if progress is not None and step == start_step + 1:  # where this run picked up, for the record
+            record["resumed_from"] = progress["resumed_from"]
         if log:
             log.write(record, show=step % cfg.logging.log_interval == 0 or step == t.steps)
+        interval = cfg.checkpoint.interval
+        if agreed[1].item() or (interval and (step % interval == 0 or step == t.steps)):
+            save(step)
+            saved_step = step
+        if agreed[1].item():
+            checkpointer.wait()
+            report(f"stop signal received: checkpoint of step {step} committed, stopping")
+            if is_logger:
+                result.requeued = requeue_slurm_job(cfg.slurm.max_requeues, report)
+            dist.barrier()
+            return result
+    checkpointer.wait()
 
     final_state = full_state_dict(model) if t.save_final_model else None
     if is_logger:
         if final_state is not None:
             save_final_model(final_state, run_dir)
-        log.message(f"done: final loss {result.losses[-1]:.4f}; metrics in {run_dir / 'metrics.jsonl'}")
+        final = f"final loss {result.losses[-1]:.4f}" if result.losses else f"already at step {saved_step}"
+        log.message(f"done: {final}; metrics in {run_dir / 'metrics.jsonl'}")
         log.close()
     return result

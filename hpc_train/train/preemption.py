@@ -1,0 +1,46 @@
+"""Preemption: a signal only sets a flag; the ranks agree on it at the end of a step (one MAX
+all-reduce), save a checkpoint together and stop. Under Slurm the job then requeues itself.
+
+Slurm sends the warning signal (`--signal=USR2@<delay>`, submitit's choice) before the time limit and
+SIGTERM before preempting or cancelling a job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous = {}
+
+    def install(self) -> StopRequest:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def requeue_slurm_job(max_requeues: int, report) -> bool:
+    """Rank 0: put this Slurm job back in the queue (it resumes from `latest`), up to max_requeues times."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id is None:
+        return False
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    if restarts >= max_requeues:
+        report(f"not requeueing job {job_id}: it was already requeued {restarts} times (slurm.max_requeues)")
+        return False
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    report(f"requeued job {job_id} (restart {restarts + 1} of at most {max_requeues})")
+    return True
