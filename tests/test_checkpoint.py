@@ -5,8 +5,10 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -224,3 +226,36 @@ def test_keep_last_and_keep_every(saved_run, tmp_path, small_corpus):
     assert done.returncode == 0, done.stderr
     kept = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept == ["step_0000004", "step_0000008", "step_0000010", "step_0000012"]
+
+
+def wait_for_step(run_dir, step, proc=None, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir)) >= step:
+            return
+        assert proc is None or proc.poll() is None, "training ended before the signal"
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def test_sigterm_saves_asynchronously_and_resumes(tmp_path, small_corpus):
+    """SIGTERM to the local launcher reaches both ranks: they finish the step, commit a checkpoint (written
+    by an async save) and exit cleanly; the rerun resumes there and ends on the uninterrupted curve."""
+    args = [*COMMON, f"data.train_path={small_corpus}", "train.steps=400", "train.micro_batch_size=4",
+            "parallel.nproc=2", "checkpoint.interval=0", "checkpoint.async_save=true",
+            "logging.progress=lines"]  # fmt: skip
+    cmd = [sys.executable, "-m", "hpc_train.cli", "train", *args]
+    proc = subprocess.Popen([*cmd, f"run_dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    wait_for_step(tmp_path / "run", 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    stopped_at = len(read_metrics(tmp_path / "run"))
+    assert stopped_at < 400 and f"checkpoint of step {stopped_at} committed, stopping" in out
+    assert CheckpointStore(tmp_path / "run/checkpoints").newest_valid().step == stopped_at
+    steps = f"train.steps={stopped_at + 3}"  # the same schedule: only how far it runs differs
+    for run in ("run", "uninterrupted"):
+        subprocess.run([*cmd, f"run_dir={tmp_path / run}", steps, "optim.decay_steps=400"], cwd=ROOT, check=True,
+                       capture_output=True)  # fmt: skip
+    assert [r["step"] for r in resumed_from(tmp_path / "run")] == [stopped_at]
+    assert losses(tmp_path / "run") == losses(tmp_path / "uninterrupted")

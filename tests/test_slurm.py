@@ -133,3 +133,39 @@ def test_sbatch_template_runs_the_same_entry_point(make_cfg, tmp_path):
     assert len(read_metrics(tmp_path / "run")) == 2
     log = next(tmp_path.glob("slurm-*.out")).read_text()
     assert "world 2 (pp 1, dp 2, tp 1)" in log and "step 2 | loss" in log
+
+
+def sacct_state(job_id: str) -> str:
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-o", "State"], capture_output=True, text=True).stdout
+    return out.split()[0] if out.split() else ""
+
+
+def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
+    """A running job gets Slurm's warning signal: every rank finishes its step, a checkpoint is committed,
+    the job requeues itself, restarts, resumes from it and ends with the uninterrupted run's losses."""
+    corpus = make_cfg().data.train_path
+    common = [*TINY_MODEL, f"data.train_path={corpus}", "train.steps=150", "train.micro_batch_size=4"]
+    run_dir = tmp_path / "preempted"
+    submitted = hpc_train("submit", *common, "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.time=00:30:00",
+                          f"run_dir={run_dir}")  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.split("submitted job ")[1].split(":")[0]
+    deadline = time.monotonic() + 120
+    while not ((run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir)) >= 5):
+        assert time.monotonic() < deadline and sacct_state(job_id) in ("PENDING", "RUNNING", ""), sacct_state(job_id)
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    states = []
+    while (state := sacct_state(job_id)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() < deadline + 60, states
+        states.append(state)
+        time.sleep(0.5)
+    assert state == "COMPLETED", states
+    (origin,) = [m["resumed_from"] for m in read_metrics(run_dir) if "resumed_from" in m]
+    assert 5 <= origin["step"] < 150
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 151))
+    log = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert "requeued job" in log and "resumed from" in log
+    uninterrupted = make_cfg("train.steps=150", "train.micro_batch_size=4", "parallel.nproc=2", run="straight")
+    launch_local(run_training, 2, uninterrupted)
+    assert [m["loss"] for m in read_metrics(run_dir)] == [m["loss"] for m in read_metrics(uninterrupted.run_dir)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 PORT_BASE, PORT_SPAN = 20000, 20000
+# Slurm's warning before the time limit (--signal=USR2@<delay>, submitit's choice) and its preemption/cancel
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
-from hpc_train.launch.bootstrap import RankEnv
+from hpc_train.launch.bootstrap import STOP_SIGNALS, RankEnv
 
 
 def free_port() -> int:
@@ -27,9 +29,24 @@ def _spawned(rank: int, entry: Callable[..., Any], nproc: int, port: int, args: 
 
 def launch_local(entry: Callable[..., Any], nproc: int, *args: Any) -> Any:
     """Run `entry(rank_env, *args)` on `nproc` ranks. One rank runs in this process and its result is
-    returned; several are spawned, and the first failing rank's traceback is raised here."""
+    returned; several are spawned, and the first failing rank's traceback is raised here. SIGTERM and
+    SIGUSR2 sent to this launcher reach every rank, as Slurm signals every task of a job."""
     port = free_port()
     if nproc == 1:
         return entry(local_rank_env(0, 1, port), *args)
-    mp.start_processes(_spawned, args=(entry, nproc, port, args), nprocs=nproc, start_method="spawn")
+    context = mp.start_processes(_spawned, args=(entry, nproc, port, args), nprocs=nproc, start_method="spawn",
+                                 join=False)  # fmt: skip
+
+    def forward(signum, frame):
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        while not context.join():
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return None

@@ -7,6 +7,7 @@ AdamW) -> metrics.jsonl, eval, final weights.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -179,7 +180,7 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRe
     p, t = cfg.parallel, cfg.train
     mesh = build_mesh(device.type, p.pp, dp, p.tp)
     is_logger = rank_env.rank == 0
-    report = print if is_logger and cfg.logging.progress != "none" else (lambda message: None)
+    report = functools.partial(print, flush=True) if is_logger else (lambda message: None)  # events, always shown
     run_dir = Path(cfg.run_dir)
     seed_everything(t.seed, rank_env.rank)
 

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+from hpc_train.launch.bootstrap import STOP_SIGNALS
 
 
 class StopRequest:
