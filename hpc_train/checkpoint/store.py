@@ -60,12 +60,15 @@ def describe_files(directory: Path, names: list[str]) -> dict[str, dict]:
 
 
 def fault_point(point: str, step: int, rank: int) -> None:
-    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>] kills this process with SIGKILL there."""
+    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang]] kills this process with SIGKILL
+    there (or makes it hang, as a stuck rank would)."""
     spec = os.environ.get("HPC_TRAIN_FAULT", "")
     if not spec:
         return
-    name, at_step, *at_rank = spec.split("@")
-    if name == point and int(at_step) == step and int(at_rank[0] if at_rank else 0) == rank:
+    name, at_step, *rest = spec.split("@")
+    if name == point and int(at_step) == step and int(rest[0] if rest else 0) == rank:
+        if rest[1:] == ["hang"]:
+            time.sleep(10**6)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
