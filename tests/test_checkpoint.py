@@ -259,3 +259,13 @@ def test_sigterm_saves_asynchronously_and_resumes(tmp_path, small_corpus):
                        capture_output=True)  # fmt: skip
     assert [r["step"] for r in resumed_from(tmp_path / "run")] == [stopped_at]
     assert losses(tmp_path / "run") == losses(tmp_path / "uninterrupted")
+
+
+def test_hung_rank_ends_the_job_with_an_error_naming_it(tmp_path, small_corpus):
+    """Rank 1 hangs inside step 2: rank 0's collective times out and the error says which rank stopped where."""
+    start = time.monotonic()
+    out = hpc_train_train(tmp_path, small_corpus, 4, "mid_step@2@1@hang", ["parallel.timeout_s=5"])
+    assert out.returncode != 0
+    assert "rank 0: a collective timed out after parallel.timeout_s=5s" in out.stderr
+    assert "rank 1 started step 2 (the others finished the backward pass of step 2)" in out.stderr
+    assert time.monotonic() - start < 60

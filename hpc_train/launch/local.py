@@ -44,7 +44,9 @@ def launch_local(entry: Callable[..., Any], nproc: int, *args: Any) -> Any:
 
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
-        while not context.join():
+        # once a rank has failed the others cannot finish a step: 5 s to exit, then SIGKILL (a hung rank
+        # keeps ignoring SIGTERM, which it treats as a request to stop after its current step)
+        while not context.join(grace_period=5):
             pass
     finally:
         for sig, handler in previous.items():

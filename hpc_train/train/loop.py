@@ -25,6 +25,7 @@ from hpc_train.config import ConfigError, JobConfig, to_yaml, validate
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import dataset_prefixes
 from hpc_train.data.sampler import ResumableSampler
+from hpc_train.distributed import watchdog
 from hpc_train.distributed.grads import clip_grad_norm
 from hpc_train.distributed.mesh import MESH_DIMS, build_mesh
 from hpc_train.distributed.parallelize import (
@@ -100,6 +101,7 @@ def train_step(
     model.loss_scale = scaler.scale if scaler else 1.0
     loss = forward_backward(model, micro_batches)
     fault_point("mid_step", step, dist.get_rank())
+    watchdog.record(step, 1)
     grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler)
     return StepResult(reduce_loss(model, loss), grad_norm if grad_norm is not None else float("nan"))
 
@@ -163,6 +165,13 @@ def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
     stop = StopRequest().install()
     try:
         return _train(cfg, rank_env, device, stop)
+    except RuntimeError as err:
+        if not watchdog.is_timeout(err):
+            raise
+        raise RuntimeError(
+            f"rank {rank_env.rank}: a collective timed out after parallel.timeout_s={cfg.parallel.timeout_s}s: "
+            f"a peer stopped responding: {watchdog.stragglers(rank_env.world_size)}"
+        ) from err
     finally:
         stop.uninstall()
         dist.destroy_process_group()
@@ -232,6 +241,7 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRe
     result = TrainResult()
     saved_step = start_step
     for step in range(start_step + 1, t.steps + 1):
+        watchdog.record(step, 0)
         lr = lr_at(step - 1, cfg.optim, t.steps)
         start = time.perf_counter()
         micro_batches = rank_micro_batches(train_set, sampler.next_micro_batches(), device)
@@ -260,6 +270,7 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRe
             record["resumed_from"] = progress["resumed_from"]
         if log:
             log.write(record, show=step % cfg.logging.log_interval == 0 or step == t.steps)
+        watchdog.record(step, 2)
         interval = cfg.checkpoint.interval
         if agreed[1].item() or (interval and (step % interval == 0 or step == t.steps)):
             save(step)
