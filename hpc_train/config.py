@@ -40,7 +40,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # none | selective (attention core) | full (whole layers)
+    recompute_every: int = 1  # with a policy: recompute every k-th layer of each pipeline stage
+    recompute_first: int | None = None  # with a policy: only the first M layers of each stage (None = all)
 
     def ffn_size(self) -> int:
         """The SwiGLU hidden size: ffn_hidden, or 8/3 * d_model rounded up to ffn_multiple."""
@@ -169,7 +171,8 @@ CHOICES = {
 }
 POSITIVE = (
     "model.n_layers", "model.n_heads", "model.d_model", "model.seq_len", "model.vocab_size",
-    "model.vocab_multiple", "model.ffn_multiple", "parallel.nproc", "parallel.tp", "parallel.pp",
+    "model.vocab_multiple", "model.ffn_multiple", "model.recompute_every", "parallel.nproc", "parallel.tp",
+    "parallel.pp",
     "parallel.virtual_stages", "parallel.timeout_s", "train.steps", "train.micro_batch_size",
     "train.grad_accum", "train.eval_batches", "train.initial_loss_scale", "train.loss_scale_window",
     "slurm.nodes", "slurm.tasks_per_node", "logging.log_interval",
@@ -270,18 +273,7 @@ def derive_dp(cfg: JobConfig, world_size: int) -> int:
     return dp
 
 
-def unavailable_features(cfg: JobConfig) -> list[str]:
-    """Settings this release accepts in the schema but cannot run yet, each with the value that works."""
-    checks = [
-        (
-            cfg.model.recompute != "none",
-            "model.recompute policies are not built yet; use model.recompute=none",
-        ),
-    ]
-    return [message for failed, message in checks if failed]
-
-
-def validate(cfg: JobConfig, world_size: int, check_paths: bool = True, check_available: bool = True) -> int:
+def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
     """Check choices, ranges, paths and the parallel layout; return the data-parallel size."""
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
@@ -336,9 +328,6 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True, check_av
     check_pipeline(cfg)
     if cfg.model.tie_embeddings and p.tp * p.pp > 1:
         raise ConfigError("model.tie_embeddings=true is supported only with parallel.tp=1 and parallel.pp=1")
-    unavailable = unavailable_features(cfg) if check_available else []
-    if unavailable:
-        raise ConfigError("; ".join(unavailable))
     if check_paths:
         for key in ("data.train_path", "data.valid_path"):
             check_data_path(key, _get(cfg, key))

@@ -71,7 +71,7 @@ def test_presets_have_consistent_layouts(preset):
     cfg = load_config(ROOT / f"configs/{preset}.yaml")
     world = cfg.slurm.nodes * cfg.slurm.tasks_per_node
     assert cfg.slurm.gpus_per_node == cfg.slurm.tasks_per_node
-    dp = validate(cfg, world, check_paths=False, check_available=False)
+    dp = validate(cfg, world, check_paths=False)
     assert dp * cfg.parallel.tp * cfg.parallel.pp == world
 
 

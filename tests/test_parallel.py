@@ -31,6 +31,12 @@ LAYOUTS = {
     "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2", SP, "train.micro_batch_size=2", "train.grad_accum=2"]),
     "dp2": (2, ["train.micro_batch_size=4"]),
     "dp4": (4, ["train.micro_batch_size=2"]),
+    # activation recompute changes memory, never numbers
+    "tp2_sp_full_recompute": (2, ["parallel.tp=2", SP, "train.micro_batch_size=8", "model.recompute=full"]),
+    "pp2_selective_recompute": (
+        2,
+        ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", "model.recompute=selective"],
+    ),
 }
 # ZeRO-1 (small buckets: several buckets, shard boundaries inside parameters) against the same layout
 # with plain data parallelism

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from hpc_train.config import JobConfig
-from hpc_train.model.gpt import GPT
+from hpc_train.model.gpt import GPT, apply_recompute
 
 SCHEDULES = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -27,7 +27,9 @@ def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 def build_stage_model(cfg: JobConfig, stage: int, num_stages: int, tp: int) -> GPT:
     per_stage = cfg.model.n_layers // num_stages
     layers = range(stage * per_stage, (stage + 1) * per_stage)
-    return GPT(cfg.model, tp=tp, layer_ids=layers, first=stage == 0, last=stage == num_stages - 1)
+    model = GPT(cfg.model, tp=tp, layer_ids=layers, first=stage == 0, last=stage == num_stages - 1)
+    apply_recompute(model, cfg.model)
+    return model
 
 
 def build_schedule(

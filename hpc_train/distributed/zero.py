@@ -66,6 +66,9 @@ class DataParallelOptimizer:
     def state_bytes(self) -> int:
         return sum(t.nbytes for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
 
+    def grad_buffer_bytes(self) -> int:
+        return 0  # reduces the parameters' own gradients in place
+
     def param_states(self) -> list[dict[str, torch.Tensor]]:
         """Per parameter, in the parameter's own shape and placement: exp_avg, exp_avg_sq."""
         return [{k: self.optimizer.state[p][k] for k in MOMENTS} for p in self.params]
@@ -234,6 +237,10 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             for run in bucket.runs:
                 run.master.grad = None
+
+    def grad_buffer_bytes(self) -> int:
+        """The fp32 reduction buckets and this rank's reduce-scattered slices."""
+        return sum(b.grad.nbytes + b.grad_shard.nbytes for b in self.buckets)
 
     def _gather_bucket(self, bucket: _Bucket, owned: list[torch.Tensor]) -> torch.Tensor:
         """All-gather the dp ranks' owned slices of one fp32 quantity into the whole bucket."""

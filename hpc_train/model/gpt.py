@@ -14,6 +14,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ModelConfig
 
@@ -40,6 +41,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.recompute_core = False  # selective recompute: keep only q, k, v for the attention core
         self.head_dim = cfg.d_model // cfg.n_heads
         kv_heads = cfg.n_kv_heads or cfg.n_heads
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
@@ -56,7 +58,10 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its q group
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(F.scaled_dot_product_attention, q, k, v, is_causal=True, use_reentrant=False)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -75,14 +80,31 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.recompute_all = False  # full recompute: keep only the block's input
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute_all and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def apply_recompute(model: GPT, cfg: ModelConfig) -> None:
+    """Activation recompute (torch.utils.checkpoint, non-reentrant) for the blocks of this model or
+    pipeline stage: `selective` recomputes the attention core, `full` whole blocks; with
+    `recompute_every=k` only every k-th block of the stage, with `recompute_first=M` only its first M."""
+    for i, block in enumerate(model.layers.values()):
+        chosen = cfg.recompute != "none" and i % cfg.recompute_every == 0
+        chosen = chosen and (cfg.recompute_first is None or i < cfg.recompute_first)
+        block.recompute_all = chosen and cfg.recompute == "full"
+        block.attn.recompute_core = chosen and cfg.recompute == "selective"
 
 
 class GPT(nn.Module):

@@ -42,6 +42,7 @@ from hpc_train.distributed.zero import DataParallelOptimizer, ZeroOptimizer, bui
 from hpc_train.launch.bootstrap import RankEnv, describe_rank, init_distributed, select_device
 from hpc_train.model.gpt import GPT, count_params, flops_per_token
 from hpc_train.train.loss_scale import LossScaler
+from hpc_train.train.memory import SavedActivations, tensor_bytes
 from hpc_train.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes
 from hpc_train.train.optim import lr_at
 from hpc_train.train.preemption import StopRequest, requeue_slurm_job
@@ -55,6 +56,7 @@ FINAL_MODEL = "model_final.pt"
 class StepResult:
     loss: float  # mean over the global batch
     grad_norm: float
+    memory: dict[str, int] = field(default_factory=dict)  # this rank's bytes by category
 
 
 @dataclass
@@ -99,11 +101,19 @@ def train_step(
 ) -> StepResult:
     """One optimizer step on this rank's micro-batches; the loss is the global-batch mean."""
     model.loss_scale = scaler.scale if scaler else 1.0
-    loss = forward_backward(model, micro_batches)
+    params = model.parameters
+    with SavedActivations(params) as saved:
+        loss = forward_backward(model, micro_batches)
     fault_point("mid_step", step, dist.get_rank())
     watchdog.record(step, 1)
+    memory = {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params) + optimizer.grad_buffer_bytes(),
+        "activations_per_microbatch": saved.bytes // len(micro_batches),
+    }
     grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler)
-    return StepResult(reduce_loss(model, loss), grad_norm if grad_norm is not None else float("nan"))
+    memory["optimizer"] = optimizer.state_bytes()
+    return StepResult(reduce_loss(model, loss), grad_norm if grad_norm is not None else float("nan"), memory)
 
 
 def rank_micro_batches(dataset: IndexedDataset, indices: list[np.ndarray], device: torch.device) -> MicroBatches:
@@ -263,6 +273,7 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRe
             memory_gb=agreed[0].item() / 1e9,
             step_time_s=elapsed,
             consumed_samples=sampler.consumed_samples,
+            memory_bytes=stats.memory,  # rank 0's, by category
         )
         if scaler:
             record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
