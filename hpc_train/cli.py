@@ -1,4 +1,4 @@
-"""The `hpc-train` command: train, submit, config show, ckpt, prepare-data."""
+"""The `hpc-train` command: train, submit, plan, config show, ckpt, prepare-data."""
 
 from __future__ import annotations
 
@@ -38,10 +38,47 @@ def cmd_config_show(args: argparse.Namespace) -> None:
     print(f"# valid for world size {world}: pp={cfg.parallel.pp} dp={dp} tp={cfg.parallel.tp}", file=sys.stderr)
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    import json
+
+    from hpc_train import planner
+
+    cfg = _config_and_overrides(args)
+    world = args.world or planner.plan_world(cfg)
+    gpu_mem = args.gpu_mem * 2**30 if args.gpu_mem else cfg.slurm.gpu_mem_gb * 2**30
+    if args.search:
+        rows = planner.search(cfg, world, gpu_mem, args.peak_tflops * 1e12)
+        print(json.dumps(rows, indent=1) if args.json else planner.format_search(rows))
+        return
+    dp = validate(cfg, world, check_paths=False)
+    plan = planner.estimate(cfg, dp)
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "fits": plan.total <= gpu_mem, "gpu_mem": gpu_mem}, indent=1))
+    else:
+        print(planner.format_estimate(cfg, dp, plan, gpu_mem))
+
+
+def check_fits(cfg: JobConfig) -> None:
+    """Before a GPU job is submitted: the planner's total per rank against slurm.gpu_mem_gb."""
+    from hpc_train import planner
+
+    if not cfg.slurm.gpus_per_node:
+        return
+    dp = validate(cfg, planner.plan_world(cfg), check_paths=False)
+    plan, gpu_mem = planner.estimate(cfg, dp), cfg.slurm.gpu_mem_gb * 2**30
+    if plan.total > gpu_mem:
+        raise ConfigError(
+            "the planner says this layout does not fit (use --force to submit anyway, or `hpc-train plan "
+            f"CONFIG --search` for layouts that do):\n{planner.format_estimate(cfg, dp, plan, gpu_mem)}"
+        )
+
+
 def cmd_submit(args: argparse.Namespace) -> None:
     from hpc_train.launch import slurm
 
     cfg = _config_and_overrides(args)
+    if not args.force:
+        check_fits(cfg)
     if args.dry_run:
         print(slurm.dry_run(cfg), end="")
         return
@@ -112,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     submit = with_config(sub.add_parser("submit", help="submit a Slurm job (sbatch through submitit)"))
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch script and config; submit nothing")
     submit.add_argument("--wait", action="store_true", help="follow the job to its end, streaming rank 0's output")
+    submit.add_argument("--force", action="store_true", help="submit even if the planner says it does not fit")
+    plan = with_config(sub.add_parser("plan", help="memory per rank of a layout; --search ranks layouts"))
+    plan.add_argument("--gpu-mem", type=float, help="GiB per GPU (default: slurm.gpu_mem_gb)")
+    plan.add_argument("--search", action="store_true", help="enumerate layouts, rank those that fit by step time")
+    plan.add_argument("--world", type=int, help="ranks (default: slurm nodes x tasks on GPUs, else parallel.nproc)")
+    plan.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, for --search (H100 bf16)")
+    plan.add_argument("--json", action="store_true")
     ckpt = sub.add_parser("ckpt", help="list, verify (checksums) or inspect a run's checkpoints")
     ckpt.add_argument("ckpt_command", choices=["list", "verify", "inspect"])
     ckpt.add_argument("run_dir", help="a run directory or its checkpoints directory")
@@ -129,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {
     "train": cmd_train,
     "submit": cmd_submit,
+    "plan": cmd_plan,
     "config": cmd_config_show,
     "ckpt": cmd_ckpt,
     "prepare-data": cmd_prepare_data,

@@ -123,6 +123,7 @@ class SlurmConfig:
     nodes: int = 1
     tasks_per_node: int = 1
     gpus_per_node: int = 0  # 0 = CPU job; otherwise must equal tasks_per_node
+    gpu_mem_gb: float = 80.0  # per GPU (GiB): `submit` refuses a layout the planner says does not fit
     cpus_per_task: int | None = None
     mem: str | None = None  # e.g. 200G, or 0 for all of a node's memory
     time: str = "01:00:00"  # MM, HH:MM:SS or D-HH:MM:SS

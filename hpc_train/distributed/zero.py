@@ -64,7 +64,8 @@ class DataParallelOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_bytes(self) -> int:
-        return sum(t.nbytes for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
+        """Bytes of the AdamW moments this rank holds (its tp shards)."""
+        return sum(local(t).nbytes for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
 
     def grad_buffer_bytes(self) -> int:
         return 0  # reduces the parameters' own gradients in place
