@@ -1,7 +1,6 @@
 """Fault tolerance with real processes, real SIGKILLs and real files: bit-exact resume, crashes at every
 point of the commit protocol, corrupted checkpoints, and resharding to another layout."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import pytest
 
 from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.config import load_config
-from hpc_train.launch.local import free_port, launch_local
+from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
@@ -33,13 +32,8 @@ def resumed_from(run_dir) -> list[dict]:
     return [m["resumed_from"] for m in read_metrics(run_dir) if "resumed_from" in m]
 
 
-def _run_sequence(rank_env, ports, cfgs):
-    for port, cfg in zip(ports, cfgs, strict=True):
-        run_training(dataclasses.replace(rank_env, master_port=port), cfg)
-
-
 def launch(world, *cfgs):
-    launch_local(_run_sequence, world, [free_port() for _ in cfgs], list(cfgs))
+    launch_sequence(run_training, world, [(cfg,) for cfg in cfgs])
 
 
 @pytest.fixture(scope="module")

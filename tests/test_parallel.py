@@ -5,12 +5,10 @@ per layout) to keep the suite fast. Compared against the single-process run: the
 gradient norm of every step, and the final parameters gathered to full tensors.
 """
 
-import dataclasses
-
 import pytest
 
 from hpc_train.config import load_config
-from hpc_train.launch.local import free_port, launch_local
+from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
@@ -53,11 +51,6 @@ for _name, _base in ZERO_LAYOUTS.items():
     LAYOUTS[_name] = (LAYOUTS[_base][0], [*LAYOUTS[_base][1], *ZERO1, *_offload])
 
 
-def _run_layouts(rank_env, ports, cfgs):
-    for port, cfg in zip(ports, cfgs, strict=True):
-        run_training(dataclasses.replace(rank_env, master_port=port), cfg)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus):
     base = tmp_path_factory.mktemp("layouts")
@@ -68,7 +61,7 @@ def runs(tmp_path_factory, small_corpus):
     for world in sorted({w for w, _ in LAYOUTS.values()}):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
         cfgs = [cfg(n, [*LAYOUTS[n][1], f"parallel.nproc={world}"]) for n in names]
-        launch_local(_run_layouts, world, [free_port() for _ in names], cfgs)
+        launch_sequence(run_training, world, [(c,) for c in cfgs])
     return base
 
 

@@ -27,6 +27,18 @@ def _spawned(rank: int, entry: Callable[..., Any], nproc: int, port: int, args: 
     entry(local_rank_env(rank, nproc, port), *args)
 
 
+def _sequence(rank_env: RankEnv, ports: list[int], runs: list[tuple]) -> None:
+    for port, (entry, args) in zip(ports, runs, strict=True):
+        entry(local_rank_env(rank_env.rank, rank_env.world_size, port), *args)
+
+
+def launch_sequence(entry: Callable[..., Any], nproc: int, arg_lists: list[tuple]) -> None:
+    """`entry(rank_env, *args)` for each args in turn, in the same `nproc` worker processes (each run with
+    a rendezvous port of its own): what benchmarks and tests use to try many layouts cheaply."""
+    runs = [(entry, tuple(args)) for args in arg_lists]
+    launch_local(_sequence, nproc, [free_port() for _ in runs], runs)
+
+
 def launch_local(entry: Callable[..., Any], nproc: int, *args: Any) -> Any:
     """Run `entry(rank_env, *args)` on `nproc` ranks. One rank runs in this process and its result is
     returned; several are spawned, and the first failing rank's traceback is raised here. SIGTERM and

@@ -1,0 +1,91 @@
+"""The planner's prediction against exact measurement, for a grid of layouts and recompute policies:
+two real training steps per layout (step 2 is read: a pipeline stage runs one extra forward on its first
+step to infer shapes), rank 0's parameter, gradient, optimizer and saved-activation bytes per micro-batch
+(exact counts on CPU; see hpc_train/train/memory.py) beside the planner's. tests/test_planner.py asserts
+the same grid within 5%. On a GPU machine, pass train.device=cuda to run the same grid there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from hpc_train.config import JobConfig, load_config
+from hpc_train.data.prepare import prepare_data, stdlib_sources
+from hpc_train.launch.local import launch_sequence
+from hpc_train.planner import activation_bytes, estimate
+from hpc_train.train.loop import run_training
+
+SP = "parallel.sequence_parallel=true"
+ZERO1_BF16 = ["optim.zero_stage=1", "train.precision=bf16"]
+LAYOUTS = {  # name -> (world size, overrides)
+    "fp32": (1, []),
+    "selective": (1, ["model.recompute=selective"]),
+    "full": (1, ["model.recompute=full"]),
+    "full_every_2": (1, ["model.recompute=full", "model.recompute_every=2"]),
+    "zero1_bf16": (1, ZERO1_BF16),
+    "tp2": (2, ["parallel.tp=2"]),
+    "tp2_sp": (2, ["parallel.tp=2", SP]),
+    "tp2_sp_full": (2, ["parallel.tp=2", SP, "model.recompute=full"]),
+    "tp2_sp_zero1_bf16": (2, ["parallel.tp=2", SP, *ZERO1_BF16]),
+    "dp2_zero1": (2, ["optim.zero_stage=1"]),
+    "pp2_1f1b": (2, ["parallel.pp=2", "train.grad_accum=2"]),
+    "pp2_interleaved": (
+        2,
+        ["parallel.pp=2", "train.grad_accum=2", "parallel.virtual_stages=2", "parallel.schedule=interleaved_1f1b"],
+    ),  # fmt: skip
+    "tp2_pp2_sp_selective": (
+        4,
+        ["parallel.tp=2", "parallel.pp=2", SP, "train.grad_accum=2", "model.recompute=selective"],
+    ),  # fmt: skip
+}
+MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
+RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",
+       "optim.warmup_steps=2"]  # fmt: skip
+CATEGORIES = ("params", "grads", "optimizer", "activations_per_microbatch")
+
+
+def measure(corpus: str, base: Path, extra: list[str] = ()) -> dict[str, tuple[JobConfig, dict, dict]]:
+    """name -> (config, measured bytes, predicted bytes) for every layout of the grid."""
+    import json
+
+    cfgs = {n: load_config(None, [*MODEL, *RUN, f"data.train_path={corpus}", f"run_dir={base / n}",
+                                  f"parallel.nproc={w}", *o, *extra]) for n, (w, o) in LAYOUTS.items()}  # fmt: skip
+    for world in sorted({w for w, _ in LAYOUTS.values()}):
+        launch_sequence(run_training, world, [(cfgs[n],) for n, (w, _) in LAYOUTS.items() if w == world])
+    out = {}
+    for name, cfg in cfgs.items():
+        measured = json.loads((base / name / "metrics.jsonl").read_text().splitlines()[1])["memory_bytes"]
+        world = LAYOUTS[name][0]
+        plan = estimate(cfg, world // (cfg.parallel.tp * cfg.parallel.pp))
+        predicted = {"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer,
+                     "activations_per_microbatch": activation_bytes(cfg)}  # fmt: skip
+        out[name] = (cfg, measured, predicted)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("overrides", nargs="*", default=[], help="extra key=value for every layout")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = str(Path(tmp) / "corpus")
+        prepare_data(stdlib_sources()[:40], corpus, progress=False)
+        results = measure(corpus, Path(tmp), args.overrides)
+    print(f"{'layout':<22}" + "".join(f"{c[:11]:>26}" for c in (*CATEGORIES, "total")))
+    print(f"{'':<22}" + "   predicted/measured KiB" * 5)
+    worst = 0.0
+    for name, (_, got, want) in results.items():
+        cells = []
+        for key in (*CATEGORIES, "total"):
+            g = sum(got[c] for c in CATEGORIES) if key == "total" else got[key]
+            w = sum(want[c] for c in CATEGORIES) if key == "total" else want[key]
+            worst = max(worst, abs(w / g - 1))
+            cells.append(f"{w / 1024:>9.0f}/{g / 1024:<9.0f}{100 * (w / g - 1):+5.1f}%")
+        print(f"{name:<22}" + "".join(f"{c:>26}" for c in cells))
+    print(f"largest error: {100 * worst:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
