@@ -144,6 +144,9 @@ class SlurmConfig:
 class LoggingConfig:
     log_interval: int = 1
     progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | none
+    breakdown: bool = False  # per-step time of forward+backward, gradient reduction, optimizer, bubble estimate
+    profile_steps: list[int] = field(default_factory=list)  # [a, b]: torch.profiler trace of steps a..b
+    tensorboard: bool = False  # also write the metrics to <run_dir>/tensorboard
 
 
 @dataclass
@@ -324,6 +327,9 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
     if cfg.optim.zero_stage not in (0, 1):
         raise ConfigError(f"optim.zero_stage={cfg.optim.zero_stage} is not supported; use 0 or 1")
+    steps = cfg.logging.profile_steps
+    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+        raise ConfigError(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
     if cfg.optim.offload != "none" and cfg.optim.zero_stage == 0:
         raise ConfigError("optim.offload=cpu offloads the sharded optimizer state: set optim.zero_stage=1")
     check_pipeline(cfg)

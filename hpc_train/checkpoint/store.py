@@ -60,8 +60,8 @@ def describe_files(directory: Path, names: list[str]) -> dict[str, dict]:
 
 
 def fault_point(point: str, step: int, rank: int) -> None:
-    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang]] kills this process with SIGKILL
-    there (or makes it hang, as a stuck rank would)."""
+    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang|@oom]] kills this process with
+    SIGKILL there (or makes it hang, as a stuck rank would, or raises an out-of-memory error)."""
     spec = os.environ.get("HPC_TRAIN_FAULT", "")
     if not spec:
         return
@@ -69,6 +69,10 @@ def fault_point(point: str, step: int, rank: int) -> None:
     if name == point and int(at_step) == step and int(rest[0] if rest else 0) == rank:
         if rest[1:] == ["hang"]:
             time.sleep(10**6)
+        if rest[1:] == ["oom"]:
+            import torch
+
+            raise torch.OutOfMemoryError(f"injected by HPC_TRAIN_FAULT={spec}")
         os.kill(os.getpid(), signal.SIGKILL)
 
 

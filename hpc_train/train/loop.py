@@ -26,7 +26,7 @@ from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import dataset_prefixes
 from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed import watchdog
-from hpc_train.distributed.grads import clip_grad_norm
+from hpc_train.distributed.grads import clip_grad_norm, local
 from hpc_train.distributed.mesh import MESH_DIMS, build_mesh
 from hpc_train.distributed.parallelize import (
     MicroBatches,
@@ -41,11 +41,13 @@ from hpc_train.distributed.parallelize import (
 from hpc_train.distributed.zero import DataParallelOptimizer, ZeroOptimizer, build_optimizer
 from hpc_train.launch.bootstrap import RankEnv, describe_rank, init_distributed, select_device
 from hpc_train.model.gpt import GPT, count_params, flops_per_token
+from hpc_train.planner import estimate
 from hpc_train.train.loss_scale import LossScaler
 from hpc_train.train.memory import SavedActivations, tensor_bytes
 from hpc_train.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes
 from hpc_train.train.optim import lr_at
 from hpc_train.train.preemption import StopRequest, requeue_slurm_job
+from hpc_train.train.profiling import ProfileWindow, timed, write_oom_report
 
 Optimizer = DataParallelOptimizer | ZeroOptimizer
 
@@ -72,10 +74,13 @@ def apply_gradients(
     lr: float,
     grad_clip: float,
     scaler: LossScaler | None = None,
+    timings: dict[str, float] | None = None,
 ) -> float | None:
     """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step.
     Returns the gradient norm, or None when the step was skipped for an overflow."""
-    optimizer.reduce_gradients()
+    device = local(model.parameters[0]).device
+    with timed(timings, "grad_reduce", device):
+        optimizer.reduce_gradients()
     grads = optimizer.grad_groups()
     if scaler is not None:
         overflow = scaler.found_inf(grads.all)
@@ -84,9 +89,10 @@ def apply_gradients(
             optimizer.zero_grad()
             return None
         scaler.unscale(grads.all)
-    grad_norm = clip_grad_norm(grads, grad_clip, model.mesh)
-    optimizer.step(lr)
-    optimizer.zero_grad()
+    with timed(timings, "optimizer", device):
+        grad_norm = clip_grad_norm(grads, grad_clip, model.mesh)
+        optimizer.step(lr)
+        optimizer.zero_grad()
     return grad_norm
 
 
@@ -98,11 +104,13 @@ def train_step(
     grad_clip: float,
     scaler: LossScaler | None = None,
     step: int = 0,
+    timings: dict[str, float] | None = None,
 ) -> StepResult:
-    """One optimizer step on this rank's micro-batches; the loss is the global-batch mean."""
+    """One optimizer step on this rank's micro-batches; the loss is the global-batch mean. With
+    `timings`, the seconds of each phase are added to it."""
     model.loss_scale = scaler.scale if scaler else 1.0
     params = model.parameters
-    with SavedActivations(params) as saved:
+    with SavedActivations(params) as saved, timed(timings, "forward_backward", micro_batches[0][0].device):
         loss = forward_backward(model, micro_batches)
     fault_point("mid_step", step, dist.get_rank())
     watchdog.record(step, 1)
@@ -111,7 +119,7 @@ def train_step(
         "grads": tensor_bytes(p.grad for p in params) + optimizer.grad_buffer_bytes(),
         "activations_per_microbatch": saved.bytes // len(micro_batches),
     }
-    grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler)
+    grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler, timings)
     memory["optimizer"] = optimizer.state_bytes()
     return StepResult(reduce_loss(model, loss), grad_norm if grad_norm is not None else float("nan"), memory)
 
@@ -173,8 +181,13 @@ def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
     device = select_device(cfg.train.device, rank_env.local_rank)
     init_distributed(rank_env, device, cfg.parallel.backend, cfg.parallel.timeout_s)
     stop = StopRequest().install()
+    last_memory: dict[str, int] = {}  # the last step's measured bytes, for an out-of-memory report
     try:
-        return _train(cfg, rank_env, device, stop)
+        return _train(cfg, rank_env, device, stop, last_memory)
+    except torch.OutOfMemoryError:
+        path = write_oom_report(Path(cfg.run_dir), rank_env.rank, device, last_memory)
+        print(f"rank {rank_env.rank}: out of memory; memory summary in {path}", flush=True)
+        raise
     except RuntimeError as err:
         if not watchdog.is_timeout(err):
             raise
@@ -194,7 +207,9 @@ def keep_metrics_until(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in kept))
 
 
-def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRequest) -> TrainResult:
+def _train(
+    cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRequest, last_memory: dict[str, int]
+) -> TrainResult:
     dp = validate(cfg, rank_env.world_size)
     p, t = cfg.parallel, cfg.train
     mesh = build_mesh(device.type, p.pp, dp, p.tp)
@@ -233,7 +248,7 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRe
     if is_logger:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         keep_metrics_until(run_dir / "metrics.jsonl", start_step)
-        log = MetricsLog(run_dir, t.steps, cfg.logging.progress, start_step)
+        log = MetricsLog(run_dir, t.steps, cfg.logging.progress, start_step, cfg.logging.tensorboard)
         with torch.device("meta"):  # the whole model's size, without allocating it
             n_params = count_params(GPT(cfg.model))
         log.message(
@@ -241,6 +256,14 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRe
             f"world {rank_env.world_size} (pp {p.pp}, dp {dp}, tp {p.tp}) on {device.type} | global batch "
             f"{global_batch} x {cfg.model.seq_len} tokens | {train_set.prefix} ({len(train_set):,} samples)"
         )
+
+    predicted = estimate(cfg, dp)
+    report(
+        f"planner: {predicted.total / 2**30:.3f} GiB per rank (params {predicted.params / 2**30:.3f}, grads "
+        f"{predicted.grads / 2**30:.3f}, optimizer {predicted.optimizer / 2**30:.3f}, activations "
+        f"{predicted.activations / 2**30:.3f}); measured values follow in metrics.jsonl's memory_bytes"
+    )
+    profile = ProfileWindow(cfg.logging.profile_steps, run_dir, rank_env.rank, device)
 
     def save(step: int) -> None:
         loss_scaler = scaler.state_dict() if scaler else None
@@ -255,7 +278,11 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRe
         lr = lr_at(step - 1, cfg.optim, t.steps)
         start = time.perf_counter()
         micro_batches = rank_micro_batches(train_set, sampler.next_micro_batches(), device)
-        stats = train_step(model, optimizer, micro_batches, lr, cfg.optim.grad_clip, scaler, step)
+        profile.before_step(step)
+        timings = {} if cfg.logging.breakdown else None
+        stats = train_step(model, optimizer, micro_batches, lr, cfg.optim.grad_clip, scaler, step, timings)
+        profile.after_step(step)
+        last_memory.update(stats.memory)
         elapsed = time.perf_counter() - start
         result.losses.append(stats.loss)
 
@@ -279,6 +306,14 @@ def _train(cfg: JobConfig, rank_env: RankEnv, device: torch.device, stop: StopRe
             record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
         if progress is not None and step == start_step + 1:  # where this run picked up, for the record
             record["resumed_from"] = progress["resumed_from"]
+        if step <= start_step + 2:  # the planner's prediction beside the first measurements
+            record["memory_predicted_bytes"] = {
+                "params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer,
+                "activations_per_microbatch": predicted.activations_per_microbatch,
+            }  # fmt: skip
+        if timings is not None:
+            bubble = (p.pp - 1) / (t.grad_accum * p.virtual_stages) * timings["forward_backward"] if p.pp > 1 else 0.0
+            record["time_breakdown_s"] = {**timings, "pipeline_bubble_est": bubble, "total": elapsed}
         if log:
             log.write(record, show=step % cfg.logging.log_interval == 0 or step == t.steps)
         watchdog.record(step, 2)

@@ -55,8 +55,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsLog:
     """Appends one JSON object per step to metrics.jsonl and shows one progress line per step."""
 
-    def __init__(self, run_dir: Path, total_steps: int, progress: str, start_step: int = 0):
+    def __init__(self, run_dir: Path, total_steps: int, progress: str, start_step: int = 0, tensorboard: bool = False):
         self.file = open(run_dir / "metrics.jsonl", "a")
+        self.tensorboard = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package ('.[viz]')
+
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
         if progress == "auto":
             progress = "bar" if sys.stdout.isatty() else "lines"
         self.progress = progress
@@ -65,6 +70,9 @@ class MetricsLog:
     def write(self, record: dict[str, Any], show: bool = True) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in flatten(record).items():
+                self.tensorboard.add_scalar(key, value, record["step"])
         if not show:
             return
         line = format_record(record)
@@ -81,7 +89,20 @@ class MetricsLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         self.file.close()
+
+
+def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of a nested record, keys joined with '/' (TensorBoard's grouping)."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}/"))
+        elif isinstance(value, int | float) and key != "step":
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def format_record(r: dict[str, Any]) -> str:
