@@ -16,10 +16,11 @@ here, and `selective` recompute saves only the logsumexp. `full` keeps only each
 tensor parallelism everything after the column-parallel matmuls is divided by tp; with sequence
 parallelism the norm regions are too (the gathered matmul inputs are not). The pipeline schedule keeps
 several micro-batches in flight on the first stage: pp with 1F1B, (v-1)pp + 2(pp-1) + 1 chunks with
-interleaved 1F1B (torch's warmup). Under tp the vocab-parallel embedding's gradient arrives full-size
-before it is cut to its shard (a DTensor behaviour), which the gradient figure includes. Validated
-against exact CPU measurement in tests/test_planner.py (13 layouts, each figure within 5%). On CUDA the
-caching allocator adds fragmentation on top, which is not modelled.
+interleaved 1F1B (torch's warmup; measured 2.00 and 2.50 micro-batches for pp=2, v=2). Under tp the
+vocab-parallel embedding's gradient arrives full-size before it is cut to its shard (a DTensor
+behaviour), which the gradient figure includes. Validated against exact CPU measurement in
+tests/test_planner.py (13 layouts, each figure within 5%). On CUDA the caching allocator adds
+fragmentation on top, which is not modelled.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The planner's prediction against exact measurement, for a grid of layouts and recompute policies:
 two real training steps per layout (step 2 is read: a pipeline stage runs one extra forward on its first
-step to infer shapes), rank 0's parameter, gradient, optimizer and saved-activation bytes per micro-batch
-(exact counts on CPU; see hpc_train/train/memory.py) beside the planner's. tests/test_planner.py asserts
+step to infer shapes), rank 0's parameter, gradient, optimizer and saved-activation bytes (per micro-batch,
+and the peak with the pipeline's micro-batches in flight; exact counts on CPU, hpc_train/train/memory.py)
+beside the planner's. tests/test_planner.py asserts
 the same grid within 5%. On a GPU machine, pass train.device=cuda to run the same grid there.
 """
 
@@ -30,10 +31,10 @@ LAYOUTS = {  # name -> (world size, overrides)
     "tp2_sp_full": (2, ["parallel.tp=2", SP, "model.recompute=full"]),
     "tp2_sp_zero1_bf16": (2, ["parallel.tp=2", SP, *ZERO1_BF16]),
     "dp2_zero1": (2, ["optim.zero_stage=1"]),
-    "pp2_1f1b": (2, ["parallel.pp=2", "train.grad_accum=2"]),
+    "pp2_1f1b": (2, ["parallel.pp=2", "train.grad_accum=4"]),
     "pp2_interleaved": (
         2,
-        ["parallel.pp=2", "train.grad_accum=2", "parallel.virtual_stages=2", "parallel.schedule=interleaved_1f1b"],
+        ["parallel.pp=2", "train.grad_accum=4", "parallel.virtual_stages=2", "parallel.schedule=interleaved_1f1b"],
     ),  # fmt: skip
     "tp2_pp2_sp_selective": (
         4,
@@ -43,7 +44,8 @@ LAYOUTS = {  # name -> (world size, overrides)
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
 RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",
        "optim.warmup_steps=2"]  # fmt: skip
-CATEGORIES = ("params", "grads", "optimizer", "activations_per_microbatch")
+CATEGORIES = ("params", "grads", "optimizer", "activations_per_microbatch", "activations_peak")
+PEAK = ("params", "grads", "optimizer", "activations_peak")  # what a rank holds at its peak
 
 
 def measure(corpus: str, base: Path, extra: list[str] = ()) -> dict[str, tuple[JobConfig, dict, dict]]:
@@ -59,8 +61,10 @@ def measure(corpus: str, base: Path, extra: list[str] = ()) -> dict[str, tuple[J
         measured = json.loads((base / name / "metrics.jsonl").read_text().splitlines()[1])["memory_bytes"]
         world = LAYOUTS[name][0]
         plan = estimate(cfg, world // (cfg.parallel.tp * cfg.parallel.pp))
-        predicted = {"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer,
-                     "activations_per_microbatch": activation_bytes(cfg)}  # fmt: skip
+        predicted = {
+            "params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer,
+            "activations_per_microbatch": activation_bytes(cfg), "activations_peak": plan.activations,
+        }  # fmt: skip
         out[name] = (cfg, measured, predicted)
     return out
 
@@ -73,14 +77,14 @@ def main() -> None:
         corpus = str(Path(tmp) / "corpus")
         prepare_data(stdlib_sources()[:40], corpus, progress=False)
         results = measure(corpus, Path(tmp), args.overrides)
-    print(f"{'layout':<22}" + "".join(f"{c[:11]:>26}" for c in (*CATEGORIES, "total")))
-    print(f"{'':<22}" + "   predicted/measured KiB" * 5)
+    print(f"{'layout':<22}" + "".join(f"{c[:18]:>26}" for c in (*CATEGORIES, "total (peak)")))
+    print(f"{'':<22}" + "   predicted/measured KiB" * 6)
     worst = 0.0
     for name, (_, got, want) in results.items():
         cells = []
         for key in (*CATEGORIES, "total"):
-            g = sum(got[c] for c in CATEGORIES) if key == "total" else got[key]
-            w = sum(want[c] for c in CATEGORIES) if key == "total" else want[key]
+            g = sum(got[c] for c in PEAK) if key == "total" else got[key]
+            w = sum(want[c] for c in PEAK) if key == "total" else want[key]
             worst = max(worst, abs(w / g - 1))
             cells.append(f"{w / 1024:>9.0f}/{g / 1024:<9.0f}{100 * (w / g - 1):+5.1f}%")
         print(f"{name:<22}" + "".join(f"{c:>26}" for c in cells))

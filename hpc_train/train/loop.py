@@ -118,6 +118,7 @@ def train_step(
         "params": tensor_bytes(params),
         "grads": tensor_bytes(p.grad for p in params) + optimizer.grad_buffer_bytes(),
         "activations_per_microbatch": saved.bytes // len(micro_batches),
+        "activations_peak": saved.peak_bytes,
     }
     grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler, timings)
     memory["optimizer"] = optimizer.state_bytes()
@@ -326,6 +327,7 @@ def _train(
             report(f"stop signal received: checkpoint of step {step} committed, stopping")
             if is_logger:
                 result.requeued = requeue_slurm_job(cfg.slurm.max_requeues, report)
+                log.close()
             dist.barrier()
             return result
     checkpointer.wait()

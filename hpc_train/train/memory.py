@@ -28,19 +28,37 @@ def tensor_bytes(tensors) -> int:
 
 
 class SavedActivations:
-    """Context manager counting the bytes saved for backward inside it."""
+    """Context manager counting the bytes saved for backward inside it: `bytes` in all, and `peak_bytes`,
+    the most alive at once. A storage is alive from its first save until backward has used it for the
+    last time; once freed its address can be reused by a later micro-batch, which then counts anew."""
 
     def __init__(self, params: list[torch.Tensor]):
         self.param_storages = {storage_key_and_bytes(p)[0] for p in params}
-        self.seen: set[int] = set()
         self.bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.live: dict[int, list[int]] = {}  # storage -> [saves not yet used by backward, bytes]
+        self.live_bytes = self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key, nbytes = storage_key_and_bytes(t)
-        if key not in self.param_storages and key not in self.seen:
-            self.seen.add(key)
+        if key in self.param_storages:
+            return t
+        entry = self.live.setdefault(key, [0, nbytes])
+        if entry[0] == 0:
             self.bytes += nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        entry[0] += 1
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        key, _ = storage_key_and_bytes(t)
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.live_bytes -= entry[1]
+                del self.live[key]
         return t
 
     def __enter__(self) -> SavedActivations:
