@@ -58,7 +58,10 @@ def measure(corpus: str, base: Path, extra: list[str] = ()) -> dict[str, tuple[J
         launch_sequence(run_training, world, [(cfgs[n],) for n, (w, _) in LAYOUTS.items() if w == world])
     out = {}
     for name, cfg in cfgs.items():
-        measured = json.loads((base / name / "metrics.jsonl").read_text().splitlines()[1])["memory_bytes"]
+        record = json.loads((base / name / "metrics.jsonl").read_text().splitlines()[1])
+        measured = record["memory_bytes"]
+        if cfg.train.device == "cuda":  # the allocator's own peak beside the exact counts
+            measured["device_max_allocated"] = int(record["memory_gb"] * 1e9)
         world = LAYOUTS[name][0]
         plan = estimate(cfg, world // (cfg.parallel.tp * cfg.parallel.pp))
         predicted = {
@@ -89,6 +92,13 @@ def main() -> None:
             cells.append(f"{w / 1024:>9.0f}/{g / 1024:<9.0f}{100 * (w / g - 1):+5.1f}%")
         print(f"{name:<22}" + "".join(f"{c:>26}" for c in cells))
     print(f"largest error: {100 * worst:.1f}%")
+    for name, (_, got, want) in results.items():
+        if "device_max_allocated" in got:  # on CUDA: allocator peak (all ranks' max) vs the planned peak total
+            planned = sum(want[c] for c in PEAK)
+            print(
+                f"{name:<22} cuda max_memory_allocated {got['device_max_allocated'] / 2**20:9.1f} MiB, "
+                f"planned {planned / 2**20:9.1f} MiB ({100 * (planned / got['device_max_allocated'] - 1):+.1f}%)"
+            )
 
 
 if __name__ == "__main__":

@@ -291,7 +291,7 @@ def _train(
         if valid_set is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             record["eval_loss"] = result.eval_losses[step] = evaluate(model, valid_set, cfg)
         # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
-        agreed = torch.tensor([float(peak_memory_bytes(device)), float(stop.signum is not None)], device=device)
+        agreed = torch.tensor([*map(float, peak_memory_bytes(device)), float(stop.signum is not None)], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         tokens_per_s = tokens_per_step / elapsed
         record.update(
@@ -299,6 +299,7 @@ def _train(
             tflops=tokens_per_s * flops_token / rank_env.world_size / 1e12,
             mfu=tokens_per_s * flops_token / (rank_env.world_size * peak_flops),
             memory_gb=agreed[0].item() / 1e9,
+            memory_reserved_gb=agreed[1].item() / 1e9,
             step_time_s=elapsed,
             consumed_samples=sampler.consumed_samples,
             memory_bytes=stats.memory,  # rank 0's, by category
@@ -319,10 +320,11 @@ def _train(
             log.write(record, show=step % cfg.logging.log_interval == 0 or step == t.steps)
         watchdog.record(step, 2)
         interval = cfg.checkpoint.interval
-        if agreed[1].item() or (interval and (step % interval == 0 or step == t.steps)):
+        stop_requested = bool(agreed[2].item())
+        if stop_requested or (interval and (step % interval == 0 or step == t.steps)):
             save(step)
             saved_step = step
-        if agreed[1].item():
+        if stop_requested:
             checkpointer.wait()
             report(f"stop signal received: checkpoint of step {step} committed, stopping")
             if is_logger:

@@ -45,11 +45,13 @@ def device_peak_flops(device: torch.device) -> float:
     return measured_cpu_peak_flops()
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: max allocated by PyTorch. CPU: the process's peak resident set size."""
+def peak_memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(allocated, reserved) peaks. CUDA: PyTorch's max allocated and max reserved (the caching
+    allocator's pool, fragmentation included). CPU: the process's peak resident set size, twice."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return rss, rss
 
 
 class MetricsLog:
