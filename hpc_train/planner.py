@@ -26,6 +26,7 @@ fragmentation on top, which is not modelled.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import asdict, dataclass
 
@@ -163,34 +164,35 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum * (world // (cfg.parallel.tp * cfg.parallel.pp))
     node = cfg.slurm.gpus_per_node or 8
+    choices = itertools.product(
+        [x for x in (1, 2, 4, 8) if x <= node],  # tp
+        (1, 2, 4, 8, 16),  # pp
+        (1, 2),  # virtual stages
+        (1, 2, 4, 8),  # micro-batch size
+        ("none", "selective", "full"),  # recompute
+        ((0, "none"), (1, "none"), (1, "cpu")),  # zero stage, offload
+    )
     rows = []
-    for tp in [x for x in (1, 2, 4, 8) if x <= node and world % x == 0]:
-        for pp in [x for x in (1, 2, 4, 8, 16) if world % (tp * x) == 0]:
-            for vp in (1, 2) if pp > 1 else (1,):
-                for mbs in (1, 2, 4, 8):
-                    for recompute in ("none", "selective", "full"):
-                        for zero, offload in ((0, "none"), (1, "none"), (1, "cpu")):
-                            c = deepcopy(cfg)
-                            dp = world // (tp * pp)
-                            if global_batch % (mbs * dp):
-                                continue
-                            c.parallel.tp, c.parallel.pp, c.parallel.dp, c.parallel.virtual_stages = tp, pp, None, vp
-                            c.parallel.schedule = "interleaved_1f1b" if vp > 1 else "1f1b"
-                            c.parallel.sequence_parallel = tp > 1
-                            c.train.micro_batch_size, c.train.grad_accum = mbs, global_batch // (mbs * dp)
-                            c.train.global_batch_size = None
-                            c.model.recompute, c.optim.zero_stage, c.optim.offload = recompute, zero, offload
-                            try:
-                                validate(c, world, check_paths=False)
-                            except ConfigError:
-                                continue
-                            plan = estimate(c, dp)
-                            rows.append({
-                                "tp": tp, "pp": pp, "vp": vp, "dp": dp, "mbs": mbs, "grad_accum": c.train.grad_accum,
-                                "recompute": recompute, "zero": zero, "offload": offload,
-                                "total_gib": plan.total / GiB, "fits": plan.total <= gpu_mem_bytes,
-                                "step_s": step_time_estimate(c, dp, peak_flops),
-                            })  # fmt: skip
+    for tp, pp, vp, mbs, recompute, (zero, offload) in choices:
+        if world % (tp * pp) or (vp > 1 and pp == 1) or global_batch % (mbs * (world // (tp * pp))):
+            continue
+        dp = world // (tp * pp)
+        c = deepcopy(cfg)
+        c.parallel.tp, c.parallel.pp, c.parallel.dp, c.parallel.virtual_stages = tp, pp, None, vp
+        c.parallel.schedule = "interleaved_1f1b" if vp > 1 else "1f1b"
+        c.parallel.sequence_parallel = tp > 1
+        c.train.micro_batch_size, c.train.grad_accum, c.train.global_batch_size = mbs, global_batch // (mbs * dp), None
+        c.model.recompute, c.optim.zero_stage, c.optim.offload = recompute, zero, offload
+        try:
+            validate(c, world, check_paths=False)
+        except ConfigError:
+            continue
+        plan = estimate(c, dp)
+        rows.append({
+            "tp": tp, "pp": pp, "vp": vp, "dp": dp, "mbs": mbs, "grad_accum": c.train.grad_accum,
+            "recompute": recompute, "zero": zero, "offload": offload, "total_gib": plan.total / GiB,
+            "fits": plan.total <= gpu_mem_bytes, "step_s": step_time_estimate(c, dp, peak_flops),
+        })  # fmt: skip
     return sorted(rows, key=lambda r: (not r["fits"], r["step_s"], r["total_gib"]))
 
 

@@ -14,10 +14,11 @@ import json
 import os
 import re
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from hpc_train.faults import fault_point
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -57,23 +58,6 @@ def describe_files(directory: Path, names: list[str]) -> dict[str, dict]:
         fsync_path(path)
         out[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     return out
-
-
-def fault_point(point: str, step: int, rank: int) -> None:
-    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang|@oom]] kills this process with
-    SIGKILL there (or makes it hang, as a stuck rank would, or raises an out-of-memory error)."""
-    spec = os.environ.get("HPC_TRAIN_FAULT", "")
-    if not spec:
-        return
-    name, at_step, *rest = spec.split("@")
-    if name == point and int(at_step) == step and int(rest[0] if rest else 0) == rank:
-        if rest[1:] == ["hang"]:
-            time.sleep(10**6)
-        if rest[1:] == ["oom"]:
-            import torch
-
-            raise torch.OutOfMemoryError(f"injected by HPC_TRAIN_FAULT={spec}")
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass

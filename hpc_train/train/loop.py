@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.checkpoint.checkpointer import Checkpointer
-from hpc_train.checkpoint.store import fault_point
 from hpc_train.config import ConfigError, JobConfig, to_yaml, validate
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import dataset_prefixes
@@ -39,6 +38,7 @@ from hpc_train.distributed.parallelize import (
     reduce_loss,
 )
 from hpc_train.distributed.zero import DataParallelOptimizer, ZeroOptimizer, build_optimizer
+from hpc_train.faults import fault_point
 from hpc_train.launch.bootstrap import RankEnv, describe_rank, init_distributed, select_device
 from hpc_train.model.gpt import GPT, count_params, flops_per_token
 from hpc_train.planner import estimate
