@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hpc_train.config import JobConfig, ModelConfig
+from hpc_train.distributed.parallelize import weights_in_training_dtype
 from hpc_train.distributed.pipeline import build_stage_model, stage_ids
 from hpc_train.model.gpt import flops_per_token, padded_vocab_size
 
@@ -82,8 +83,7 @@ def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
     """Bytes saved for backward by one micro-batch on a rank of pipeline rank `pp_rank`."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, sp = p.tp, p.sequence_parallel and p.tp > 1
-    low_precision = t.precision != "fp32" and cfg.optim.zero_stage == 1  # weights held in bf16/fp16
-    e = 2 if low_precision else 4  # activation element size
+    e = 2 if weights_in_training_dtype(cfg) else 4  # activation element size
     tokens, d, a = t.micro_batch_size * m.seq_len, m.d_model, m.n_heads
     kv, f, head_dim = m.n_kv_heads or m.n_heads, m.ffn_size(), m.d_model // m.n_heads
     norm_tokens = tokens // tp if sp else tokens
@@ -129,10 +129,9 @@ def in_flight(cfg: JobConfig) -> int:
 
 
 def estimate(cfg: JobConfig, dp: int) -> MemoryEstimate:
-    o, t = cfg.optim, cfg.train
+    o = cfg.optim
     n = local_param_count(cfg)
-    low_precision = t.precision != "fp32" and o.zero_stage == 1
-    param_bytes = n * (2 if low_precision else 4)
+    param_bytes = n * (2 if weights_in_training_dtype(cfg) else 4)
     if o.zero_stage == 1:
         shard = math.ceil(n / dp)
         grads = param_bytes + 4 * n + 4 * shard  # the parameters' own grads, fp32 buckets, reduced slice

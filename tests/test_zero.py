@@ -31,7 +31,7 @@ def _zero_checks(rank_env, cfg):
         mesh = build_mesh("cpu", 1, 2, 2)
         model = parallelize(cfg, mesh, cpu)
         optimizer = ZeroOptimizer(model.parameters, cfg.optim, model.group("dp"))
-        cast_parameters(model, "fp16")
+        cast_parameters(model)  # the config asks for fp16 weights with ZeRO-1
         assert all(_local(p).dtype == torch.float16 for p in model.parameters)
         data = IndexedDataset(cfg.data.train_path, cfg.model.seq_len)
         offset = 4 * mesh["dp"].get_local_rank()

@@ -16,7 +16,9 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from hpc_train.distributed.grads import local
 from hpc_train.distributed.parallelize import ParallelModel
+from hpc_train.distributed.zero import STATE_KEYS
 
 VOCAB_PADDED = ("tok_embeddings.weight", "output.weight")
 
@@ -45,19 +47,16 @@ def load_template(model: ParallelModel, optimizer, stored_keys: set[str]) -> dic
     for name, p in model.named_parameters:
         padded = name in VOCAB_PADDED
         shape = (vocab, *p.shape[1:])
-        template[f"model.{name}"] = torch.empty(shape, dtype=p.dtype, device=_device(p)) if padded else p.detach()
-        for key in ("exp_avg", "exp_avg_sq", "master"):
+        device = local(p).device
+        template[f"model.{name}"] = torch.empty(shape, dtype=p.dtype, device=device) if padded else p.detach()
+        for key in STATE_KEYS:
             if f"optim.{name}.{key}" in stored_keys:
                 template[f"optim.{name}.{key}"] = (
-                    torch.empty(shape, dtype=torch.float32, device=_device(p))
+                    torch.empty(shape, dtype=torch.float32, device=device)
                     if padded
                     else torch.zeros_like(p, dtype=torch.float32)
                 )
     return {k: v for k, v in template.items() if k in stored_keys}
-
-
-def _device(p: torch.Tensor) -> torch.device:
-    return p.to_local().device if isinstance(p, DTensor) else p.device
 
 
 def _repad_like(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -75,12 +74,9 @@ def apply_loaded(model: ParallelModel, optimizer, loaded: dict[str, torch.Tensor
     states = []
     for name, p in model.named_parameters:
         if name in VOCAB_PADDED:
-            repadded = _repad_like(p, loaded[f"model.{name}"])
-            (p.to_local() if isinstance(p, DTensor) else p).copy_(
-                repadded.to_local() if isinstance(repadded, DTensor) else repadded
-            )
+            local(p).copy_(local(_repad_like(p, loaded[f"model.{name}"])))
         state = {}
-        for key in ("exp_avg", "exp_avg_sq", "master"):
+        for key in STATE_KEYS:
             value = loaded.get(f"optim.{name}.{key}")
             if value is not None:
                 state[key] = _repad_like(p, value) if name in VOCAB_PADDED else value

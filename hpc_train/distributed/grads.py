@@ -28,16 +28,20 @@ def fix_grad_placements(params: list[torch.nn.Parameter]) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    buckets: list[list[torch.Tensor]] = [[]]
+def bucketize(tensors: list[torch.Tensor], limit_bytes: int, element_bytes: int | None = None) -> list[list[int]]:
+    """Indices of `tensors`, in order, grouped into buckets of one dtype and at most `limit_bytes` (a larger
+    tensor gets a bucket of its own). Sizes count `element_bytes` per element when the buffer the bucket
+    is reduced in has another dtype than the tensors (ZeRO's fp32 buckets)."""
+    buckets: list[list[int]] = []
     size = 0
-    for g in grads:
-        if buckets[-1] and (size + g.numel() * g.element_size() > bucket_bytes or g.dtype != buckets[-1][0].dtype):
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * (element_bytes or t.element_size())
+        if not buckets or size + nbytes > limit_bytes or t.dtype != tensors[buckets[-1][0]].dtype:
             buckets.append([])
             size = 0
-        buckets[-1].append(g)
-        size += g.numel() * g.element_size()
-    return [b for b in buckets if b]
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
 
 
 def allreduce_gradients(params: list[torch.nn.Parameter], dp_group: dist.ProcessGroup, bucket_mb: float) -> None:
@@ -47,7 +51,8 @@ def allreduce_gradients(params: list[torch.nn.Parameter], dp_group: dist.Process
     if world == 1:
         return
     grads = [local(p.grad) for p in params if p.grad is not None]
-    for bucket in _buckets(grads, int(bucket_mb * 2**20)):
+    for indices in bucketize(grads, int(bucket_mb * 2**20)):
+        bucket = [grads[i] for i in indices]
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=dp_group)
         flat.div_(world)

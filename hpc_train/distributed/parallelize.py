@@ -86,12 +86,17 @@ def parallelize(cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> Paral
     return model
 
 
-def cast_parameters(model: ParallelModel, precision: str) -> None:
-    """Keep the model's parameters in the training dtype (ZeRO-1 holds the fp32 master copy). The
+def weights_in_training_dtype(cfg: JobConfig) -> bool:
+    """bf16/fp16 weights when ZeRO-1 holds the fp32 master copy; otherwise fp32 weights under autocast."""
+    return cfg.optim.zero_stage == 1 and cfg.train.precision != "fp32"
+
+
+def cast_parameters(model: ParallelModel) -> None:
+    """Keep the model's parameters in the training dtype where `weights_in_training_dtype` says so. The
     Parameter objects stay the same (the optimizer holds them); buffers (RoPE tables, the vocab mask)
     stay fp32. `param.data = ...` would leave a DTensor's local shard in fp32, so swap whole tensors."""
-    dtype = AUTOCAST_DTYPES[precision]
-    if dtype is not None:
+    if weights_in_training_dtype(model.cfg):
+        dtype = AUTOCAST_DTYPES[model.cfg.train.precision]
         for param in model.parameters:
             cast = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
             torch.utils.swap_tensors(param, cast)

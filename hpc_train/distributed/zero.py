@@ -25,6 +25,7 @@ from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import (
     GradGroups,
     allreduce_gradients,
+    bucketize,
     fix_grad_placements,
     is_tp_sharded,
     local,
@@ -65,7 +66,7 @@ class DataParallelOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of the AdamW moments this rank holds (its tp shards)."""
-        return sum(local(t).nbytes for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
+        return moment_bytes(self.optimizer)
 
     def grad_buffer_bytes(self) -> int:
         return 0  # reduces the parameters' own gradients in place
@@ -81,6 +82,11 @@ class DataParallelOptimizer:
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_KEYS = (*MOMENTS, "master")  # what a checkpoint keeps per parameter (master only with ZeRO-1)
+
+
+def moment_bytes(optimizer: torch.optim.AdamW) -> int:
+    return sum(local(t).nbytes for s in optimizer.state.values() for k, t in s.items() if k in MOMENTS)
 
 
 def adam_step_tensor(step: int, optimizer: torch.optim.AdamW, p: torch.Tensor) -> torch.Tensor:
@@ -120,6 +126,8 @@ class _Run:
 
     shard_start: int  # offset in the bucket's owned slice
     numel: int
+    param: nn.Parameter  # the model parameter it lies in
+    param_offset: int  # where it starts in that parameter's flattened local tensor
     master: nn.Parameter  # view into the master buffer
     decay: bool
     tp_sharded: bool
@@ -138,26 +146,16 @@ class ZeroOptimizer:
         self.dp, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.device = local(params[0]).device
         self.state_device = torch.device("cpu") if cfg.offload == "cpu" else self.device
-        self.buckets = self._make_buckets(params, max(1, int(cfg.bucket_mb * 2**20) // 4))
-        owned = sum(run_len for b in self.buckets for run_len in self._owned_lengths(b))
-        self.master = torch.empty(owned, dtype=torch.float32, device=self.state_device)
-        self._make_runs()
+        self.buckets = self._make_buckets(params, int(cfg.bucket_mb * 2**20))
+        self.master = self._make_runs()
         decay = [r.master for b in self.buckets for r in b.runs if r.decay]
         no_decay = [r.master for b in self.buckets for r in b.runs if not r.decay]
         self.optimizer = adamw(decay + no_decay, cfg, self.state_device, decay_params=set(map(id, decay)))
 
-    def _make_buckets(self, params: list[nn.Parameter], bucket_numel: int) -> list[_Bucket]:
-        groups: list[list[nn.Parameter]] = [[]]
-        size = 0
-        for p in params:
-            n = local(p).numel()
-            if groups[-1] and (size + n > bucket_numel or local(p).dtype != local(groups[-1][0]).dtype):
-                groups.append([])
-                size = 0
-            groups[-1].append(p)
-            size += n
+    def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
         buckets = []
-        for group in filter(None, groups):
+        for indices in bucketize([local(p) for p in params], bucket_bytes, element_bytes=4):
+            group = [params[i] for i in indices]
             offsets = [0]
             for p in group:
                 offsets.append(offsets[-1] + local(p).numel())
@@ -167,28 +165,28 @@ class ZeroOptimizer:
             buckets.append(_Bucket(group, offsets[:-1], numel, grad, shard))
         return buckets
 
-    def _owned_lengths(self, bucket: _Bucket):
-        lo, hi = self.dp_rank * bucket.shard_numel, (self.dp_rank + 1) * bucket.shard_numel
-        for p, start in zip(bucket.params, bucket.offsets, strict=True):
-            begin, end = max(lo, start), min(hi, start + local(p).numel())
-            if begin < end:
-                yield end - begin
-
-    def _make_runs(self) -> None:
-        """Cut the owned slice of every bucket at parameter boundaries; fill the fp32 master weights."""
-        master_offset = 0
+    def _make_runs(self) -> torch.Tensor:
+        """Cut the owned slice of every bucket at parameter boundaries; return the fp32 master weights
+        (one buffer, filled from the parameters), each run's master a view into it."""
+        spans = []  # (bucket, parameter, its start in the bucket, owned begin, owned end)
         for bucket in self.buckets:
-            lo = self.dp_rank * bucket.shard_numel
+            lo, hi = self.dp_rank * bucket.shard_numel, (self.dp_rank + 1) * bucket.shard_numel
             for p, start in zip(bucket.params, bucket.offsets, strict=True):
-                flat = local(p).detach().reshape(-1)
-                begin, end = max(lo, start), min(lo + bucket.shard_numel, start + flat.numel())
-                if begin >= end:
-                    continue
-                view = self.master[master_offset : master_offset + end - begin]
-                view.copy_(flat[begin - start : end - start])
-                master = nn.Parameter(view)  # shares the master buffer's storage
-                bucket.runs.append(_Run(begin - lo, end - begin, master, p.ndim >= 2, is_tp_sharded(p)))
-                master_offset += end - begin
+                begin, end = max(lo, start), min(hi, start + local(p).numel())
+                if begin < end:
+                    spans.append((bucket, p, start, begin, end))
+        owned = sum(end - begin for *_, begin, end in spans)
+        master = torch.empty(owned, dtype=torch.float32, device=self.state_device)
+        offset = 0
+        for bucket, p, start, begin, end in spans:
+            view = master[offset : offset + end - begin]
+            view.copy_(local(p).detach().reshape(-1)[begin - start : end - start])
+            lo = self.dp_rank * bucket.shard_numel
+            run_master = nn.Parameter(view)  # shares the master buffer's storage
+            bucket.runs.append(_Run(begin - lo, end - begin, p, begin - start, run_master, p.ndim >= 2,
+                                    is_tp_sharded(p)))  # fmt: skip
+            offset += end - begin
+        return master
 
     def reduce_gradients(self) -> None:
         """Copy local gradients into the fp32 buckets and reduce-scatter them: mean over dp."""
@@ -222,12 +220,7 @@ class ZeroOptimizer:
             group["lr"] = lr
         self.optimizer.step()
         for bucket in self.buckets:
-            dtype = local(bucket.params[0]).dtype
-            shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=self.device)
-            for run in bucket.runs:
-                shard[run.shard_start : run.shard_start + run.numel].copy_(run.master)
-            full = torch.empty(bucket.numel, dtype=dtype, device=self.device)
-            _all_gather(full, shard, group=self.dp_group)
+            full = self._gather_bucket(bucket, [r.master for r in bucket.runs], local(bucket.params[0]).dtype)
             for p, start in zip(bucket.params, bucket.offsets, strict=True):
                 tensor = local(p)
                 tensor.copy_(full[start : start + tensor.numel()].view_as(tensor))
@@ -243,12 +236,14 @@ class ZeroOptimizer:
         """The fp32 reduction buckets and this rank's reduce-scattered slices."""
         return sum(b.grad.nbytes + b.grad_shard.nbytes for b in self.buckets)
 
-    def _gather_bucket(self, bucket: _Bucket, owned: list[torch.Tensor]) -> torch.Tensor:
-        """All-gather the dp ranks' owned slices of one fp32 quantity into the whole bucket."""
-        shard = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=self.device)
+    def _gather_bucket(
+        self, bucket: _Bucket, owned: list[torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """All-gather the dp ranks' owned slices of one quantity into the whole bucket, in `dtype`."""
+        shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=self.device)
         for run, values in zip(bucket.runs, owned, strict=True):
             shard[run.shard_start : run.shard_start + run.numel].copy_(values)
-        full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+        full = torch.empty(bucket.numel, dtype=dtype, device=self.device)
         _all_gather(full, shard, group=self.dp_group)
         return full
 
@@ -274,16 +269,9 @@ class ZeroOptimizer:
         """Take each rank's owned slices of per-parameter states (missing master: the weights themselves)."""
         by_param = {id(p): s for p, s in zip(self.params, states, strict=True)}
         for bucket in self.buckets:
-            lo = self.dp_rank * bucket.shard_numel
             for run in bucket.runs:
-                begin = lo + run.shard_start
-                p, start = next(
-                    (p, s)
-                    for p, s in zip(bucket.params, bucket.offsets, strict=True)
-                    if s <= begin < s + local(p).numel()
-                )
-                state, offset = by_param[id(p)], begin - start
-                run.master.copy_(_flat_slice(state.get("master", p), offset, run.numel))
+                state, offset = by_param[id(run.param)], run.param_offset
+                run.master.copy_(_flat_slice(state.get("master", run.param), offset, run.numel))
                 self.optimizer.state[run.master] = {
                     "step": adam_step_tensor(step, self.optimizer, run.master),
                     **{k: _flat_slice(state[k], offset, run.numel).to(self.state_device).clone() for k in MOMENTS},
@@ -291,8 +279,7 @@ class ZeroOptimizer:
 
     def state_bytes(self) -> int:
         """Exact bytes of optimizer state on this rank: fp32 master weights + the two AdamW moments."""
-        moments = sum(t.nbytes for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
-        return self.master.nbytes + moments
+        return self.master.nbytes + moment_bytes(self.optimizer)
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig, dp_group: dist.ProcessGroup):

@@ -228,8 +228,7 @@ def _train(
     train_set, valid_set = load_datasets(cfg, show_progress=is_logger)
     model = parallelize(cfg, mesh, device)
     optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
-    if cfg.optim.zero_stage == 1:  # the optimizer took the fp32 master copy; the model runs in bf16/fp16
-        cast_parameters(model, t.precision)
+    cast_parameters(model)  # after the optimizer took its fp32 master copy
     scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
     global_batch = t.micro_batch_size * t.grad_accum * dp
     sampler = ResumableSampler(len(train_set), global_batch, t.micro_batch_size, model.rank("dp"), dp, t.seed)
