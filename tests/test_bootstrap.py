@@ -35,7 +35,7 @@ def test_rank_env_from_slurm():
     env = detect_rank_env(SRUN_ENV)
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (5, 8, 1, 2, 1)
     assert env.master_addr == "gpu03" and env.source == "slurm"
-    assert env.master_port == slurm_master_port("123456") == 20000 + 123456 % 20000
+    assert env.master_port == slurm_master_port("123456") == 20000 + 123456 % 12000
     assert detect_rank_env({**SRUN_ENV, "MASTER_PORT": "4242"}).master_port == 4242
 
 

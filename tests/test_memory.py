@@ -4,13 +4,11 @@
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.distributed.mesh import build_mesh
 from hpc_train.distributed.parallelize import forward_backward, parallelize
-from hpc_train.launch.bootstrap import init_distributed
-from hpc_train.launch.local import free_port, local_rank_env
+from hpc_train.launch.local import single_process_group
 from hpc_train.train.memory import SavedActivations
 
 POLICIES = {
@@ -27,22 +25,18 @@ def measured(small_corpus, tmp_path_factory):
     from hpc_train.config import load_config
     from tests.conftest import TINY_MODEL
 
-    cpu = torch.device("cpu")
-    init_distributed(local_rank_env(0, 1, free_port()), cpu, "gloo", 60)
-    try:
-        results = {}
+    results = {}
+    with single_process_group():
         for name, overrides in POLICIES.items():
             cfg = load_config(None, [*TINY_MODEL, "model.n_layers=4", f"data.train_path={small_corpus}", *overrides])
-            model = parallelize(cfg, build_mesh("cpu", 1, 1, 1), cpu)
+            model = parallelize(cfg, build_mesh("cpu", 1, 1, 1), torch.device("cpu"))
             data = IndexedDataset(small_corpus, cfg.model.seq_len)
             batch = [data.batch(np.arange(4))]
             with SavedActivations(model.parameters) as saved:
                 loss = forward_backward(model, batch).item()
             grads = {n: p.grad.clone() for n, p in model.named_parameters}
             results[name] = (loss, grads, saved.bytes)
-        return results
-    finally:
-        dist.destroy_process_group()
+    return results
 
 
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])

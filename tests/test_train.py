@@ -1,6 +1,7 @@
 """Training correctness: multi-process runs against a single-process reference, numerically."""
 
 import os
+import random
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from hpc_train.config import load_config
-from hpc_train.launch.local import free_port, launch_local
+from hpc_train.launch.local import launch_local
 from hpc_train.model.gpt import GPT
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
@@ -58,12 +59,12 @@ def test_two_process_data_parallel_matches_single_process(make_cfg, reference):
 def test_ranks_bootstrap_from_slurm_environment(make_cfg, reference, tmp_path):
     """Two `hpc-train train` processes that see only an srun step's variables find each other and train."""
     run_dir = tmp_path / "slurm_env"
-    port = free_port()
+    job_id = str(random.randrange(10**6))  # the rendezvous port derives from it
     procs = []
     for rank in range(2):
         env = {
             **os.environ,
-            "SLURM_JOB_ID": "77",
+            "SLURM_JOB_ID": job_id,
             "SLURM_STEP_ID": "0",
             "SLURM_PROCID": str(rank),
             "SLURM_NTASKS": "2",
@@ -71,7 +72,6 @@ def test_ranks_bootstrap_from_slurm_environment(make_cfg, reference, tmp_path):
             "SLURM_NODEID": "0",
             "SLURM_JOB_NODELIST": "localhost",
             "SLURM_TASKS_PER_NODE": "2",
-            "MASTER_PORT": str(port),
         }
         cfg = make_cfg()  # same data and model as the reference, given as overrides on the command line
         overrides = [

@@ -20,8 +20,7 @@ from hpc_train.config import load_config
 from hpc_train.distributed.mesh import build_mesh
 from hpc_train.distributed.parallelize import parallelize
 from hpc_train.distributed.zero import build_optimizer
-from hpc_train.launch.bootstrap import init_distributed
-from hpc_train.launch.local import free_port, local_rank_env
+from hpc_train.launch.local import single_process_group
 from hpc_train.model.gpt import count_params
 from hpc_train.train.loop import train_step
 
@@ -50,51 +49,53 @@ def torch_save(state: dict, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def measure(root: Path) -> None:
+    cfg = load_config(None, [*MODEL, "train.micro_batch_size=1", f"run_dir={root}/run"])
+    model = parallelize(cfg, build_mesh("cpu", 1, 1, 1), torch.device("cpu"))
+    optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
+    batch = [(torch.zeros(1, 32, dtype=torch.long), torch.zeros(1, 32, dtype=torch.long))]
+    train_step(model, optimizer, batch, 1e-4, 1.0)  # creates the AdamW moments
+    n_params = count_params(model.chunks[0])
+    state = {"model": model.chunks[0].state_dict(), "optim": optimizer.optimizer.state_dict()}
+    nbytes = sum(t.nbytes for t in model.parameters) * 3  # weights + two moments, fp32
+    progress = {"step": 1, "consumed_samples": 1, "loss_scaler": None}
+    quiet = lambda message: None
+
+    t_raw = timed(lambda: raw_write(root / "raw.bin", nbytes))
+    t_torch = timed(lambda: torch_save(state, root / "torch_save.pt"))
+    sync = Checkpointer(cfg, model, optimizer, quiet)
+    t_save = timed(lambda: sync.save(1, progress))
+    t_load = timed(sync.resume)
+    shutil.rmtree(root / "run")
+    cfg.checkpoint.async_save = True
+    background = Checkpointer(cfg, model, optimizer, quiet)
+    t_async_block = timed(lambda: background.save(2, progress))
+    t_async_total = t_async_block + timed(background.wait)
+
+    gb = nbytes / 1e9
+    print(f"GPT {n_params / 1e6:.1f}M params + AdamW state = {gb:.2f} GB (fp32), 1 process, {root}")
+    rows = [
+        ("raw write + fsync (disk)", t_raw),
+        ("torch.save + fsync", t_torch),
+        ("hpc_train save (sync)", t_save),
+        ("hpc_train async: blocking", t_async_block),
+        ("hpc_train async: total", t_async_total),
+        ("hpc_train load (verified)", t_load),
+    ]
+    print(f"{'':<28} {'seconds':>8} {'GB/s':>7} {'vs torch.save':>14} {'vs disk':>8}")
+    for name, seconds in rows:
+        print(f"{name:<28} {seconds:>8.2f} {gb / seconds:>7.2f} {seconds / t_torch:>14.2f} {seconds / t_raw:>8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="bench_ckpt_"))
-    cpu = torch.device("cpu")
-    init_distributed(local_rank_env(0, 1, free_port()), cpu, "gloo", 600)
     try:
-        cfg = load_config(None, [*MODEL, "train.micro_batch_size=1", f"run_dir={root}/run"])
-        model = parallelize(cfg, build_mesh("cpu", 1, 1, 1), cpu)
-        optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
-        batch = [(torch.zeros(1, 32, dtype=torch.long), torch.zeros(1, 32, dtype=torch.long))]
-        train_step(model, optimizer, batch, 1e-4, 1.0)  # creates the AdamW moments
-        n_params = count_params(model.chunks[0])
-        state = {"model": model.chunks[0].state_dict(), "optim": optimizer.optimizer.state_dict()}
-        nbytes = sum(t.nbytes for t in model.parameters) * 3  # weights + two moments, fp32
-        progress = {"step": 1, "consumed_samples": 1, "loss_scaler": None}
-        quiet = lambda message: None
-
-        t_raw = timed(lambda: raw_write(root / "raw.bin", nbytes))
-        t_torch = timed(lambda: torch_save(state, root / "torch_save.pt"))
-        sync = Checkpointer(cfg, model, optimizer, quiet)
-        t_save = timed(lambda: sync.save(1, progress))
-        t_load = timed(sync.resume)
-        shutil.rmtree(root / "run")
-        cfg.checkpoint.async_save = True
-        background = Checkpointer(cfg, model, optimizer, quiet)
-        t_async_block = timed(lambda: background.save(2, progress))
-        t_async_total = t_async_block + timed(background.wait)
-
-        gb = nbytes / 1e9
-        print(f"GPT {n_params / 1e6:.1f}M params + AdamW state = {gb:.2f} GB (fp32), 1 process, {root}")
-        rows = [
-            ("raw write + fsync (disk)", t_raw),
-            ("torch.save + fsync", t_torch),
-            ("hpc_train save (sync)", t_save),
-            ("hpc_train async: blocking", t_async_block),
-            ("hpc_train async: total", t_async_total),
-            ("hpc_train load (verified)", t_load),
-        ]
-        print(f"{'':<28} {'seconds':>8} {'GB/s':>7} {'vs torch.save':>14} {'vs disk':>8}")
-        for name, seconds in rows:
-            print(f"{name:<28} {seconds:>8.2f} {gb / seconds:>7.2f} {seconds / t_torch:>14.2f} {seconds / t_raw:>8.2f}")
+        with single_process_group():
+            measure(root)
     finally:
-        torch.distributed.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
 
 

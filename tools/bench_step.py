@@ -12,14 +12,12 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from hpc_train.config import load_config
 from hpc_train.distributed.mesh import build_mesh
 from hpc_train.distributed.parallelize import parallelize
 from hpc_train.distributed.zero import build_optimizer
-from hpc_train.launch.bootstrap import init_distributed
-from hpc_train.launch.local import free_port, local_rank_env
+from hpc_train.launch.local import single_process_group
 from hpc_train.model.gpt import GPT, count_params, init_weights
 from hpc_train.train.loop import train_step
 from hpc_train.train.optim import adamw, lr_at
@@ -51,8 +49,12 @@ def main() -> None:
             *args.overrides,
         ],
     )
+    with single_process_group():
+        compare(cfg, args.rounds, args.steps)
+
+
+def compare(cfg, rounds: int, steps: int) -> None:
     cpu = torch.device("cpu")
-    init_distributed(local_rank_env(0, 1, free_port()), cpu, "gloo", 60)
     gen = torch.Generator().manual_seed(0)
     shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
     tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
@@ -72,22 +74,21 @@ def main() -> None:
     times = {"hpc_train": [], "plain": []}
     for fn in (run_ours, run_plain):  # warm-up
         fn(0)
-    for r in range(args.rounds):
+    for r in range(rounds):
         for name, fn in (("hpc_train", run_ours), ("plain", run_plain))[:: 1 if r % 2 == 0 else -1]:
             start = time.perf_counter()
-            for s in range(args.steps):
+            for s in range(steps):
                 fn(s)
-            times[name].append((time.perf_counter() - start) / args.steps)
+            times[name].append((time.perf_counter() - start) / steps)
     ours_ms, plain_ms = (statistics.median(times[k]) * 1e3 for k in ("hpc_train", "plain"))
     tokens_per_step = shape[0] * shape[1]
     print(
         f"model {count_params(plain) / 1e6:.2f}M params, batch {shape[0]} x {shape[1]}, "
-        f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps"
+        f"{torch.get_num_threads()} threads, {rounds} rounds x {steps} steps"
     )
     print(f"hpc_train step: {ours_ms:8.2f} ms  ({tokens_per_step / ours_ms * 1e3:,.0f} tok/s)")
     print(f"plain loop:     {plain_ms:8.2f} ms  ({tokens_per_step / plain_ms * 1e3:,.0f} tok/s)")
     print(f"ratio hpc_train / plain: {ours_ms / plain_ms:.3f}  (target <= 1.05)")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

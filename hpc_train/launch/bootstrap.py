@@ -18,7 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-PORT_BASE, PORT_SPAN = 20000, 20000
+# below Linux's ephemeral range (32768-60999), so no outgoing connection can be holding the derived port
+PORT_BASE, PORT_SPAN = 20000, 12000
 # Slurm's warning before the time limit (--signal=USR2@<delay>, submitit's choice) and its preemption/cancel
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
@@ -33,6 +34,9 @@ class RankEnv:
     master_addr: str
     master_port: int
     source: str  # slurm | torchrun | local
+    # set by the local launcher, which serves the rendezvous store itself: join it as a client under this
+    # prefix (one per run of a sequence) instead of having rank 0 bind master_port
+    store_prefix: str = ""
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -120,8 +124,12 @@ def init_distributed(rank_env: RankEnv, device: torch.device, backend: str, time
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cpu":  # share the cores between the processes on this node
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rank_env.local_world_size))
+    timeout = timedelta(seconds=timeout_s)
+    rendezvous: dict = {"init_method": f"tcp://{rank_env.master_addr}:{rank_env.master_port}"}
+    if rank_env.store_prefix:
+        client = dist.TCPStore(rank_env.master_addr, rank_env.master_port, is_master=False, timeout=timeout)
+        rendezvous = {"store": dist.PrefixStore(rank_env.store_prefix, client)}
     dist.init_process_group(
-        backend=backend, init_method=f"tcp://{rank_env.master_addr}:{rank_env.master_port}",
-        rank=rank_env.rank, world_size=rank_env.world_size, timeout=timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,
+        backend=backend, rank=rank_env.rank, world_size=rank_env.world_size, timeout=timeout,
+        device_id=device if device.type == "cuda" else None, **rendezvous,
     )  # fmt: skip

@@ -2,52 +2,54 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
-import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hpc_train.launch.bootstrap import STOP_SIGNALS, RankEnv
+from hpc_train.launch.bootstrap import STOP_SIGNALS, RankEnv, init_distributed
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def serve_store() -> dist.TCPStore:
+    """The rendezvous store, served by the launcher on a port the OS assigns while binding it. Ranks join it
+    as clients, so no port is picked ahead of time and lost to another socket before rank 0 binds it."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def local_rank_env(rank: int, nproc: int, port: int) -> RankEnv:
-    return RankEnv(rank, nproc, rank, nproc, 0, "127.0.0.1", port, "local")
+def local_rank_env(rank: int, nproc: int, port: int, prefix: str) -> RankEnv:
+    return RankEnv(rank, nproc, rank, nproc, 0, "127.0.0.1", port, "local", store_prefix=prefix)
 
 
 def _spawned(rank: int, entry: Callable[..., Any], nproc: int, port: int, args: tuple) -> None:
-    entry(local_rank_env(rank, nproc, port), *args)
+    entry(local_rank_env(rank, nproc, port, "run0"), *args)
 
 
-def _sequence(rank_env: RankEnv, ports: list[int], runs: list[tuple]) -> None:
-    for port, (entry, args) in zip(ports, runs, strict=True):
-        entry(local_rank_env(rank_env.rank, rank_env.world_size, port), *args)
+def _sequence(rank_env: RankEnv, runs: list[tuple]) -> None:
+    for index, (entry, args) in enumerate(runs):
+        entry(dataclasses.replace(rank_env, store_prefix=f"run{index}"), *args)
 
 
 def launch_sequence(entry: Callable[..., Any], nproc: int, arg_lists: list[tuple]) -> None:
-    """`entry(rank_env, *args)` for each args in turn, in the same `nproc` worker processes (each run with
-    a rendezvous port of its own): what benchmarks and tests use to try many layouts cheaply."""
-    runs = [(entry, tuple(args)) for args in arg_lists]
-    launch_local(_sequence, nproc, [free_port() for _ in runs], runs)
+    """`entry(rank_env, *args)` for each args in turn, in the same `nproc` worker processes (each run under
+    a store prefix of its own): what benchmarks and tests use to try many layouts cheaply."""
+    launch_local(_sequence, nproc, [(entry, tuple(args)) for args in arg_lists])
 
 
 def launch_local(entry: Callable[..., Any], nproc: int, *args: Any) -> Any:
     """Run `entry(rank_env, *args)` on `nproc` ranks. One rank runs in this process and its result is
     returned; several are spawned, and the first failing rank's traceback is raised here. SIGTERM and
     SIGUSR2 sent to this launcher reach every rank, as Slurm signals every task of a job."""
-    port = free_port()
+    store = serve_store()  # lives as long as this call: the ranks rendezvous through it
     if nproc == 1:
-        return entry(local_rank_env(0, 1, port), *args)
-    context = mp.start_processes(_spawned, args=(entry, nproc, port, args), nprocs=nproc, start_method="spawn",
-                                 join=False)  # fmt: skip
+        return entry(local_rank_env(0, 1, store.port, "run0"), *args)
+    context = mp.start_processes(_spawned, args=(entry, nproc, store.port, args), nprocs=nproc,
+                                 start_method="spawn", join=False)  # fmt: skip
 
     def forward(signum, frame):
         for process in context.processes:
@@ -64,3 +66,14 @@ def launch_local(entry: Callable[..., Any], nproc: int, *args: Any) -> Any:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return None
+
+
+@contextmanager
+def single_process_group(timeout_s: int = 600) -> Iterator[None]:
+    """A one-rank gloo group in this process, for tools and tests that drive the library's parts directly."""
+    store = serve_store()
+    init_distributed(local_rank_env(0, 1, store.port, "single"), torch.device("cpu"), "gloo", timeout_s)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
