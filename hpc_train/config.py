@@ -94,6 +94,7 @@ class OptimConfig:
     zero_stage: int = 0  # 0 = plain data parallelism; 1 = optimizer state sharded over dp
     bucket_mb: float = 25.0  # gradient reduction bucket size
     offload: str = "none"  # none | cpu
+    overlap_grad_reduce: bool = False  # start each bucket's dp reduction from backward, as soon as it is ready
 
 
 @dataclass

@@ -146,6 +146,8 @@ def estimate(cfg: JobConfig, dp: int) -> MemoryEstimate:
     flight = in_flight(cfg)
     activations = int(per_micro * flight)
     comm = int(2 * o.bucket_mb * 2**20)  # a flat bucket being reduced and its gathered copy
+    if o.overlap_grad_reduce and o.zero_stage == 0:  # every bucket's flat copy stays in flight to the step's end
+        comm = max(comm, 4 * n)
     device_optimizer = optimizer - host
     total = param_bytes + grads + device_optimizer + activations + comm
     return MemoryEstimate(param_bytes, grads, device_optimizer, per_micro, math.ceil(flight), activations, comm,
@@ -198,7 +200,8 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
 def step_time_estimate(cfg: JobConfig, dp: int, peak_flops: float, mfu: float = 0.4,
                        nvlink_gbps: float = 300.0, ib_gbps: float = 25.0) -> float:  # fmt: skip
     """A simple model to rank layouts: compute at `mfu` of peak (x4/3 with full recompute), the pipeline
-    bubble (pp-1)/(m v), tp communication over NVLink and dp gradient reduction over InfiniBand (GB/s)."""
+    bubble (pp-1)/(m v), tp communication over NVLink and dp gradient reduction over InfiniBand (GB/s),
+    less what overlap_grad_reduce hides behind backward."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch_size * t.grad_accum * m.seq_len  # per dp rank
     world = p.tp * p.pp * dp
@@ -209,8 +212,10 @@ def step_time_estimate(cfg: JobConfig, dp: int, peak_flops: float, mfu: float = 
     elt = 2 if t.precision != "fp32" else 4
     tp_bytes = 0 if p.tp == 1 else 4 * m.n_layers / p.pp * tokens * m.d_model * elt * (p.tp - 1) / p.tp
     n = local_param_count(cfg)
-    dp_bytes = 0 if dp == 1 else 2 * n * 4 * (dp - 1) / dp
-    return compute + bubble + tp_bytes / (nvlink_gbps * 1e9) + dp_bytes / (ib_gbps * 1e9)
+    dp_time = (0 if dp == 1 else 2 * n * 4 * (dp - 1) / dp) / (ib_gbps * 1e9)
+    if cfg.optim.overlap_grad_reduce:  # hidden behind the last micro-batch's backward (2/3 of its compute)
+        dp_time = max(0.0, dp_time - 2 / 3 * compute / t.grad_accum)
+    return compute + bubble + tp_bytes / (nvlink_gbps * 1e9) + dp_time
 
 
 def plan_world(cfg: JobConfig) -> int:

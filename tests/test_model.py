@@ -21,6 +21,22 @@ def test_init_is_deterministic_and_scaled():
     assert torch.equal(sa["norm.weight"], torch.ones(64))
 
 
+def test_meta_built_model_initializes_to_the_eager_values():
+    """What `parallelize` does: build on meta, allocate with to_empty, init in place; the tie survives."""
+    cfg = tiny(vocab_size=257, tie_embeddings=True)
+    eager = GPT(cfg)
+    init_weights(eager, 3)
+    with torch.device("meta"):
+        lazy = GPT(cfg)
+    lazy.to_empty(device="cpu")
+    init_weights(lazy, 3)
+    assert lazy.output.weight is lazy.tok_embeddings.weight
+    for name, value in eager.state_dict().items():
+        assert torch.equal(lazy.state_dict()[name], value), name
+    for name, value in eager.named_buffers():
+        assert torch.equal(dict(lazy.named_buffers())[name], value), name
+
+
 def test_causal_and_padded_vocab():
     cfg = tiny(vocab_size=257)
     assert padded_vocab_size(cfg) == 384 and padded_vocab_size(cfg, tp=4) == 512

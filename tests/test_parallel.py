@@ -49,6 +49,17 @@ ZERO_LAYOUTS = {
 for _name, _base in ZERO_LAYOUTS.items():
     _offload = ["optim.offload=cpu"] if "offload" in _name else []
     LAYOUTS[_name] = (LAYOUTS[_base][0], [*LAYOUTS[_base][1], *ZERO1, *_offload])
+# dp reductions launched from inside backward (several micro-batches, SP placement fixes, pipeline stages)
+# against the same layout reducing after backward: the same numbers exactly
+OVERLAP = ["optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05"]
+OVERLAP_LAYOUTS = {
+    "tp2_dp2_zero1_overlap": "tp2_dp2_zero1",
+    "pp2_dp2_zero1_overlap": "pp2_dp2_zero1",
+    "tp2_dp2_overlap": "tp2_dp2",
+    "tp2_pp2_dp2_overlap": "tp2_pp2_dp2",
+}
+for _name, _base in OVERLAP_LAYOUTS.items():
+    LAYOUTS[_name] = (LAYOUTS[_base][0], [*LAYOUTS[_base][1], *OVERLAP])
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +93,10 @@ def test_zero1_matches_plain_data_parallel(runs, layout):
     assert max_param_diff(zero, plain) <= 1e-6
     losses = [m["loss"] for m in read_metrics(runs / layout)]
     assert losses == pytest.approx([m["loss"] for m in read_metrics(runs / ZERO_LAYOUTS[layout])], abs=1e-6)
+
+
+@pytest.mark.parametrize("layout", list(OVERLAP_LAYOUTS))
+def test_overlapped_reduction_matches_reduction_after_backward(runs, layout):
+    base = OVERLAP_LAYOUTS[layout]
+    assert max_param_diff(read_final_model(runs / layout), read_final_model(runs / base)) == 0
+    assert [m["grad_norm"] for m in read_metrics(runs / layout)] == [m["grad_norm"] for m in read_metrics(runs / base)]

@@ -11,7 +11,7 @@ from hpc_train.config import load_config
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.distributed.mesh import build_mesh
 from hpc_train.distributed.parallelize import cast_parameters, forward_backward, parallelize
-from hpc_train.distributed.zero import ZeroOptimizer
+from hpc_train.distributed.zero import ZeroOptimizer, build_optimizer
 from hpc_train.launch.bootstrap import init_distributed
 from hpc_train.launch.local import launch_local
 from hpc_train.train.loop import apply_gradients, run_training, train_step
@@ -77,6 +77,39 @@ def test_zero1_state_bytes_and_fp16_overflow_agreement(make_cfg):
     cfg = make_cfg("optim.zero_stage=1", "optim.bucket_mb=0.05", "train.precision=fp16", "parallel.tp=2",
                    "parallel.sequence_parallel=true")  # fmt: skip
     launch_local(_zero_checks, 4, cfg)
+
+
+def _overlap_checks(rank_env, cfg):
+    """dp=2, both optimizers: with overlap_grad_reduce every bucket is launched from inside backward, the
+    output head's first and the embedding's last, and only on the step's last micro-batch."""
+    cpu = torch.device("cpu")
+    init_distributed(rank_env, cpu, "gloo", 120)
+    try:
+        model = parallelize(cfg, build_mesh("cpu", 1, 2, 1), cpu)
+        data = IndexedDataset(cfg.data.train_path, cfg.model.seq_len)
+        batch = [data.batch(np.arange(2 * i, 2 * i + 2) + 4 * dist.get_rank()) for i in range(2)]
+        for stage in (0, 1):
+            cfg.optim.zero_stage = stage
+            optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
+            reduction = optimizer.reduction
+            assert len(reduction.buckets) >= 3
+            optimizer.begin_step(len(batch))
+            forward_backward(model, batch[:1])
+            assert not reduction.completions  # one of two micro-batches: nothing final yet
+            forward_backward(model, batch[1:])
+            order = list(reduction.completions)
+            assert sorted(order) == list(range(len(reduction.buckets)))
+            assert order[0] == len(reduction.buckets) - 1 and order[-1] == 0
+            optimizer.reduce_gradients()
+            assert not reduction.completions
+            optimizer.zero_grad()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_overlapped_reduction_launches_from_backward(make_cfg):
+    cfg = make_cfg("optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05")
+    launch_local(_overlap_checks, 2, cfg)
 
 
 @pytest.fixture(scope="module")

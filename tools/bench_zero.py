@@ -1,7 +1,8 @@
 """ZeRO-1 on CPU with 2 processes (gloo): step time and optimizer-state bytes per rank of hpc_train's
 ZeRO-1, DeepSpeed's ZeRO stage 1 and plain data parallelism with AdamW (hpc_train zero_stage 0). Same
-model (hpc_train's GPT), same batch, one run; the variants alternate round by round, and each figure
-is the median over rounds. DeepSpeed is optional (`pip install deepspeed`); it compiles its ops on first
+model (hpc_train's GPT), same batch, one run; hpc_train's two also with the dp reduction overlapped with
+backward (optim.overlap_grad_reduce). The variants alternate round by round, and each figure is the
+median over rounds. DeepSpeed is optional (`pip install deepspeed`); it compiles its ops on first
 use, so it is built and warmed up before anything is timed.
 """
 
@@ -11,6 +12,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -27,12 +29,13 @@ from hpc_train.train.loop import train_step
 MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "model.seq_len=128"]
 
 
-def hpc_train_variant(cfg, zero_stage: int):
-    cfg.optim.zero_stage = zero_stage
+def hpc_train_variant(cfg, zero_stage: int, overlap: bool = False):
+    cfg = replace(cfg, optim=replace(cfg.optim, zero_stage=zero_stage, overlap_grad_reduce=overlap))
     model = parallelize(cfg, build_mesh("cpu", 1, 2, 1), torch.device("cpu"))
     optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
-    step = lambda batch: train_step(model, optimizer, [batch], cfg.optim.lr, cfg.optim.grad_clip)
-    return step, optimizer.state_bytes
+    timings: dict[str, float] = {}  # seconds per phase, summed over every step
+    step = lambda batch: train_step(model, optimizer, [batch], cfg.optim.lr, cfg.optim.grad_clip, timings=timings)
+    return step, optimizer.state_bytes, timings
 
 
 def deepspeed_variant(cfg, rank_env):
@@ -82,7 +85,7 @@ def deepspeed_variant(cfg, rank_env):
         )
         return master + moments
 
-    return step, state_bytes
+    return step, state_bytes, None
 
 
 def worker(rank_env, cfg, rounds: int, steps: int, with_deepspeed: bool):
@@ -91,10 +94,15 @@ def worker(rank_env, cfg, rounds: int, steps: int, with_deepspeed: bool):
         gen = torch.Generator().manual_seed(rank_env.rank)
         shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
         batch = (torch.randint(0, 256, shape, generator=gen), torch.randint(0, 256, shape, generator=gen))
-        variants = {"hpc_train ZeRO-1": hpc_train_variant(cfg, 1), "plain DP + AdamW": hpc_train_variant(cfg, 0)}
+        variants = {
+            "hpc_train ZeRO-1": hpc_train_variant(cfg, 1),
+            "ZeRO-1 + overlap": hpc_train_variant(cfg, 1, overlap=True),
+            "plain DP + AdamW": hpc_train_variant(cfg, 0),
+            "plain DP + overlap": hpc_train_variant(cfg, 0, overlap=True),
+        }
         if with_deepspeed:
             variants["DeepSpeed ZeRO-1"] = deepspeed_variant(cfg, rank_env)
-        for step, _ in variants.values():  # warm-up (and DeepSpeed's op build)
+        for step, *_ in variants.values():  # warm-up (and DeepSpeed's op build)
             for _ in range(3):
                 step(batch)
         times = {name: [] for name in variants}
@@ -110,11 +118,16 @@ def worker(rank_env, cfg, rounds: int, steps: int, with_deepspeed: bool):
             base = statistics.median(times["plain DP + AdamW"])
             print(f"GPT {n_params / 1e6:.2f}M params, batch {shape[0]} x {shape[1]} per rank, 2 ranks (gloo), "
                   f"{rounds} rounds x {steps} steps; optimizer state = fp32 master + moments per rank")  # fmt: skip
-            print(f"{'variant':<18} {'step ms':>9} {'vs plain':>9} {'opt state MB/rank':>18} {'vs plain':>9}")
+            print("exposed reduce = the dp gradient reduction left to wait for after backward, per step")
+            header = f"{'variant':<20} {'step ms':>9} {'vs plain':>9} {'exposed reduce ms':>18}"
+            print(f"{header} {'opt state MB/rank':>18} {'vs plain':>9}")
             plain_bytes = variants["plain DP + AdamW"][1]()
-            for name, (_, state_bytes) in variants.items():
+            for name, (_, state_bytes, timings) in variants.items():
                 t, b = statistics.median(times[name]), state_bytes()
-                print(f"{name:<18} {t * 1e3:>9.1f} {t / base:>9.2f} {b / 2**20:>18.2f} {b / plain_bytes:>9.2f}")
+                calls = (rounds * steps + 3) if timings else 1
+                exposed = f"{timings['grad_reduce'] / calls * 1e3:.1f}" if timings else "-"
+                row = f"{name:<20} {t * 1e3:>9.1f} {t / base:>9.2f} {exposed:>18}"
+                print(f"{row} {b / 2**20:>18.2f} {b / plain_bytes:>9.2f}")
     finally:
         dist.destroy_process_group()
 

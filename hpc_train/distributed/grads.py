@@ -9,10 +9,12 @@ then are local shards flattened and averaged over the data-parallel group.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -44,22 +46,61 @@ def bucketize(tensors: list[torch.Tensor], limit_bytes: int, element_bytes: int 
     return buckets
 
 
-def allreduce_gradients(params: list[torch.nn.Parameter], dp_group: dist.ProcessGroup, bucket_mb: float) -> None:
-    """Average the local gradient shards over the data-parallel group, one flat buffer per bucket
-    (sum, then divide: gloo has no AVG)."""
-    world = dist.get_world_size(dp_group)
-    if world == 1:
-        return
-    grads = [local(p.grad) for p in params if p.grad is not None]
-    for indices in bucketize(grads, int(bucket_mb * 2**20)):
-        bucket = [grads[i] for i in indices]
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=dp_group)
-        flat.div_(world)
+class BucketedReduction:
+    """Reduce gradients over dp bucket by bucket, each bucket's collective asynchronous. `launch(i)` starts
+    bucket i's collective and returns the function that completes it. With `overlap` (Megatron's
+    --overlap-grad-reduce) a bucket is launched from inside backward as soon as each of its parameters has
+    received the gradient of the step's last micro-batch (a post-accumulate-grad hook counts arrivals), so
+    its communication runs while backward goes on through earlier layers; `finish` launches whatever
+    backward did not and completes every bucket."""
+
+    def __init__(self, buckets: list[list[nn.Parameter]], launch: Callable[[int], Callable[[], None]], overlap: bool):
+        self.buckets, self.launch, self.overlap = buckets, launch, overlap
+        self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+        self.micro_batches = 0  # 0 until begin_step: no launch from backward
+        self.arrivals: dict[int, int] = {}
+        self.missing = [len(b) for b in buckets]
+        self.completions: dict[int, Callable[[], None]] = {}
+        self.hooked = False
+
+    def begin_step(self, micro_batches: int) -> None:
+        """Expect `micro_batches` backward passes through every parameter before the next `finish`."""
+        if self.overlap and not self.hooked:  # registered late: parameters may be swapped after construction
+            for bucket in self.buckets:
+                for p in bucket:
+                    p.register_post_accumulate_grad_hook(self._arrived)
+            self.hooked = True
+        self.micro_batches = micro_batches
+
+    def _arrived(self, p: nn.Parameter) -> None:
+        count = self.arrivals[id(p)] = self.arrivals.get(id(p), 0) + 1
+        if count == self.micro_batches:
+            i = self.bucket_of[id(p)]
+            self.missing[i] -= 1
+            if self.missing[i] == 0:
+                self.completions[i] = self.launch(i)
+
+    def finish(self) -> None:
+        for i in range(len(self.buckets)):  # one bucket at a time for those backward did not launch
+            (self.completions.pop(i, None) or self.launch(i))()
+        self.micro_batches, self.arrivals, self.missing = 0, {}, [len(b) for b in self.buckets]
+
+
+def flat_allreduce(grads: list[torch.Tensor], dp_group: dist.ProcessGroup) -> Callable[[], None]:
+    """Start averaging `grads` over dp in one flat buffer (sum, then divide: gloo has no AVG); the returned
+    function waits and copies the means back."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    work = dist.all_reduce(flat, group=dp_group, async_op=True)
+
+    def complete() -> None:
+        work.wait()
+        flat.div_(dist.get_world_size(dp_group))
         offset = 0
-        for g in bucket:
+        for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+    return complete
 
 
 def is_tp_sharded(t: torch.Tensor) -> bool:

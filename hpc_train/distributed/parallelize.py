@@ -37,7 +37,9 @@ class ParallelModel:
     loss_scale: float = 1.0  # fp16 dynamic loss scale, applied to the loss before backward
 
     def scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets) * self.loss_scale
+        """A pipeline micro-batch's share of the batch loss, times the fp16 loss scale: its gradients are
+        final as backward leaves them (what lets a dp reduction start from inside backward)."""
+        return cross_entropy(logits, targets) * (self.loss_scale / self.cfg.train.grad_accum)
 
     @property
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -68,17 +70,20 @@ class ParallelModel:
 
 
 def parallelize(cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> ParallelModel:
-    """Build, initialize (identically to the single-process model) and shard this rank's stages."""
+    """Build this rank's stages on the meta device, shard them over tp, then allocate only the local shards
+    on `device` and initialize them (identically to the single-process model): no rank ever holds more
+    than its own part of the model, plus one full parameter at a time during init."""
     pp, tp = cfg.parallel.pp, cfg.parallel.tp
     num_stages = pp * cfg.parallel.virtual_stages
     stages = stage_ids(mesh["pp"].get_local_rank(), pp, cfg.parallel.virtual_stages)
     chunks = []
     for stage in stages:
-        chunk = build_stage_model(cfg, stage, num_stages, tp)
-        init_weights(chunk, cfg.train.seed)
-        chunk.to(device)
+        with torch.device("meta"):
+            chunk = build_stage_model(cfg, stage, num_stages, tp)
         if tp > 1:
             apply_tensor_parallel(chunk, mesh["tp"], cfg.parallel.sequence_parallel)
+        chunk.to_empty(device=device)
+        init_weights(chunk, cfg.train.seed)
         chunks.append(chunk)
     model = ParallelModel(cfg, chunks, mesh)
     if pp > 1:
@@ -133,7 +138,7 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
         run = model.schedule.step if backward else model.schedule.eval
         run(*inputs, target=target, losses=losses)
         for loss in losses:
-            total += local(loss.detach()) / (len(losses) * model.loss_scale)
+            total += local(loss.detach()) / model.loss_scale
     return total
 
 

@@ -41,7 +41,7 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ):
     """One PipelineStage per local chunk and the configured schedule over `train.grad_accum` micro-batches.
-    The schedule divides gradients by the micro-batch count (scale_grads), so `loss_fn` is a plain mean."""
+    `loss_fn` divides by the micro-batch count itself, so the schedule must not rescale the gradients."""
     num_stages = cfg.parallel.pp * cfg.parallel.virtual_stages
     group = pp_mesh.get_group()
     pipeline_stages = [
@@ -50,5 +50,5 @@ def build_schedule(
     ]
     schedule_cls = SCHEDULES[cfg.parallel.schedule]
     if schedule_cls is Schedule1F1B:
-        return schedule_cls(pipeline_stages[0], n_microbatches=cfg.train.grad_accum, loss_fn=loss_fn)
-    return schedule_cls(pipeline_stages, n_microbatches=cfg.train.grad_accum, loss_fn=loss_fn)
+        return schedule_cls(pipeline_stages[0], n_microbatches=cfg.train.grad_accum, loss_fn=loss_fn, scale_grads=False)
+    return schedule_cls(pipeline_stages, n_microbatches=cfg.train.grad_accum, loss_fn=loss_fn, scale_grads=False)

@@ -14,6 +14,7 @@ reduce-scatter; the bucket layout here is the seam for it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,10 +24,11 @@ from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import (
+    BucketedReduction,
     GradGroups,
-    allreduce_gradients,
     bucketize,
     fix_grad_placements,
+    flat_allreduce,
     is_tp_sharded,
     local,
 )
@@ -41,12 +43,25 @@ class DataParallelOptimizer:
     """zero_stage 0: every dp rank averages the full gradients (all-reduce) and runs the same AdamW."""
 
     def __init__(self, params: list[nn.Parameter], cfg: OptimConfig, dp_group: dist.ProcessGroup):
-        self.params, self.dp_group, self.bucket_mb = params, dp_group, cfg.bucket_mb
+        self.params, self.dp_group = params, dp_group
         self.optimizer = adamw(params, cfg, params[0].device)
+        buckets = [[params[i] for i in b] for b in bucketize([local(p) for p in params], int(cfg.bucket_mb * 2**20))]
+        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce)
+
+    def _launch(self, bucket: int) -> Callable[[], None]:
+        params = self.reduction.buckets[bucket]
+        fix_grad_placements(params)
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        if dist.get_world_size(self.dp_group) == 1 or not grads:
+            return lambda: None
+        return flat_allreduce(grads, self.dp_group)
+
+    def begin_step(self, micro_batches: int) -> None:
+        self.reduction.begin_step(micro_batches)
 
     def reduce_gradients(self) -> None:
-        fix_grad_placements(self.params)
-        allreduce_gradients(self.params, self.dp_group, self.bucket_mb)
+        """Average every gradient over dp (each in its parameter's tp placement first)."""
+        self.reduction.finish()
 
     def grad_groups(self) -> GradGroups:
         grads = [(p.grad, local(p.grad)) for p in self.params if p.grad is not None]
@@ -147,6 +162,7 @@ class ZeroOptimizer:
         self.device = local(params[0]).device
         self.state_device = torch.device("cpu") if cfg.offload == "cpu" else self.device
         self.buckets = self._make_buckets(params, int(cfg.bucket_mb * 2**20))
+        self.reduction = BucketedReduction([b.params for b in self.buckets], self._launch, cfg.overlap_grad_reduce)
         self.master = self._make_runs()
         decay = [r.master for b in self.buckets for r in b.runs if r.decay]
         no_decay = [r.master for b in self.buckets for r in b.runs if not r.decay]
@@ -188,16 +204,26 @@ class ZeroOptimizer:
             offset += end - begin
         return master
 
-    def reduce_gradients(self) -> None:
-        """Copy local gradients into the fp32 buckets and reduce-scatter them: mean over dp."""
-        fix_grad_placements(self.params)
-        for bucket in self.buckets:
-            for p, start in zip(bucket.params, bucket.offsets, strict=True):
-                g = local(p.grad) if p.grad is not None else None
-                target = bucket.grad[start : start + local(p).numel()]
-                target.copy_(g.reshape(-1)) if g is not None else target.zero_()
-            _reduce_scatter(bucket.grad_shard, bucket.grad, group=self.dp_group)
+    def _launch(self, index: int) -> Callable[[], None]:
+        """Copy a bucket's local gradients into its fp32 buffer and start the reduce-scatter: mean over dp."""
+        bucket = self.buckets[index]
+        fix_grad_placements(bucket.params)
+        for p, start in zip(bucket.params, bucket.offsets, strict=True):
+            target = bucket.grad[start : start + local(p).numel()]
+            target.copy_(local(p.grad).reshape(-1)) if p.grad is not None else target.zero_()
+        work = _reduce_scatter(bucket.grad_shard, bucket.grad, group=self.dp_group, async_op=True)
+
+        def complete() -> None:
+            work.wait()
             bucket.grad_shard.div_(self.dp)
+
+        return complete
+
+    def begin_step(self, micro_batches: int) -> None:
+        self.reduction.begin_step(micro_batches)
+
+    def reduce_gradients(self) -> None:
+        self.reduction.finish()
 
     def _owned_grads(self, bucket: _Bucket) -> list[torch.Tensor]:
         return [bucket.grad_shard[r.shard_start : r.shard_start + r.numel] for r in bucket.runs]

@@ -14,6 +14,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ModelConfig
@@ -123,15 +124,25 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in layer_ids})
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if last else None
         self.output = nn.Linear(cfg.d_model, vocab, bias=False) if last else None
-        if cfg.tie_embeddings and first and last:
+        self.tie_weights()
+        for name, value in self.buffer_values(vocab if last else None).items():
+            self.register_buffer(name, value, persistent=False)
+
+    def tie_weights(self) -> None:
+        """The head shares the embedding's parameter (again after `to_empty`, which allocates them apart)."""
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
+
+    def buffer_values(self, vocab: int | None) -> dict[str, torch.Tensor]:
+        """The RoPE tables and, on the last stage, the vocabulary mask: padded entries get -inf logits, so
+        they never take part in the softmax."""
+        cfg = self.cfg
         cos, sin = rotary_tables(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        if last:  # padded vocabulary entries get -inf logits: they never take part in the softmax
-            mask = torch.full((vocab,), float("-inf"))
-            mask[: cfg.vocab_size] = 0.0
-            self.register_buffer("vocab_mask", mask, persistent=False)
+        values = {"rope_cos": cos, "rope_sin": sin}
+        if vocab is not None:
+            values["vocab_mask"] = torch.full((vocab,), float("-inf"))
+            values["vocab_mask"][: cfg.vocab_size] = 0.0
+        return values
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (or a previous stage's hidden states) -> hidden states, or padded logits on the last
@@ -151,14 +162,28 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def _set_full(t: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full-size value into `t`, or, when `t` is a tensor-parallel DTensor, this rank's shard of it
+    (every rank computes the same full value, so nothing is sent)."""
+    if isinstance(t, DTensor):
+        full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+    t.copy_(full)
+
+
 def init_weights(model: GPT, seed: int) -> None:
-    """Deterministic init: every parameter draws from its own generator, seeded by `seed` and its name, so
-    a pipeline stage or a differently padded vocabulary gets exactly the values of the full model.
-    N(0, std) for matrices, std / sqrt(2 * n_layers) for the residual projections (GPT-2 / Megatron),
-    ones for norms, zeros for the vocabulary padding rows."""
+    """Deterministic init of every parameter and buffer, in place: a model built on the meta device and
+    materialized with `to_empty` (then possibly tensor-parallel) gets exactly the single-process values.
+    Each parameter draws from its own generator, seeded by `seed` and its name, so a pipeline stage or a
+    differently padded vocabulary gets the values of the full model. N(0, std) for matrices,
+    std / sqrt(2 * n_layers) for the residual projections (GPT-2 / Megatron), ones for norms, zeros for
+    the vocabulary padding rows. One full parameter at a time is generated, on the host."""
     cfg = model.cfg
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    model.tie_weights()
     with torch.no_grad():
+        vocab = model.vocab_mask.shape[0] if model.output is not None else None
+        for name, value in model.buffer_values(vocab).items():
+            _set_full(getattr(model, name), value)
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
@@ -166,10 +191,11 @@ def init_weights(model: GPT, seed: int) -> None:
             gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # mt19937: 32-bit seeds
             std = residual_std if name.endswith(("attn.wo.weight", "mlp.w2.weight")) else cfg.init_std
             if name in ("tok_embeddings.weight", "output.weight"):
-                param.zero_()
-                param[: cfg.vocab_size].copy_(torch.randn((cfg.vocab_size, *param.shape[1:]), generator=gen) * std)
+                full = torch.zeros(param.shape)
+                torch.randn((cfg.vocab_size, *param.shape[1:]), generator=gen, out=full[: cfg.vocab_size])
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+                full = torch.randn(param.shape, generator=gen)
+            _set_full(param, full.mul_(std))
 
 
 def count_params(model: nn.Module) -> int:

@@ -110,6 +110,7 @@ def train_step(
     `timings`, the seconds of each phase are added to it."""
     model.loss_scale = scaler.scale if scaler else 1.0
     params = model.parameters
+    optimizer.begin_step(len(micro_batches))
     with SavedActivations(params) as saved, timed(timings, "forward_backward", micro_batches[0][0].device):
         loss = forward_backward(model, micro_batches)
     fault_point("mid_step", step, dist.get_rank())
