@@ -134,11 +134,14 @@ def estimate(cfg: JobConfig, dp: int) -> MemoryEstimate:
     param_bytes = n * (2 if weights_in_training_dtype(cfg) else 4)
     if o.zero_stage == 1:
         shard = math.ceil(n / dp)
-        grads = param_bytes + 4 * n + 4 * shard  # the parameters' own grads, fp32 buckets, reduced slice
+        grads = 4 * n + 4 * shard  # fp32 buckets and the reduced slice
+        if not o.overlap_grad_reduce:  # at the end of backward the parameters' own grads are still there;
+            grads += param_bytes  # with overlap each bucket has taken (and freed) them during backward
         optimizer = 12 * shard
     else:
         grads, optimizer = 4 * n, 8 * n
-    if cfg.parallel.tp > 1:  # the vocab-parallel embedding's gradient arrives full-size (DTensor), then is cut
+    if cfg.parallel.tp > 1 and not o.overlap_grad_reduce:  # the vocab-parallel embedding's gradient arrives
+        # full-size (DTensor) and is cut to its shard at the reduction (with overlap, already inside backward)
         vocab_rows = padded_vocab_size(cfg.model, cfg.parallel.tp)
         grads += vocab_rows * cfg.model.d_model * 4 * (cfg.parallel.tp - 1) // cfg.parallel.tp
     host = optimizer if o.offload == "cpu" else 0

@@ -31,6 +31,11 @@ LAYOUTS = {  # name -> (world size, overrides)
     "tp2_sp_full": (2, ["parallel.tp=2", SP, "model.recompute=full"]),
     "tp2_sp_zero1_bf16": (2, ["parallel.tp=2", SP, *ZERO1_BF16]),
     "dp2_zero1": (2, ["optim.zero_stage=1"]),
+    "tp2_sp_overlap": (2, ["parallel.tp=2", SP, "optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05"]),
+    "tp2_sp_zero1_bf16_overlap": (
+        2,
+        ["parallel.tp=2", SP, *ZERO1_BF16, "optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05"],
+    ),  # fmt: skip
     "pp2_1f1b": (2, ["parallel.pp=2", "train.grad_accum=4"]),
     "pp2_interleaved": (
         2,
@@ -80,8 +85,8 @@ def main() -> None:
         corpus = str(Path(tmp) / "corpus")
         prepare_data(stdlib_sources()[:40], corpus, progress=False)
         results = measure(corpus, Path(tmp), args.overrides)
-    print(f"{'layout':<22}" + "".join(f"{c[:18]:>26}" for c in (*CATEGORIES, "total (peak)")))
-    print(f"{'':<22}" + "   predicted/measured KiB" * 6)
+    print(f"{'layout':<26}" + "".join(f"{c[:18]:>26}" for c in (*CATEGORIES, "total (peak)")))
+    print(f"{'':<26}" + "   predicted/measured KiB" * 6)
     worst = 0.0
     for name, (_, got, want) in results.items():
         cells = []
@@ -90,13 +95,13 @@ def main() -> None:
             w = sum(want[c] for c in PEAK) if key == "total" else want[key]
             worst = max(worst, abs(w / g - 1))
             cells.append(f"{w / 1024:>9.0f}/{g / 1024:<9.0f}{100 * (w / g - 1):+5.1f}%")
-        print(f"{name:<22}" + "".join(f"{c:>26}" for c in cells))
+        print(f"{name:<26}" + "".join(f"{c:>26}" for c in cells))
     print(f"largest error: {100 * worst:.1f}%")
     for name, (_, got, want) in results.items():
         if "device_max_allocated" in got:  # on CUDA: allocator peak (all ranks' max) vs the planned peak total
             planned = sum(want[c] for c in PEAK)
             print(
-                f"{name:<22} cuda max_memory_allocated {got['device_max_allocated'] / 2**20:9.1f} MiB, "
+                f"{name:<26} cuda max_memory_allocated {got['device_max_allocated'] / 2**20:9.1f} MiB, "
                 f"planned {planned / 2**20:9.1f} MiB ({100 * (planned / got['device_max_allocated'] - 1):+.1f}%)"
             )
 

@@ -211,6 +211,7 @@ class ZeroOptimizer:
         for p, start in zip(bucket.params, bucket.offsets, strict=True):
             target = bucket.grad[start : start + local(p).numel()]
             target.copy_(local(p.grad).reshape(-1)) if p.grad is not None else target.zero_()
+            p.grad = None  # the fp32 bucket holds it now (Megatron's main-grad buffer): free the copy
         work = _reduce_scatter(bucket.grad_shard, bucket.grad, group=self.dp_group, async_op=True)
 
         def complete() -> None:
