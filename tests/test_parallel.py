@@ -36,6 +36,14 @@ LAYOUTS = {
         ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", "model.recompute=selective"],
     ),
 }
+
+
+def _derive(variants: dict[str, str], extra: list[str]) -> None:
+    """Add each variant: its base layout's world and overrides, plus `extra`."""
+    for name, base in variants.items():
+        LAYOUTS[name] = (LAYOUTS[base][0], [*LAYOUTS[base][1], *extra])
+
+
 # ZeRO-1 (small buckets: several buckets, shard boundaries inside parameters) against the same layout
 # with plain data parallelism
 ZERO1 = ["optim.zero_stage=1", "optim.bucket_mb=0.05"]
@@ -46,20 +54,17 @@ ZERO_LAYOUTS = {
     "tp2_dp2_zero1": "tp2_dp2",
     "pp2_dp2_zero1": "pp2_dp2",
 }
-for _name, _base in ZERO_LAYOUTS.items():
-    _offload = ["optim.offload=cpu"] if "offload" in _name else []
-    LAYOUTS[_name] = (LAYOUTS[_base][0], [*LAYOUTS[_base][1], *ZERO1, *_offload])
+_derive({n: b for n, b in ZERO_LAYOUTS.items() if "offload" not in n}, ZERO1)
+_derive({n: b for n, b in ZERO_LAYOUTS.items() if "offload" in n}, [*ZERO1, "optim.offload=cpu"])
 # dp reductions launched from inside backward (several micro-batches, SP placement fixes, pipeline stages)
 # against the same layout reducing after backward: the same numbers exactly
-OVERLAP = ["optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05"]
 OVERLAP_LAYOUTS = {
     "tp2_dp2_zero1_overlap": "tp2_dp2_zero1",
     "pp2_dp2_zero1_overlap": "pp2_dp2_zero1",
     "tp2_dp2_overlap": "tp2_dp2",
     "tp2_pp2_dp2_overlap": "tp2_pp2_dp2",
 }
-for _name, _base in OVERLAP_LAYOUTS.items():
-    LAYOUTS[_name] = (LAYOUTS[_base][0], [*LAYOUTS[_base][1], *OVERLAP])
+_derive(OVERLAP_LAYOUTS, ["optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05"])
 
 
 @pytest.fixture(scope="module")
