@@ -8,6 +8,7 @@ its first step, so it is built for one (micro-batch size, sequence length) and r
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -49,6 +50,7 @@ def build_schedule(
         for chunk, stage in zip(chunks, stages, strict=True)
     ]
     schedule_cls = SCHEDULES[cfg.parallel.schedule]
-    if schedule_cls is Schedule1F1B:
-        return schedule_cls(pipeline_stages[0], n_microbatches=cfg.train.grad_accum, loss_fn=loss_fn, scale_grads=False)
-    return schedule_cls(pipeline_stages, n_microbatches=cfg.train.grad_accum, loss_fn=loss_fn, scale_grads=False)
+    options = {"n_microbatches": cfg.train.grad_accum, "loss_fn": loss_fn}
+    if "scale_grads" in inspect.signature(schedule_cls).parameters:  # the releases that rescale by default
+        options["scale_grads"] = False
+    return schedule_cls(pipeline_stages[0] if schedule_cls is Schedule1F1B else pipeline_stages, **options)

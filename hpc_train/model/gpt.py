@@ -8,6 +8,7 @@ vocabulary padding); the padded entries get -inf logits, so they never enter the
 
 from __future__ import annotations
 
+import inspect
 import math
 import zlib
 
@@ -164,9 +165,11 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _set_full(t: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full-size value into `t`, or, when `t` is a tensor-parallel DTensor, this rank's shard of it
-    (every rank computes the same full value, so nothing is sent)."""
+    (every rank computes the same full value, so nothing is sent where torch lets us say so)."""
     if isinstance(t, DTensor):
-        full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+        accepts_source = "src_data_rank" in inspect.signature(distribute_tensor).parameters
+        local_only = {"src_data_rank": None} if accepts_source else {}
+        full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, **local_only)
     t.copy_(full)
 
 
