@@ -57,11 +57,14 @@ class BucketedReduction:
     def __init__(self, buckets: list[list[nn.Parameter]], launch: Callable[[int], Callable[[], None]], overlap: bool):
         self.buckets, self.launch, self.overlap = buckets, launch, overlap
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
-        self.micro_batches = 0  # 0 until begin_step: no launch from backward
-        self.arrivals: dict[int, int] = {}
-        self.missing = [len(b) for b in buckets]
         self.completions: dict[int, Callable[[], None]] = {}
         self.hooked = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.micro_batches = 0  # 0 until begin_step: no launch from backward
+        self.arrivals: dict[int, int] = {}  # backward passes seen per parameter this step
+        self.missing = [len(b) for b in self.buckets]  # parameters of each bucket not final yet
 
     def begin_step(self, micro_batches: int) -> None:
         """Expect `micro_batches` backward passes through every parameter before the next `finish`."""
@@ -83,7 +86,7 @@ class BucketedReduction:
     def finish(self) -> None:
         for i in range(len(self.buckets)):  # one bucket at a time for those backward did not launch
             (self.completions.pop(i, None) or self.launch(i))()
-        self.micro_batches, self.arrivals, self.missing = 0, {}, [len(b) for b in self.buckets]
+        self._reset()
 
 
 def flat_allreduce(grads: list[torch.Tensor], dp_group: dist.ProcessGroup) -> Callable[[], None]:
