@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_train.config import ConfigError, JobConfig, load_config, to_yaml, validate
+from hpc_train.config import ConfigError, JobConfig, load_config, to_yaml
+from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.launch.bootstrap import detect_rank_env
+from hpc_train.layout import check_run
 
 
 def _config_and_overrides(args: argparse.Namespace) -> JobConfig:
@@ -22,7 +24,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     cfg = _config_and_overrides(args)
     rank_env = detect_rank_env()
-    validate(cfg, rank_env.world_size if rank_env else cfg.parallel.nproc)  # before any process starts
+    check_run(cfg, rank_env.world_size if rank_env else cfg.parallel.nproc)  # before any process starts
     if rank_env is not None:
         run_training(rank_env, cfg)
     else:
@@ -34,8 +36,11 @@ def cmd_config_show(args: argparse.Namespace) -> None:
     print(to_yaml(cfg), end="")
     rank_env = detect_rank_env()
     world = rank_env.world_size if rank_env else cfg.parallel.nproc
-    dp = validate(cfg, world, check_paths=False)
-    print(f"# valid for world size {world}: pp={cfg.parallel.pp} dp={dp} tp={cfg.parallel.tp}", file=sys.stderr)
+    print(f"# valid for world size {world}: {describe(check_run(cfg, world, check_paths=False))}", file=sys.stderr)
+
+
+def describe(dims: ParallelDims, sep: str = " ") -> str:
+    return sep.join(f"{dim}={size}" for dim, size in dims.as_dict().items())
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -50,39 +55,44 @@ def cmd_plan(args: argparse.Namespace) -> None:
         rows = planner.search(cfg, world, gpu_mem, args.peak_tflops * 1e12)
         print(json.dumps(rows, indent=1) if args.json else planner.format_search(rows))
         return
-    dp = validate(cfg, world, check_paths=False)
-    plan = planner.estimate(cfg, dp)
+    dims = check_run(cfg, world, check_paths=False)
+    plan = planner.estimate(cfg, dims)
     if args.json:
         print(json.dumps({**plan.as_dict(), "fits": plan.total <= gpu_mem, "gpu_mem": gpu_mem}, indent=1))
     else:
-        print(planner.format_estimate(cfg, dp, plan, gpu_mem))
+        print(planner.format_estimate(cfg, dims, plan, gpu_mem))
 
 
-def check_fits(cfg: JobConfig) -> None:
+def check_fits(cfg: JobConfig, dims: ParallelDims) -> None:
     """Before a GPU job is submitted: the planner's total per rank against slurm.gpu_mem_gb."""
     from hpc_train import planner
 
     if not cfg.slurm.gpus_per_node:
         return
-    dp = validate(cfg, planner.plan_world(cfg), check_paths=False)
-    plan, gpu_mem = planner.estimate(cfg, dp), cfg.slurm.gpu_mem_gb * 2**30
+    plan, gpu_mem = planner.estimate(cfg, dims), cfg.slurm.gpu_mem_gb * 2**30
     if plan.total > gpu_mem:
         raise ConfigError(
             "the planner says this layout does not fit (use --force to submit anyway, or `hpc-train plan "
-            f"CONFIG --search` for layouts that do):\n{planner.format_estimate(cfg, dp, plan, gpu_mem)}"
+            f"CONFIG --search` for layouts that do):\n{planner.format_estimate(cfg, dims, plan, gpu_mem)}"
         )
 
 
 def cmd_submit(args: argparse.Namespace) -> None:
     from hpc_train.launch import slurm
+    from hpc_train.train.loop import run_training
 
     cfg = _config_and_overrides(args)
+    world = slurm.slurm_world_size(cfg)
+    try:
+        dims = check_run(cfg, world)
+    except ConfigError as err:
+        raise ConfigError(f"{err} (world size = slurm.nodes x slurm.tasks_per_node = {world})") from None
     if not args.force:
-        check_fits(cfg)
+        check_fits(cfg, dims)
     if args.dry_run:
-        print(slurm.dry_run(cfg), end="")
+        print(slurm.dry_run(cfg, describe(dims, ", ")), end="")
         return
-    job = slurm.submit(cfg)
+    job = slurm.submit(cfg, run_training)
     print(slurm.submission_summary(cfg, job), flush=True)
     if args.wait:
         state = slurm.follow(job)

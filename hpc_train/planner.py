@@ -1,26 +1,14 @@
 """Memory planner: bytes per rank for a layout before anything runs, and a search over layouts.
 
-Parameters, gradients and optimizer state are counted exactly from the model built on the meta device.
-Activations use formulas derived for hpc_train's own block from its saved-tensor trace (not Megatron's
-constants: SwiGLU, RMSNorm, RoPE and fused SDPA save different tensors). Per layer, in units of
-T x d elements (T = micro-batch tokens on the rank, d = model width, a heads, f the SwiGLU width):
-
-  two RMSNorms    2 x (2 fp32 tensors + an fp32 rstd of T)   input and normalized output kept in fp32
-  matmul inputs   2 (the normed input of attention and of the MLP, in the activation dtype)
-  q, k, v         1 + 2 kv/a                                 after RoPE, kept by SDPA
-  attention out   1 (shared with wo's input), plus SDPA's fp32 logsumexp of T x a
-  SwiGLU          4 f/d (w1 and w3 outputs, silu output, their product: w2's input)
-
-Fused SDPA never keeps the s x s attention matrix, so Korthikanti et al.'s 5as/h term does not exist
-here, and `selective` recompute saves only the logsumexp. `full` keeps only each block's input. Under
-tensor parallelism everything after the column-parallel matmuls is divided by tp; with sequence
-parallelism the norm regions are too (the gathered matmul inputs are not). The pipeline schedule keeps
-several micro-batches in flight on the first stage: pp with 1F1B, (v-1)pp + 2(pp-1) + 1 chunks with
-interleaved 1F1B (torch's warmup; measured 2.00 and 2.50 micro-batches for pp=2, v=2). Under tp the
-vocab-parallel embedding's gradient arrives full-size before it is cut to its shard (a DTensor
-behaviour), which the gradient figure includes. Validated against exact CPU measurement in
-tests/test_planner.py (13 layouts, each figure within 5%). On CUDA the caching allocator adds
-fragmentation on top, which is not modelled.
+Parameters, gradients and optimizer state are counted exactly: the model family's stages are built on the
+meta device, what its tensor-parallel plan shards is divided by tp, and the optimizer class says what it
+keeps per trainable element (optim/). Activations use the family's formulas (models/llama.py,
+models/gpt2.py), derived from its own saved-tensor trace, per block and recompute choice, times the
+micro-batches the pipeline schedule keeps in flight on the first stage: pp with 1F1B,
+(v-1)pp + 2(pp-1) + 1 chunks with interleaved 1F1B (torch's warmup; measured 2.00 and 2.50 micro-batches
+for pp=2, v=2). Validated against exact CPU
+measurement in tests/test_planner.py (every figure within 5%). On CUDA the caching allocator adds
+fragmentation on top, which is not modelled, and norms may keep fp32 copies CPU autocast does not.
 """
 
 from __future__ import annotations
@@ -32,13 +20,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hpc_train.config import JobConfig, ModelConfig
-from hpc_train.distributed.parallelize import weights_in_training_dtype
-from hpc_train.distributed.pipeline import build_stage_model, stage_ids
-from hpc_train.model.gpt import flops_per_token, padded_vocab_size
+from hpc_train.config import ConfigError, JobConfig, ModelConfig
+from hpc_train.distributed.mesh import ParallelDims
+from hpc_train.distributed.parallelize import is_frozen
+from hpc_train.distributed.pipeline import bubble_fraction, stage_ids
+from hpc_train.distributed.tensor_parallel import sharded_parameter_names
+from hpc_train.layout import check_run
+from hpc_train.models import get_spec
+from hpc_train.models.decoder import recompute_choice
+from hpc_train.models.spec import ActivationShape
+from hpc_train.optim import optimizer_class, precision_policy
 
-TP_SHARDED = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight",
-              "tok_embeddings.weight", "output.weight")  # fmt: skip
 GiB = 2**30
 
 
@@ -60,60 +52,58 @@ class MemoryEstimate:
         return asdict(self)
 
 
-def local_param_count(cfg: JobConfig, pp_rank: int = 0) -> int:
-    """Exact parameter elements held by a rank of pipeline rank `pp_rank` (its tp shard)."""
+@dataclass(frozen=True)
+class LocalParams:
+    total: int  # parameter elements on the rank (its tp shards)
+    trainable: int
+    # under tp the vocab-parallel embedding's gradient arrives full-size and Replicate (a DTensor behaviour)
+    # before it is cut to its shard at the reduction; not when a head tied to it is on the same rank
+    # (the head's sharded gradient accumulates into it)
+    full_size_embedding_grad: bool
+
+
+def local_param_count(cfg: JobConfig, pp_rank: int = 0) -> LocalParams:
+    """Exact parameter elements held by a rank of pipeline rank `pp_rank`."""
     p = cfg.parallel
-    return _param_count(tuple(asdict(cfg.model).items()), p.tp, p.pp, p.virtual_stages, pp_rank)
+    return _param_count(tuple(asdict(cfg.model).items()), p.tp, p.pp, p.virtual_stages, pp_rank,
+                        tuple(cfg.train.freeze))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
-def _param_count(model: tuple, tp: int, pp: int, virtual_stages: int, pp_rank: int) -> int:
+def _param_count(model: tuple, tp: int, pp: int, virtual_stages: int, pp_rank: int, freeze: tuple) -> LocalParams:
     """Counted on the meta device (nothing allocated); cached because --search asks for many layouts."""
-    cfg = JobConfig(model=ModelConfig(**dict(model)))
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages = tp, pp, virtual_stages
-    total = 0
-    with torch.device("meta"):
-        for stage in stage_ids(pp_rank, pp, virtual_stages):
-            for name, param in build_stage_model(cfg, stage, pp * virtual_stages, tp).named_parameters():
-                total += param.numel() // tp if name.endswith(TP_SHARDED) else param.numel()
-    return total
+    model_cfg = ModelConfig(**dict(model))
+    spec = get_spec(model_cfg.arch)
+    total = trainable = 0
+    full_grad = False
+    for stage in stage_ids(pp_rank, pp, virtual_stages):
+        with torch.device("meta"):
+            chunk = spec.build_stage(model_cfg, stage, pp * virtual_stages, tp)
+        sharded = sharded_parameter_names(chunk, spec.tp_plan(chunk, False)) if tp > 1 else set()
+        for name, param in chunk.named_parameters():
+            count = param.numel() // tp if name in sharded else param.numel()
+            total += count
+            frozen = is_frozen(chunk.canonical_name(name), list(freeze))
+            trainable += 0 if frozen else count
+            if name == "tok_embeddings.weight" and tp > 1 and not frozen:
+                full_grad = not (chunk.tied and chunk.output is not None)
+    return LocalParams(total, trainable, full_grad)
 
 
 def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
     """Bytes saved for backward by one micro-batch on a rank of pipeline rank `pp_rank`."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, sp = p.tp, p.sequence_parallel and p.tp > 1
-    e = 2 if weights_in_training_dtype(cfg) else 4  # activation element size
-    tokens, d, a = t.micro_batch_size * m.seq_len, m.d_model, m.n_heads
-    kv, f, head_dim = m.n_kv_heads or m.n_heads, m.ffn_size(), m.d_model // m.n_heads
-    norm_tokens = tokens // tp if sp else tokens
-
-    def norm() -> int:
-        return 2 * norm_tokens * d * 4 + norm_tokens * 4
-
-    layer = (
-        2 * norm()
-        + 2 * tokens * d * e
-        + tokens * d * e * (1 + 2 * kv / a) // tp
-        + tokens * d * e // tp
-        + (0 if m.recompute == "selective" else tokens * a * 4 // tp)
-        + 4 * tokens * f * e // tp
-    )
-    block_input = norm_tokens * d * e
+    m, p = cfg.model, cfg.parallel
+    shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len, tp=p.tp,
+                            sequence_parallel=p.sequence_parallel and p.tp > 1,
+                            element_bytes=precision_policy(cfg).param_bytes)  # fmt: skip
+    parts = get_spec(m.arch).activations(m, shape)
     num_stages = p.pp * p.virtual_stages
-    per_stage = m.n_layers // num_stages
     total = 0
     for stage in stage_ids(pp_rank, p.pp, p.virtual_stages):
-        for i in range(per_stage):
-            chosen = m.recompute != "none" and i % m.recompute_every == 0
-            chosen = chosen and (m.recompute_first is None or i < m.recompute_first)
-            total += block_input if chosen and m.recompute == "full" else int(layer)
-        total += 2 * m.seq_len * head_dim * 4  # the RoPE tables, once per stage
-        if stage == 0:
-            total += tokens * 8  # token ids kept by the embedding
-        if stage == num_stages - 1:
-            vocab = padded_vocab_size(m, tp)
-            total += norm() + tokens * d * e + tokens * vocab // tp * 4 + tokens * 8  # head + fp32 log-softmax
+        total += sum(parts.layer[recompute_choice(m, i)] for i in range(m.n_layers // num_stages))
+        total += parts.every_stage
+        total += parts.first_stage if stage == 0 else 0
+        total += parts.last_stage if stage == num_stages - 1 else 0
     return total
 
 
@@ -128,29 +118,22 @@ def in_flight(cfg: JobConfig) -> int:
     return min(chunks, micro * p.virtual_stages) / p.virtual_stages  # activation_bytes sums all local chunks
 
 
-def estimate(cfg: JobConfig, dp: int) -> MemoryEstimate:
-    o = cfg.optim
-    n = local_param_count(cfg)
-    param_bytes = n * (2 if weights_in_training_dtype(cfg) else 4)
-    if o.zero_stage == 1:
-        shard = math.ceil(n / dp)
-        grads = 4 * n + 4 * shard  # fp32 buckets and the reduced slice
-        if not o.overlap_grad_reduce:  # at the end of backward the parameters' own grads are still there;
-            grads += param_bytes  # with overlap each bucket has taken (and freed) them during backward
-        optimizer = 12 * shard
-    else:
-        grads, optimizer = 4 * n, 8 * n
-    if cfg.parallel.tp > 1 and not o.overlap_grad_reduce:  # the vocab-parallel embedding's gradient arrives
-        # full-size (DTensor) and is cut to its shard at the reduction (with overlap, already inside backward)
-        vocab_rows = padded_vocab_size(cfg.model, cfg.parallel.tp)
-        grads += vocab_rows * cfg.model.d_model * 4 * (cfg.parallel.tp - 1) // cfg.parallel.tp
+def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
+    o, tp = cfg.optim, dims.tp
+    local = local_param_count(cfg)
+    element = precision_policy(cfg).param_bytes
+    param_bytes = local.total * element
+    grads, optimizer = optimizer_class(o).planned_bytes(local.trainable, dims.dp, element, o.overlap_grad_reduce)
+    if local.full_size_embedding_grad and not o.overlap_grad_reduce:  # with overlap it is cut inside backward
+        vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, tp)
+        grads += vocab_rows * cfg.model.d_model * 4 * (tp - 1) // tp
     host = optimizer if o.offload == "cpu" else 0
     per_micro = activation_bytes(cfg)
     flight = in_flight(cfg)
     activations = int(per_micro * flight)
     comm = int(2 * o.bucket_mb * 2**20)  # a flat bucket being reduced and its gathered copy
-    if o.overlap_grad_reduce and o.zero_stage == 0:  # every bucket's flat copy stays in flight to the step's end
-        comm = max(comm, 4 * n)
+    if o.overlap_grad_reduce and not optimizer_class(o).shards_state:  # every bucket's flat copy stays in
+        comm = max(comm, 4 * local.trainable)  # flight to the step's end
     device_optimizer = optimizer - host
     total = param_bytes + grads + device_optimizer + activations + comm
     return MemoryEstimate(param_bytes, grads, device_optimizer, per_micro, math.ceil(flight), activations, comm,
@@ -163,7 +146,7 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
     with its memory and estimated step time; those that fit first, fastest first."""
     from copy import deepcopy
 
-    from hpc_train.config import ConfigError, validate
+    from hpc_train.optim import OPTIMIZERS
 
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum * (world // (cfg.parallel.tp * cfg.parallel.pp))
@@ -174,7 +157,7 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         (1, 2),  # virtual stages
         (1, 2, 4, 8),  # micro-batch size
         ("none", "selective", "full"),  # recompute
-        ((0, "none"), (1, "none"), (1, "cpu")),  # zero stage, offload
+        [(zero, offload) for zero, cls in OPTIMIZERS.items() for offload in ("none", "cpu")[: 1 + cls.shards_state]],
     )
     rows = []
     for tp, pp, vp, mbs, recompute, (zero, offload) in choices:
@@ -188,33 +171,32 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         c.train.micro_batch_size, c.train.grad_accum, c.train.global_batch_size = mbs, global_batch // (mbs * dp), None
         c.model.recompute, c.optim.zero_stage, c.optim.offload = recompute, zero, offload
         try:
-            validate(c, world, check_paths=False)
+            dims = check_run(c, world, check_paths=False)
         except ConfigError:
             continue
-        plan = estimate(c, dp)
+        plan = estimate(c, dims)
         rows.append({
             "tp": tp, "pp": pp, "vp": vp, "dp": dp, "mbs": mbs, "grad_accum": c.train.grad_accum,
             "recompute": recompute, "zero": zero, "offload": offload, "total_gib": plan.total / GiB,
-            "fits": plan.total <= gpu_mem_bytes, "step_s": step_time_estimate(c, dp, peak_flops),
+            "fits": plan.total <= gpu_mem_bytes, "step_s": step_time_estimate(c, dims, peak_flops),
         })  # fmt: skip
     return sorted(rows, key=lambda r: (not r["fits"], r["step_s"], r["total_gib"]))
 
 
-def step_time_estimate(cfg: JobConfig, dp: int, peak_flops: float, mfu: float = 0.4,
+def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mfu: float = 0.4,
                        nvlink_gbps: float = 300.0, ib_gbps: float = 25.0) -> float:  # fmt: skip
     """A simple model to rank layouts: compute at `mfu` of peak (x4/3 with full recompute), the pipeline
     bubble (pp-1)/(m v), tp communication over NVLink and dp gradient reduction over InfiniBand (GB/s),
     less what overlap_grad_reduce hides behind backward."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p, t, dp = cfg.model, cfg.parallel, cfg.train, dims.dp
     tokens = t.micro_batch_size * t.grad_accum * m.seq_len  # per dp rank
-    world = p.tp * p.pp * dp
-    compute = tokens * dp * flops_per_token(m) / (world * peak_flops * mfu)
+    compute = tokens * dp * get_spec(m.arch).flops_per_token(m) / (dims.world_size * peak_flops * mfu)
     if m.recompute == "full":
         compute *= 4 / 3
-    bubble = compute * (p.pp - 1) / (t.grad_accum * p.virtual_stages)
+    bubble = compute * bubble_fraction(p, t.grad_accum)
     elt = 2 if t.precision != "fp32" else 4
     tp_bytes = 0 if p.tp == 1 else 4 * m.n_layers / p.pp * tokens * m.d_model * elt * (p.tp - 1) / p.tp
-    n = local_param_count(cfg)
+    n = local_param_count(cfg).trainable
     dp_time = (0 if dp == 1 else 2 * n * 4 * (dp - 1) / dp) / (ib_gbps * 1e9)
     if cfg.optim.overlap_grad_reduce:  # hidden behind the last micro-batch's backward (2/3 of its compute)
         dp_time = max(0.0, dp_time - 2 / 3 * compute / t.grad_accum)
@@ -226,8 +208,8 @@ def plan_world(cfg: JobConfig) -> int:
     return cfg.slurm.nodes * cfg.slurm.tasks_per_node if cfg.slurm.gpus_per_node else cfg.parallel.nproc
 
 
-def format_estimate(cfg: JobConfig, dp: int, plan: MemoryEstimate, gpu_mem_bytes: float) -> str:
-    p = cfg.parallel
+def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gpu_mem_bytes: float) -> str:
+    p, dp = cfg.parallel, dims.dp
     rows = [
         ("parameters", plan.params), ("gradients", plan.grads), ("optimizer state", plan.optimizer),
         (f"activations ({plan.microbatches_in_flight} micro-batch(es) in flight)", plan.activations),

@@ -10,9 +10,14 @@ import sys
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from hpc_train.builder import build_run
 from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.config import load_config
+from hpc_train.distributed.grads import local
+from hpc_train.launch.bootstrap import init_distributed
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
@@ -263,3 +268,62 @@ def test_hung_rank_ends_the_job_with_an_error_naming_it(tmp_path, small_corpus):
     assert "rank 0: a collective timed out after parallel.timeout_s=5s" in out.stderr
     assert "rank 1 started step 2 (the others finished the backward pass of step 2)" in out.stderr
     assert time.monotonic() - start < 60
+
+
+def test_checkpoint_written_by_08c1275_resumes_on_its_loss_curve(tmp_path):
+    """The checkpoint format of 08c1275 (tests/fixtures/checkpoint_08c1275) still loads, and training goes on
+    exactly as 08c1275 itself went on from it."""
+    fixture = ROOT / "tests/fixtures/checkpoint_08c1275"
+    expected = json.loads((fixture / "expected.json").read_text())
+    shutil.copytree(fixture / "step_0000002", tmp_path / "run/checkpoints/step_0000002")
+    cfg = load_config(None, [*expected["overrides"], f"data.train_path={fixture / 'data'}", "train.steps=6",
+                             f"run_dir={tmp_path / 'run'}"])  # fmt: skip
+    launch_local(run_training, 2, cfg)
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["resumed_from"] for m in metrics if "resumed_from" in m] == expected["resumed_from"]
+    assert [m["step"] for m in metrics] == [3, 4, 5, 6]
+    for m in metrics:
+        assert m["loss"] == pytest.approx(expected["losses"][str(m["step"])], abs=1e-6), m["step"]
+        assert m["grad_norm"] == pytest.approx(expected["grad_norms"][str(m["step"])], abs=1e-6), m["step"]
+
+
+FROZEN = ("tok_embeddings.weight", "layers.1.attn_norm.weight")
+
+
+def _frozen_checks(rank_env, cfg):
+    """tp=2, ZeRO-1: frozen weights (set to values no init produces, as pretrained ones would be) are
+    saved and restored bit-exact; they are never in the optimizer and never move while training."""
+    cpu = torch.device("cpu")
+    init_distributed(rank_env, cpu, "gloo", 120)
+    try:
+        run = build_run(cfg, rank_env, cpu)
+        params = dict(run.model.named_parameters)
+        with torch.no_grad():
+            for name in FROZEN:
+                local(params[name]).mul_(3.0)  # the vocabulary padding rows stay zero
+        frozen = {name: local(params[name]).clone() for name in FROZEN}
+        assert not {id(params[n]) for n in FROZEN} & {id(p) for p in run.optimizer.params}
+        batch = run.train_set.batch(run.sampler.next_micro_batches()[0])
+        from hpc_train.train.step import train_step
+
+        train_step(run.model, run.optimizer, [batch], 1e-3, 1.0)
+        assert all(torch.equal(local(params[n]), frozen[n]) for n in FROZEN)
+        run.checkpointer.save(1)
+
+        fresh = build_run(cfg, rank_env, cpu)  # initialized anew: the frozen weights are back at their init
+        fresh_params = dict(fresh.model.named_parameters)
+        assert not torch.equal(local(fresh_params[FROZEN[0]]), frozen[FROZEN[0]])
+        assert fresh.checkpointer.resume().step == 1
+        for name, value in frozen.items():
+            assert torch.equal(local(fresh_params[name]), value), name
+        for name, p in params.items():
+            assert torch.equal(local(fresh_params[name]), local(p)), name
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_frozen_parameters_survive_save_and_resume_bit_exact(cfg_for):
+    cfg = cfg_for("frozen", "parallel.tp=2", SP, "optim.zero_stage=1", "train.micro_batch_size=2",
+                  f"train.freeze=[{FROZEN[0]}, {FROZEN[1]}]")  # fmt: skip
+    launch_local(_frozen_checks, 2, cfg)

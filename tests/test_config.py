@@ -4,12 +4,13 @@ import sys
 import pytest
 
 from hpc_train.config import ConfigError, load_config, validate
+from hpc_train.layout import check_run
 from tests.conftest import ROOT
 
 
 def check(overrides: list[str], world_size: int = 1, path: str | None = None) -> None:
     cfg = load_config(path, overrides)
-    validate(cfg, world_size)
+    check_run(cfg, world_size)
 
 
 @pytest.mark.parametrize(
@@ -35,7 +36,10 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
         (["parallel.pp=2", "train.grad_accum=2", "parallel.virtual_stages=2"], 2, ["schedule=interleaved_1f1b"]),
         (["parallel.pp=2", "train.grad_accum=3", "parallel.schedule=interleaved_1f1b"], 2, ["virtual_stages >= 2"]),
         (["model.ffn_hidden=100", "parallel.tp=8", "model.n_heads=8"], 8, ["MLP hidden size 100", "tp=8"]),
-        (["parallel.tp=2", "model.tie_embeddings=true"], 2, ["tie_embeddings=true is supported only"]),
+        (["model.arch=gpt3"], 1, ["model.arch='gpt3' is not one of llama, gpt2"]),
+        (["model.arch=gpt2", "model.n_heads=3", "model.d_model=96", "parallel.tp=2"], 2, ["n_heads=3", "tp=2"]),
+        (["train.freeze=[embeddings.*]"], 1, ["train.freeze pattern 'embeddings.*' matches no parameter of the llama"]),
+        (["train.freeze=['*']"], 1, ["train.freeze holds every parameter fixed"]),
         (["optim.offload=cpu"], 2, ["optim.offload=cpu offloads the sharded optimizer state", "zero_stage=1"]),
         (["optim.zero_stage=2"], 2, ["optim.zero_stage=2 is not supported; use 0 or 1"]),
         (["steps"], 1, ["override 'steps' is not of the form key=value"]),
@@ -66,13 +70,14 @@ def test_layering_and_derived_values():
     assert validate(cfg, 2) == 2
 
 
-@pytest.mark.parametrize("preset", ["gpt_125m", "gpt_1_3b", "gpt_7b", "gpt_70b"])
+@pytest.mark.parametrize("preset", ["gpt_125m", "gpt_1_3b", "gpt_7b", "gpt_70b", "gpt2_124m", "gpt2_1_5b"])
 def test_presets_have_consistent_layouts(preset):
     cfg = load_config(ROOT / f"configs/{preset}.yaml")
     world = cfg.slurm.nodes * cfg.slurm.tasks_per_node
     assert cfg.slurm.gpus_per_node == cfg.slurm.tasks_per_node
     dp = validate(cfg, world, check_paths=False)
     assert dp * cfg.parallel.tp * cfg.parallel.pp == world
+    assert check_run(cfg, world, check_paths=False).dp == dp
 
 
 def test_config_show_cli():

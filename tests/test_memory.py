@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from hpc_train.builder import build_run
 from hpc_train.data.indexed import IndexedDataset
-from hpc_train.distributed.mesh import build_mesh
-from hpc_train.distributed.parallelize import forward_backward, parallelize
+from hpc_train.distributed.parallelize import forward_backward
 from hpc_train.launch.local import single_process_group
 from hpc_train.train.memory import SavedActivations
 
@@ -26,10 +26,10 @@ def measured(small_corpus, tmp_path_factory):
     from tests.conftest import TINY_MODEL
 
     results = {}
-    with single_process_group():
+    with single_process_group() as rank_env:
         for name, overrides in POLICIES.items():
             cfg = load_config(None, [*TINY_MODEL, "model.n_layers=4", f"data.train_path={small_corpus}", *overrides])
-            model = parallelize(cfg, build_mesh("cpu", 1, 1, 1), torch.device("cpu"))
+            model = build_run(cfg, rank_env, torch.device("cpu"), with_data=False).model
             data = IndexedDataset(small_corpus, cfg.model.seq_len)
             batch = [data.batch(np.arange(4))]
             with SavedActivations(model.parameters) as saved:

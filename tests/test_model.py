@@ -1,7 +1,11 @@
 import torch
 
 from hpc_train.config import ModelConfig
-from hpc_train.model.gpt import GPT, count_params, flops_per_token, init_weights, padded_vocab_size
+from hpc_train.models.decoder import count_params, init_weights, padded_vocab_size
+from hpc_train.models.llama import LLAMA
+
+GPT = LLAMA.build_stage
+flops_per_token = LLAMA.flops_per_token
 
 
 def tiny(**kw) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""3D parallelism: every (pp, dp, tp) layout trains exactly like one process on the same global batch.
+"""3D parallelism: every (pp, dp, tp) layout trains exactly like one process on the same global batch,
+for every model family (llama; gpt2, whose tied embeddings span pipeline stages and tp shards).
 
 Each launch runs several layouts one after another in the same worker processes (a fresh process group
 per layout) to keep the suite fast. Compared against the single-process run: the loss and the global
@@ -8,12 +9,13 @@ gradient norm of every step, and the final parameters gathered to full tensors.
 import pytest
 
 from hpc_train.config import load_config
-from hpc_train.launch.local import launch_local, launch_sequence
+from hpc_train.launch.local import launch_sequence
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
 STEPS = 3
 TOL = 1e-5
+ARCHS = ("llama", "gpt2")
 COMMON = [*TINY_MODEL, "model.n_layers=4", f"train.steps={STEPS}"]
 SP = "parallel.sequence_parallel=true"
 INTERLEAVED = ["parallel.virtual_stages=2", "parallel.schedule=interleaved_1f1b"]
@@ -69,20 +71,24 @@ _derive(OVERLAP_LAYOUTS, ["optim.overlap_grad_reduce=true", "optim.bucket_mb=0.0
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus):
+    """Run directory per model family: <arch>/reference and <arch>/<layout>."""
     base = tmp_path_factory.mktemp("layouts")
-    cfg = lambda name, extra: load_config(
-        None, [*COMMON, f"data.train_path={small_corpus}", f"run_dir={base / name}", *extra]
-    )
-    launch_local(run_training, 1, cfg("reference", ["train.micro_batch_size=8"]))
+    cfg = lambda arch, name, extra: load_config(
+        None, [*COMMON, f"model.arch={arch}", f"data.train_path={small_corpus}", f"run_dir={base / arch / name}",
+               *extra]
+    )  # fmt: skip
+    launch_sequence(run_training, 1, [(cfg(arch, "reference", ["train.micro_batch_size=8"]),) for arch in ARCHS])
     for world in sorted({w for w, _ in LAYOUTS.values()}):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-        cfgs = [cfg(n, [*LAYOUTS[n][1], f"parallel.nproc={world}"]) for n in names]
+        cfgs = [cfg(arch, n, [*LAYOUTS[n][1], f"parallel.nproc={world}"]) for arch in ARCHS for n in names]
         launch_sequence(run_training, world, [(c,) for c in cfgs])
-    return base
+    return {arch: base / arch for arch in ARCHS}
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(runs, layout):
+def test_layout_matches_single_process(runs, arch, layout):
+    runs = runs[arch]
     ref, got = read_metrics(runs / "reference"), read_metrics(runs / layout)
     assert len(got) == STEPS
     for r, g in zip(ref, got, strict=True):
@@ -92,16 +98,20 @@ def test_layout_matches_single_process(runs, layout):
     assert ref[-1]["loss"] < ref[0]["loss"]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", list(ZERO_LAYOUTS))
-def test_zero1_matches_plain_data_parallel(runs, layout):
+def test_zero1_matches_plain_data_parallel(runs, arch, layout):
+    runs = runs[arch]
     zero, plain = read_final_model(runs / layout), read_final_model(runs / ZERO_LAYOUTS[layout])
     assert max_param_diff(zero, plain) <= 1e-6
     losses = [m["loss"] for m in read_metrics(runs / layout)]
     assert losses == pytest.approx([m["loss"] for m in read_metrics(runs / ZERO_LAYOUTS[layout])], abs=1e-6)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", list(OVERLAP_LAYOUTS))
-def test_overlapped_reduction_matches_reduction_after_backward(runs, layout):
+def test_overlapped_reduction_matches_reduction_after_backward(runs, arch, layout):
+    runs = runs[arch]
     base = OVERLAP_LAYOUTS[layout]
     assert max_param_diff(read_final_model(runs / layout), read_final_model(runs / base)) == 0
     assert [m["grad_norm"] for m in read_metrics(runs / layout)] == [m["grad_norm"] for m in read_metrics(runs / base)]

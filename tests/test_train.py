@@ -10,7 +10,7 @@ import torch
 
 from hpc_train.config import load_config
 from hpc_train.launch.local import launch_local
-from hpc_train.model.gpt import GPT
+from hpc_train.models import get_spec
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
@@ -148,6 +148,7 @@ def test_tiny_config_learns_on_the_embedded_corpus(tmp_path):
     assert metrics[-1]["eval_loss"] < 2.4
     assert "step 100 | loss" in out.stdout
     weights = read_final_model(tmp_path)
-    model = GPT(load_config(tmp_path / "config.yaml").model)
+    model_cfg = load_config(tmp_path / "config.yaml").model
+    model = get_spec(model_cfg.arch).build_stage(model_cfg)
     model.load_state_dict(weights)  # the exported weights load into a fresh model
     assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long))[..., :257]).all()

@@ -7,15 +7,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpc_train.builder import build_run
 from hpc_train.config import load_config
 from hpc_train.data.indexed import IndexedDataset
-from hpc_train.distributed.mesh import build_mesh
-from hpc_train.distributed.parallelize import cast_parameters, forward_backward, parallelize
-from hpc_train.distributed.zero import ZeroOptimizer, build_optimizer
+from hpc_train.distributed.parallelize import forward_backward
 from hpc_train.launch.bootstrap import init_distributed
 from hpc_train.launch.local import launch_local
-from hpc_train.train.loop import apply_gradients, run_training, train_step
-from hpc_train.train.loss_scale import LossScaler
+from hpc_train.optim import build_optimizer
+from hpc_train.optim.loss_scale import LossScaler
+from hpc_train.optim.zero import ZeroOptimizer
+from hpc_train.train.loop import run_training
+from hpc_train.train.step import apply_gradients, train_step
 from tests.conftest import ROOT, read_metrics
 
 
@@ -28,13 +30,12 @@ def _zero_checks(rank_env, cfg):
     cpu = torch.device("cpu")
     init_distributed(rank_env, cpu, "gloo", 120)
     try:
-        mesh = build_mesh("cpu", 1, 2, 2)
-        model = parallelize(cfg, mesh, cpu)
-        optimizer = ZeroOptimizer(model.parameters, cfg.optim, model.group("dp"))
-        cast_parameters(model)  # the config asks for fp16 weights with ZeRO-1
-        assert all(_local(p).dtype == torch.float16 for p in model.parameters)
+        run = build_run(cfg, rank_env, cpu, with_data=False)
+        model, optimizer = run.model, run.optimizer
+        assert isinstance(optimizer, ZeroOptimizer)
+        assert all(_local(p).dtype == torch.float16 for p in model.parameters)  # fp16 weights with ZeRO-1
         data = IndexedDataset(cfg.data.train_path, cfg.model.seq_len)
-        offset = 4 * mesh["dp"].get_local_rank()
+        offset = 4 * model.mesh.rank("dp")
         batch = [data.batch(np.arange(offset + 2 * i, offset + 2 * i + 2)) for i in range(2)]
         scaler = LossScaler(scale=1024.0, window=2)
 
@@ -44,7 +45,7 @@ def _zero_checks(rank_env, cfg):
         assert optimizer.state_bytes() == 12 * owned
         local_params = sum(_local(p).numel() for p in model.parameters)
         owned_by_all = [None, None]
-        dist.all_gather_object(owned_by_all, owned, group=model.group("dp"))
+        dist.all_gather_object(owned_by_all, owned, group=model.mesh.group("dp"))
         assert sum(owned_by_all) == local_params  # the dp ranks' slices partition the parameters exactly
         assert (
             owned
@@ -85,12 +86,12 @@ def _overlap_checks(rank_env, cfg):
     cpu = torch.device("cpu")
     init_distributed(rank_env, cpu, "gloo", 120)
     try:
-        model = parallelize(cfg, build_mesh("cpu", 1, 2, 1), cpu)
+        model = build_run(cfg, rank_env, cpu, with_data=False).model
         data = IndexedDataset(cfg.data.train_path, cfg.model.seq_len)
         batch = [data.batch(np.arange(2 * i, 2 * i + 2) + 4 * dist.get_rank()) for i in range(2)]
         for stage in (0, 1):
             cfg.optim.zero_stage = stage
-            optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
+            optimizer = build_optimizer(model, cfg.optim)
             reduction = optimizer.reduction
             assert len(reduction.buckets) >= 3
             optimizer.begin_step(len(batch))

@@ -15,14 +15,11 @@ from pathlib import Path
 
 import torch
 
-from hpc_train.checkpoint.checkpointer import Checkpointer
+from hpc_train.builder import build_run
 from hpc_train.config import load_config
-from hpc_train.distributed.mesh import build_mesh
-from hpc_train.distributed.parallelize import parallelize
-from hpc_train.distributed.zero import build_optimizer
 from hpc_train.launch.local import single_process_group
-from hpc_train.model.gpt import count_params
-from hpc_train.train.loop import train_step
+from hpc_train.models.decoder import count_params
+from hpc_train.train.step import train_step
 
 MODEL = ["model.n_layers=14", "model.d_model=768", "model.n_heads=12", "model.seq_len=32"]
 
@@ -49,27 +46,26 @@ def torch_save(state: dict, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def measure(root: Path) -> None:
+def measure(root: Path, rank_env) -> None:
     cfg = load_config(None, [*MODEL, "train.micro_batch_size=1", f"run_dir={root}/run"])
-    model = parallelize(cfg, build_mesh("cpu", 1, 1, 1), torch.device("cpu"))
-    optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
+    run = build_run(cfg, rank_env, torch.device("cpu"), with_data=False)
+    model, optimizer = run.model, run.optimizer
     batch = [(torch.zeros(1, 32, dtype=torch.long), torch.zeros(1, 32, dtype=torch.long))]
     train_step(model, optimizer, batch, 1e-4, 1.0)  # creates the AdamW moments
     n_params = count_params(model.chunks[0])
     state = {"model": model.chunks[0].state_dict(), "optim": optimizer.optimizer.state_dict()}
     nbytes = sum(t.nbytes for t in model.parameters) * 3  # weights + two moments, fp32
-    progress = {"step": 1, "consumed_samples": 1, "loss_scaler": None}
-    quiet = lambda message: None
+    run.report = run.checkpointer.report = lambda message: None
 
     t_raw = timed(lambda: raw_write(root / "raw.bin", nbytes))
     t_torch = timed(lambda: torch_save(state, root / "torch_save.pt"))
-    sync = Checkpointer(cfg, model, optimizer, quiet)
-    t_save = timed(lambda: sync.save(1, progress))
-    t_load = timed(sync.resume)
+    t_save = timed(lambda: run.checkpointer.save(1))
+    t_load = timed(run.checkpointer.resume)
     shutil.rmtree(root / "run")
     cfg.checkpoint.async_save = True
-    background = Checkpointer(cfg, model, optimizer, quiet)
-    t_async_block = timed(lambda: background.save(2, progress))
+    background = build_run(cfg, rank_env, torch.device("cpu"), with_data=False).checkpointer
+    background.report = run.report
+    t_async_block = timed(lambda: background.save(2))
     t_async_total = t_async_block + timed(background.wait)
 
     gb = nbytes / 1e9
@@ -93,8 +89,8 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="bench_ckpt_"))
     try:
-        with single_process_group():
-            measure(root)
+        with single_process_group() as rank_env:
+            measure(root, rank_env)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

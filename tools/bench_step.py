@@ -1,5 +1,6 @@
 """Step time of hpc_train's single-process training step against a plain hand-written PyTorch loop
-(nanoGPT style: forward, backward, clip, AdamW step), same model, same batch, in one process.
+(nanoGPT style: forward, backward, clip, AdamW step, autocast for bf16/fp16), same model, same batch, in
+one process. hpc_train's side is built by `builder.build_run`, as a training run builds it.
 
 The two alternate round by round so that drift in machine speed hits both; the ratio of medians is
 printed (target <= 1.05).
@@ -8,23 +9,24 @@ printed (target <= 1.05).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 
+from hpc_train.builder import build_run
 from hpc_train.config import load_config
-from hpc_train.distributed.mesh import build_mesh
-from hpc_train.distributed.parallelize import parallelize
-from hpc_train.distributed.zero import build_optimizer
 from hpc_train.launch.local import single_process_group
-from hpc_train.model.gpt import GPT, count_params, init_weights
-from hpc_train.train.loop import train_step
-from hpc_train.train.optim import adamw, lr_at
+from hpc_train.models.decoder import count_params
+from hpc_train.optim.adamw import adamw
+from hpc_train.optim.schedule import lr_at
+from hpc_train.train.step import train_step
 
 
-def plain_step(model, optimizer, tokens, targets, grad_clip):
-    loss = model(tokens, targets)
+def plain_step(model, optimizer, tokens, targets, grad_clip, autocast_dtype):
+    with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+        loss = model(tokens, targets)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
@@ -49,27 +51,25 @@ def main() -> None:
             *args.overrides,
         ],
     )
-    with single_process_group():
-        compare(cfg, args.rounds, args.steps)
+    with single_process_group() as rank_env:
+        compare(cfg, build_run(cfg, rank_env, torch.device("cpu"), with_data=False), args.rounds, args.steps)
 
 
-def compare(cfg, rounds: int, steps: int) -> None:
-    cpu = torch.device("cpu")
+def compare(cfg, run, rounds: int, steps: int) -> None:
     gen = torch.Generator().manual_seed(0)
     shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
     tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
     targets = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
-    ours = parallelize(cfg, build_mesh("cpu", 1, 1, 1), cpu)
-    ours_opt = build_optimizer(ours.parameters, cfg.optim, ours.group("dp"))
-    plain = GPT(cfg.model)
-    init_weights(plain, cfg.train.seed)
-    plain_opt = adamw(list(plain.parameters()), cfg.optim, cpu)
+    plain = run.spec.build_stage(cfg.model)
+    run.spec.init_weights(plain, cfg.train.seed)
+    plain_opt = adamw(list(plain.parameters()), cfg.optim, run.device)
 
     def run_ours(step: int) -> None:
-        train_step(ours, ours_opt, [(tokens, targets)], lr_at(step, cfg.optim, cfg.train.steps), cfg.optim.grad_clip)
+        lr = lr_at(step, cfg.optim, cfg.train.steps)
+        train_step(run.model, run.optimizer, [(tokens, targets)], lr, cfg.optim.grad_clip, run.scaler)
 
     def run_plain(step: int) -> None:
-        plain_step(plain, plain_opt, tokens, targets, cfg.optim.grad_clip)
+        plain_step(plain, plain_opt, tokens, targets, cfg.optim.grad_clip, run.policy.autocast_dtype)
 
     times = {"hpc_train": [], "plain": []}
     for fn in (run_ours, run_plain):  # warm-up

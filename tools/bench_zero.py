@@ -17,25 +17,24 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from hpc_train.builder import build_run
 from hpc_train.config import load_config
-from hpc_train.distributed.mesh import build_mesh
-from hpc_train.distributed.parallelize import parallelize
-from hpc_train.distributed.zero import build_optimizer
 from hpc_train.launch.bootstrap import init_distributed
 from hpc_train.launch.local import launch_local
-from hpc_train.model.gpt import GPT, count_params, init_weights
-from hpc_train.train.loop import train_step
+from hpc_train.models import get_spec
+from hpc_train.models.decoder import count_params
+from hpc_train.train.step import train_step
 
 MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "model.seq_len=128"]
 
 
-def hpc_train_variant(cfg, zero_stage: int, overlap: bool = False):
+def hpc_train_variant(cfg, rank_env, zero_stage: int, overlap: bool = False):
     cfg = replace(cfg, optim=replace(cfg.optim, zero_stage=zero_stage, overlap_grad_reduce=overlap))
-    model = parallelize(cfg, build_mesh("cpu", 1, 2, 1), torch.device("cpu"))
-    optimizer = build_optimizer(model.parameters, cfg.optim, model.group("dp"))
+    run = build_run(cfg, rank_env, torch.device("cpu"), with_data=False)
     timings: dict[str, float] = {}  # seconds per phase, summed over every step
-    step = lambda batch: train_step(model, optimizer, [batch], cfg.optim.lr, cfg.optim.grad_clip, timings=timings)
-    return step, optimizer.state_bytes, timings
+    step = lambda batch: train_step(run.model, run.optimizer, [batch], cfg.optim.lr, cfg.optim.grad_clip, run.scaler,
+                                    timings=timings)  # fmt: skip
+    return step, run.optimizer.state_bytes, timings
 
 
 def deepspeed_variant(cfg, rank_env):
@@ -50,8 +49,9 @@ def deepspeed_variant(cfg, rank_env):
         os.environ[key] = str(value)  # DeepSpeed reads its launcher's variables even with a process group  # fmt: skip
     import deepspeed
 
-    model = GPT(cfg.model)
-    init_weights(model, cfg.train.seed)
+    spec = get_spec(cfg.model.arch)
+    model = spec.build_stage(cfg.model)
+    spec.init_weights(model, cfg.train.seed)
     o = cfg.optim
     ds_config = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
@@ -95,10 +95,10 @@ def worker(rank_env, cfg, rounds: int, steps: int, with_deepspeed: bool):
         shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
         batch = (torch.randint(0, 256, shape, generator=gen), torch.randint(0, 256, shape, generator=gen))
         variants = {
-            "hpc_train ZeRO-1": hpc_train_variant(cfg, 1),
-            "ZeRO-1 + overlap": hpc_train_variant(cfg, 1, overlap=True),
-            "plain DP + AdamW": hpc_train_variant(cfg, 0),
-            "plain DP + overlap": hpc_train_variant(cfg, 0, overlap=True),
+            "hpc_train ZeRO-1": hpc_train_variant(cfg, rank_env, 1),
+            "ZeRO-1 + overlap": hpc_train_variant(cfg, rank_env, 1, overlap=True),
+            "plain DP + AdamW": hpc_train_variant(cfg, rank_env, 0),
+            "plain DP + overlap": hpc_train_variant(cfg, rank_env, 0, overlap=True),
         }
         if with_deepspeed:
             variants["DeepSpeed ZeRO-1"] = deepspeed_variant(cfg, rank_env)
@@ -114,7 +114,7 @@ def worker(rank_env, cfg, rounds: int, steps: int, with_deepspeed: bool):
                     variants[name][0](batch)
                 times[name].append((time.perf_counter() - start) / steps)
         if rank_env.rank == 0:
-            n_params = count_params(GPT(cfg.model))
+            n_params = count_params(get_spec(cfg.model.arch).build_stage(cfg.model))
             base = statistics.median(times["plain DP + AdamW"])
             print(f"GPT {n_params / 1e6:.2f}M params, batch {shape[0]} x {shape[1]} per rank, 2 ranks (gloo), "
                   f"{rounds} rounds x {steps} steps; optimizer state = fp32 master + moments per rank")  # fmt: skip
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-deepspeed", action="store_true")
     args = parser.parse_args()
-    cfg = load_config(None, [*MODEL, "train.micro_batch_size=8", *args.overrides])
+    cfg = load_config(None, [*MODEL, "train.micro_batch_size=8", "parallel.nproc=2", *args.overrides])
     with_deepspeed = not args.no_deepspeed
     if with_deepspeed:
         try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from hpc_train.config import JobConfig, load_config
 from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.launch.local import launch_sequence
+from hpc_train.layout import check_run
 from hpc_train.planner import activation_bytes, estimate
 from hpc_train.train.loop import run_training
 
@@ -45,6 +46,14 @@ LAYOUTS = {  # name -> (world size, overrides)
         4,
         ["parallel.tp=2", "parallel.pp=2", SP, "train.grad_accum=2", "model.recompute=selective"],
     ),  # fmt: skip
+    # the gpt2 family's own formulas: LayerNorm with bias, GELU MLP, learned positions, tied head
+    "gpt2": (1, ["model.arch=gpt2"]),
+    "gpt2_zero1_bf16_full_every_2": (
+        1,
+        ["model.arch=gpt2", *ZERO1_BF16, "model.recompute=full", "model.recompute_every=2"],
+    ),  # fmt: skip
+    "gpt2_tp2_sp_selective": (2, ["model.arch=gpt2", "parallel.tp=2", SP, "model.recompute=selective"]),
+    "gpt2_pp2_zero1_bf16": (2, ["model.arch=gpt2", "parallel.pp=2", "train.grad_accum=4", *ZERO1_BF16]),
 }
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
 RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",
@@ -67,8 +76,7 @@ def measure(corpus: str, base: Path, extra: list[str] = ()) -> dict[str, tuple[J
         measured = record["memory_bytes"]
         if cfg.train.device == "cuda":  # the allocator's own peak beside the exact counts
             measured["device_max_allocated"] = int(record["memory_gb"] * 1e9)
-        world = LAYOUTS[name][0]
-        plan = estimate(cfg, world // (cfg.parallel.tp * cfg.parallel.pp))
+        plan = estimate(cfg, check_run(cfg, LAYOUTS[name][0], check_paths=False))
         predicted = {
             "params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer,
             "activations_per_microbatch": activation_bytes(cfg), "activations_peak": plan.activations,

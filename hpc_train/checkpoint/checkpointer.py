@@ -1,5 +1,7 @@
-"""Save and resume during training: every rank writes its own shards (DCP) and its own state file, the
-store commits them (checksums, manifest, atomic rename, `latest`), and on start the newest checkpoint
+"""Save and resume during training. The checkpointer owns the save policy (every `checkpoint.interval`
+steps, at the end, on a stop signal) and the registered parts it saves (checkpoint/state.py): sharded
+parts through DCP, every rank writing its own shards, and small per-rank parts in each rank's own file.
+The store commits them (checksums, manifest, atomic rename, `latest`); on start the newest checkpoint
 that verifies is loaded, in whatever layout this run uses.
 
 With `checkpoint.async_save`, DCP writes on a background thread over its own gloo group while training
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +25,69 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 import hpc_train
-from hpc_train.checkpoint.state import apply_loaded, load_template, rng_state, set_rng_state, sharded_state
+from hpc_train.checkpoint.state import ShardedPart, Stateful
 from hpc_train.checkpoint.store import CheckpointError, CheckpointStore, describe_files
 from hpc_train.config import JobConfig, to_yaml
-from hpc_train.distributed.parallelize import ParallelModel
+
+FORMAT = 2  # of the per-rank files; format 1 (hpc_train 08c1275) kept the sampler's count at top level
 
 
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
+def upgrade_rank_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A per-rank file of any format, as format 2: {"step", then one state_dict per part}."""
+    if state.get("format", 1) > 1:
+        return state
+    step = state["step"]
+    return {"step": step, "sampler": {"consumed_samples": state["consumed_samples"]},
+            "loss_scaler": state["loss_scaler"], "rng": state["rng"], "metrics": {"step": step}}  # fmt: skip
+
+
+@dataclass
+class Resumed:
+    step: int
+    path: str
+    layout: dict[str, Any]  # the layout it was saved with
+
+
 class Checkpointer:
-    def __init__(self, cfg: JobConfig, model: ParallelModel, optimizer, report: Callable[[str], None]):
-        self.cfg, self.model, self.optimizer, self.report = cfg, model, optimizer, report
+    """`sharded` parts go through DCP; `shared` parts (the same on every rank) are restored from rank 0's
+    file; `per_rank` parts (RNG streams) from each rank's own file, and only when the layout is the same."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        layout: dict[str, Any],
+        sharded: dict[str, ShardedPart],
+        shared: dict[str, Stateful],
+        per_rank: dict[str, Stateful],
+        report: Callable[[str], None],
+    ):
+        self.cfg, self.layout, self.report = cfg, layout, report
+        self.sharded, self.shared, self.per_rank = sharded, shared, per_rank
         self.store = CheckpointStore(cfg.checkpoint.dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        p = cfg.parallel
-        self.layout = {"tp": p.tp, "pp": p.pp, "dp": model.mesh["dp"].size(), "world_size": self.world,
-                       "zero_stage": cfg.optim.zero_stage, "precision": cfg.train.precision}  # fmt: skip
         # DCP's background writes need a group of their own, created collectively up front
         self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
         self.pending: tuple[Any, int] | None = None
 
     # ---- save -------------------------------------------------------------------------------------
-    def save(self, step: int, progress: dict[str, Any]) -> None:
+    def should_save(self, step: int, stop_requested: bool) -> bool:
+        interval = self.cfg.checkpoint.interval
+        return stop_requested or bool(interval and (step % interval == 0 or step == self.cfg.train.steps))
+
+    def save(self, step: int) -> None:
         self.wait()
         tmp = self.store.tmp_dir(step)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a stale partial save of this step
             tmp.mkdir(parents=True)
         dist.barrier()
-        torch.save({**progress, "rng": rng_state()}, tmp / rank_file(self.rank))
-        state = sharded_state(self.model, self.optimizer)
+        parts = {name: part.state_dict() for name, part in {**self.shared, **self.per_rank}.items()}
+        torch.save({"format": FORMAT, "step": step, **parts}, tmp / rank_file(self.rank))
+        state = {f"{name}.{key}": t for name, part in self.sharded.items() for key, t in part.tensors().items()}
         if self.async_group is None:
             dcp.save(state, checkpoint_id=tmp)
             self._commit(step)
@@ -89,9 +123,8 @@ class Checkpointer:
         dist.barrier()
 
     # ---- resume -----------------------------------------------------------------------------------
-    def resume(self) -> dict[str, Any] | None:
-        """Load the newest checkpoint that verifies into the model and optimizer; return the progress
-        state (step, consumed samples, loss scaler) or None when there is none."""
+    def resume(self) -> Resumed | None:
+        """Load the newest checkpoint that verifies into every registered part; None when there is none."""
         choice: list[Any] = [None, None]
         if self.rank == 0:
             info = self.store.newest_valid(full=self.cfg.checkpoint.verify == "full", report=self.report)
@@ -103,16 +136,25 @@ class Checkpointer:
             return None
         try:
             stored = set(FileSystemReader(path).read_metadata().state_dict_metadata)
-            loaded = load_template(self.model, self.optimizer, stored)
-            dcp.load(loaded, checkpoint_id=path)
-            progress = torch.load(Path(path) / rank_file(0), weights_only=False)
+            templates = {
+                name: part.template({k.removeprefix(f"{name}.") for k in stored if k.startswith(f"{name}.")})
+                for name, part in self.sharded.items()
+            }
+            dcp.load({f"{name}.{k}": t for name, ts in templates.items() for k, t in ts.items()}, checkpoint_id=path)
+            shared = upgrade_rank_state(torch.load(Path(path) / rank_file(0), weights_only=False))
         except (CheckpointException, Exception) as err:  # DCP's exception derives from BaseException
             raise CheckpointError(f"loading checkpoint {path} failed: {err}") from None
-        apply_loaded(self.model, self.optimizer, loaded, progress["step"])
+        step = shared["step"]
+        for name, part in self.sharded.items():  # in registration order: the model before the optimizer
+            part.load(templates[name], step)
+        for name, part in self.shared.items():
+            if shared.get(name) is not None:
+                part.load_state_dict(shared[name])
         same_layout = manifest["layout"] == self.layout
         if same_layout:
-            set_rng_state(torch.load(Path(path) / rank_file(self.rank), weights_only=False)["rng"])
-        if self.rank == 0:
-            change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
-            self.report(f"resumed from {path} (step {progress['step']}{change})")
-        return {**progress, "resumed_from": {"step": progress["step"], "layout": manifest["layout"]}}
+            own = upgrade_rank_state(torch.load(Path(path) / rank_file(self.rank), weights_only=False))
+            for name, part in self.per_rank.items():
+                part.load_state_dict(own[name])
+        change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
+        self.report(f"resumed from {path} (step {step}{change})")
+        return Resumed(step, path, manifest["layout"])

@@ -1,62 +1,48 @@
-"""What a checkpoint holds, laid out so that any (tp, pp, dp, zero) layout can load it.
+"""The parts a checkpoint is made of, laid out so that any (tp, pp, dp, zero) layout can load them.
 
-Sharded through DCP: the model parameters (DTensor shards under tp) and the optimizer state *per
-parameter* (exp_avg, exp_avg_sq and, with ZeRO-1, the fp32 master weights), each in its parameter's
-placement, so DCP reshards both on load. The embedding and output head are stored unpadded and whole:
-their vocabulary padding depends on tp. Per rank, in its own file: step, consumed samples, loss scaler
-and the RNG states (Python, numpy, torch CPU and CUDA) of that rank.
+Sharded through DCP, under `<part>.<key>`: the model (every parameter, frozen or not, and every
+persistent buffer; DTensor shards under tp) and the optimizer state *per parameter* (exp_avg,
+exp_avg_sq and, with ZeRO-1, the fp32 master weights) in its parameter's placement, so DCP reshards
+both on load. Vocabulary-padded tensors are stored unpadded and whole: their padding depends on tp.
+Everything else is a small `state_dict` per part in each rank's own file (sampler, loss scaler, metrics
+position, RNG).
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hpc_train.distributed.grads import local
-from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.distributed.zero import STATE_KEYS
-
-VOCAB_PADDED = ("tok_embeddings.weight", "output.weight")
+from hpc_train.distributed.parallelize import ParallelModel, unpadded
+from hpc_train.optim.protocol import Optimizer
 
 
-def _stored(name: str, t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    if name in VOCAB_PADDED:
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        return full[:vocab_size].detach().clone()
-    return t
+class Stateful(Protocol):
+    """A part saved in each rank's own file."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def sharded_state(model: ParallelModel, optimizer) -> dict[str, torch.Tensor]:
-    """The tensors every rank hands to DCP: `model.<name>` and `optim.<name>.<key>`."""
-    vocab = model.cfg.model.vocab_size
-    names = [n for n, _ in model.named_parameters]
-    state = {f"model.{n}": _stored(n, p.detach(), vocab) for n, p in model.named_parameters}
-    for name, param_state in zip(names, optimizer.param_states(), strict=True):
-        state.update({f"optim.{name}.{k}": _stored(name, t, vocab) for k, t in param_state.items()})
-    return state
+class ShardedPart(Protocol):
+    """A part saved through DCP, each rank writing its shards."""
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What to save, by key."""
+        ...
 
-def load_template(model: ParallelModel, optimizer, stored_keys: set[str]) -> dict[str, torch.Tensor]:
-    """Tensors for DCP to load into, for the current layout; only keys the checkpoint holds."""
-    vocab = model.cfg.model.vocab_size
-    template = {}
-    for name, p in model.named_parameters:
-        padded = name in VOCAB_PADDED
-        shape = (vocab, *p.shape[1:])
-        device = local(p).device
-        template[f"model.{name}"] = torch.empty(shape, dtype=p.dtype, device=device) if padded else p.detach()
-        for key in STATE_KEYS:
-            if f"optim.{name}.{key}" in stored_keys:
-                template[f"optim.{name}.{key}"] = (
-                    torch.empty(shape, dtype=torch.float32, device=device)
-                    if padded
-                    else torch.zeros_like(p, dtype=torch.float32)
-                )
-    return {k: v for k, v in template.items() if k in stored_keys}
+    def template(self, stored: set[str]) -> dict[str, torch.Tensor]:
+        """Tensors to load into, for the keys in `stored` that this layout holds."""
+        ...
+
+    def load(self, loaded: dict[str, torch.Tensor], step: int) -> None:
+        """Take what DCP loaded into `template`'s tensors."""
 
 
 def _repad_like(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -68,33 +54,88 @@ def _repad_like(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return padded
 
 
-@torch.no_grad()
-def apply_loaded(model: ParallelModel, optimizer, loaded: dict[str, torch.Tensor], step: int) -> None:
-    """Copy what DCP loaded into the model (in place) and the optimizer."""
-    states = []
-    for name, p in model.named_parameters:
-        if name in VOCAB_PADDED:
-            local(p).copy_(local(_repad_like(p, loaded[f"model.{name}"])))
-        state = {}
-        for key in STATE_KEYS:
-            value = loaded.get(f"optim.{name}.{key}")
-            if value is not None:
-                state[key] = _repad_like(p, value) if name in VOCAB_PADDED else value
-        states.append(state)
-    if any(states):
-        optimizer.load_param_states(states, step)
+def _template_like(model: ParallelModel, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where DCP loads `name`: a whole unpadded tensor for vocabulary rows, else a tensor laid out like `t`."""
+    if name in model.spec.vocab_params:
+        return torch.empty((model.cfg.model.vocab_size, *t.shape[1:]), dtype=dtype, device=local(t).device)
+    return torch.zeros_like(t, dtype=dtype)
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class ModelState:
+    """Every parameter and persistent buffer, under its whole-model name."""
+
+    def __init__(self, model: ParallelModel):
+        self.model = model
+
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return self.model.named_parameters + self.model.persistent_buffers
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        vocab = self.model.cfg.model.vocab_size
+        return {n: unpadded(self.model.spec, n, t.detach(), vocab) for n, t in self._tensors()}
+
+    def template(self, stored: set[str]) -> dict[str, torch.Tensor]:
+        """Vocabulary rows into a new whole tensor; everything else straight into the model, in place."""
+        out = {}
+        for name, t in self._tensors():
+            if name in stored:
+                padded = name in self.model.spec.vocab_params
+                out[name] = _template_like(self.model, name, t, t.dtype) if padded else t.detach()
+        return out
+
+    @torch.no_grad()
+    def load(self, loaded: dict[str, torch.Tensor], step: int) -> None:
+        for name, t in self._tensors():
+            if name in self.model.spec.vocab_params and name in loaded:
+                local(t).copy_(local(_repad_like(t, loaded[name])))
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+class OptimizerState:
+    """The optimizer's state per trainable parameter: `<name>.<key>` (e.g. `layers.0.attn.wq.weight.exp_avg`)."""
+
+    def __init__(self, model: ParallelModel, optimizer: Optimizer):
+        self.model, self.optimizer = model, optimizer
+        by_id = {id(p): n for n, p in model.named_parameters}
+        self.names = [by_id[id(p)] for p in optimizer.params]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        vocab, states = self.model.cfg.model.vocab_size, self.optimizer.param_states()
+        return {f"{name}.{key}": unpadded(self.model.spec, name, t, vocab)
+                for name, state in zip(self.names, states, strict=True) for key, t in state.items()}  # fmt: skip
+
+    def template(self, stored: set[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in zip(self.names, self.optimizer.params, strict=True):
+            for key in self.optimizer.state_keys:
+                if f"{name}.{key}" in stored:
+                    out[f"{name}.{key}"] = _template_like(self.model, name, p, torch.float32)
+        return out
+
+    def load(self, loaded: dict[str, torch.Tensor], step: int) -> None:
+        states = []
+        for name, p in zip(self.names, self.optimizer.params, strict=True):
+            state = {}
+            for key in self.optimizer.state_keys:
+                value = loaded.get(f"{name}.{key}")
+                if value is not None:
+                    state[key] = _repad_like(p, value) if name in self.model.spec.vocab_params else value
+            states.append(state)
+        if any(states):
+            self.optimizer.load_param_states(states, step)
+
+
+class RNGState:
+    """This rank's Python, numpy, torch CPU and CUDA generators."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])

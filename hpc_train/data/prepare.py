@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from hpc_train.config import BUILTIN_DATA
-from hpc_train.data.indexed import IndexedDatasetWriter
+from hpc_train.config import BUILTIN_DATA, ConfigError, DataConfig, ModelConfig
+from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter
 from hpc_train.data.tokenizer import build_tokenizer
 
 VALID_SUFFIX = "_valid"
@@ -86,3 +86,17 @@ def dataset_prefixes(train_path: str, valid_path: str | None, cache_dir: str, pr
     if valid_path == BUILTIN_DATA or (valid_path is None and train_path == BUILTIN_DATA):
         return train, builtin_valid
     return train, valid_path
+
+
+def load_datasets(cfg: DataConfig, model: ModelConfig, progress: bool) -> tuple[IndexedDataset, IndexedDataset | None]:
+    """The training and (if any) held-out datasets, checked against the model's vocabulary."""
+    train_prefix, valid_prefix = dataset_prefixes(cfg.train_path, cfg.valid_path, cfg.cache_dir, progress)
+    train_set = IndexedDataset(train_prefix, model.seq_len)
+    valid_set = IndexedDataset(valid_prefix, model.seq_len) if valid_prefix else None
+    for ds in filter(None, (train_set, valid_set)):
+        if ds.vocab_size > model.vocab_size:
+            raise ConfigError(
+                f"dataset {ds.prefix} has vocabulary size {ds.vocab_size} but model.vocab_size="
+                f"{model.vocab_size}; set model.vocab_size={ds.vocab_size}"
+            )
+    return train_set, valid_set

@@ -1,22 +1,21 @@
-"""Gradient reduction and clipping across the (pp, dp, tp) mesh.
+"""Gradient placement and clipping across the mesh.
 
 Tensor-parallel gradients do not always come back in their parameter's placement (under sequence
 parallelism the norm weights' gradients are Partial sums; the vocab-parallel embedding's can come back
 full-size and Replicate), so every gradient is first redistributed to its parameter's placement; only
-then are local shards flattened and averaged over the data-parallel group.
+then are local shards flattened and averaged over the data-parallel group (optim/buckets.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+
+from hpc_train.distributed.mesh import Mesh
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -30,82 +29,6 @@ def fix_grad_placements(params: list[torch.nn.Parameter]) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-def bucketize(tensors: list[torch.Tensor], limit_bytes: int, element_bytes: int | None = None) -> list[list[int]]:
-    """Indices of `tensors`, in order, grouped into buckets of one dtype and at most `limit_bytes` (a larger
-    tensor gets a bucket of its own). Sizes count `element_bytes` per element when the buffer the bucket
-    is reduced in has another dtype than the tensors (ZeRO's fp32 buckets)."""
-    buckets: list[list[int]] = []
-    size = 0
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * (element_bytes or t.element_size())
-        if not buckets or size + nbytes > limit_bytes or t.dtype != tensors[buckets[-1][0]].dtype:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += nbytes
-    return buckets
-
-
-class BucketedReduction:
-    """Reduce gradients over dp bucket by bucket, each bucket's collective asynchronous. `launch(i)` starts
-    bucket i's collective and returns the function that completes it. With `overlap` (Megatron's
-    --overlap-grad-reduce) a bucket is launched from inside backward as soon as each of its parameters has
-    received the gradient of the step's last micro-batch (a post-accumulate-grad hook counts arrivals), so
-    its communication runs while backward goes on through earlier layers; `finish` launches whatever
-    backward did not and completes every bucket."""
-
-    def __init__(self, buckets: list[list[nn.Parameter]], launch: Callable[[int], Callable[[], None]], overlap: bool):
-        self.buckets, self.launch, self.overlap = buckets, launch, overlap
-        self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
-        self.completions: dict[int, Callable[[], None]] = {}
-        self.hooked = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.micro_batches = 0  # 0 until begin_step: no launch from backward
-        self.arrivals: dict[int, int] = {}  # backward passes seen per parameter this step
-        self.missing = [len(b) for b in self.buckets]  # parameters of each bucket not final yet
-
-    def begin_step(self, micro_batches: int) -> None:
-        """Expect `micro_batches` backward passes through every parameter before the next `finish`."""
-        if self.overlap and not self.hooked:  # registered late: parameters may be swapped after construction
-            for bucket in self.buckets:
-                for p in bucket:
-                    p.register_post_accumulate_grad_hook(self._arrived)
-            self.hooked = True
-        self.micro_batches = micro_batches
-
-    def _arrived(self, p: nn.Parameter) -> None:
-        count = self.arrivals[id(p)] = self.arrivals.get(id(p), 0) + 1
-        if count == self.micro_batches:
-            i = self.bucket_of[id(p)]
-            self.missing[i] -= 1
-            if self.missing[i] == 0:
-                self.completions[i] = self.launch(i)
-
-    def finish(self) -> None:
-        for i in range(len(self.buckets)):  # one bucket at a time for those backward did not launch
-            (self.completions.pop(i, None) or self.launch(i))()
-        self._reset()
-
-
-def flat_allreduce(grads: list[torch.Tensor], dp_group: dist.ProcessGroup) -> Callable[[], None]:
-    """Start averaging `grads` over dp in one flat buffer (sum, then divide: gloo has no AVG); the returned
-    function waits and copies the means back."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    work = dist.all_reduce(flat, group=dp_group, async_op=True)
-
-    def complete() -> None:
-        work.wait()
-        flat.div_(dist.get_world_size(dp_group))
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    return complete
-
-
 def is_tp_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(not isinstance(pl, Replicate) for pl in t.placements)
 
@@ -114,29 +37,41 @@ def is_tp_sharded(t: torch.Tensor) -> bool:
 class GradGroups:
     """The gradient elements this rank holds, for norms and overflow checks: split by whether they are
     sharded over tp (summed over tp) or replicated (counted once); `dp_sharded` when each dp rank holds
-    a different part (ZeRO) rather than the same averaged copy."""
+    a different part (ZeRO) rather than the same averaged copy. `uncounted` gradients are clipped and
+    checked here but counted in the norm by another rank (a tied embedding's pipeline copy)."""
 
     tp_sharded: list[torch.Tensor]
     tp_replicated: list[torch.Tensor]
     dp_sharded: bool
+    uncounted: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, grads: list[tuple[torch.Tensor, bool, bool]], dp_sharded: bool) -> GradGroups:
+        """From (local gradient, sharded over tp, counted in the norm here) for each gradient."""
+        return cls(
+            tp_sharded=[g for g, sharded, counted in grads if sharded and counted],
+            tp_replicated=[g for g, sharded, counted in grads if not sharded and counted],
+            dp_sharded=dp_sharded,
+            uncounted=[g for g, _, counted in grads if not counted],
+        )
 
     @property
     def all(self) -> list[torch.Tensor]:
-        return self.tp_sharded + self.tp_replicated
+        return self.tp_sharded + self.tp_replicated + self.uncounted
 
 
-def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: DeviceMesh) -> float:
+def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh) -> float:
     """Clip by the global L2 norm with every element counted once across tp, pp and dp; returns the norm
     before clipping (the formula of torch.nn.utils.clip_grad_norm_, with its 1e-6)."""
     device = grads.all[0].device
     sq = lambda ts: sum((t.float().pow(2).sum() for t in ts), torch.zeros((), device=device))
     sharded_sq, total_sq = sq(grads.tp_sharded), sq(grads.tp_replicated)
-    if mesh["tp"].size() > 1:
-        dist.all_reduce(sharded_sq, group=mesh["tp"].get_group())
+    if mesh.size("tp") > 1:
+        dist.all_reduce(sharded_sq, group=mesh.group("tp"))
     total_sq += sharded_sq
-    for dim in ("pp", "dp") if grads.dp_sharded else ("pp",):
-        if mesh[dim].size() > 1:
-            dist.all_reduce(total_sq, group=mesh[dim].get_group())
+    for role in ("pp", "dp") if grads.dp_sharded else ("pp",):
+        if mesh.size(role) > 1:
+            dist.all_reduce(total_sq, group=mesh.group(role))
     norm = math.sqrt(total_sq.item())
     coef = max_norm / (norm + 1e-6)
     if max_norm > 0 and coef < 1.0:

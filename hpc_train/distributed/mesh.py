@@ -1,12 +1,82 @@
-"""The (pp, dp, tp) device mesh, tp innermost so that tensor-parallel ranks share a node."""
+"""The device mesh, described by the sizes of its dimensions and asked for by role.
+
+Dimensions are ordered outermost first, tp innermost so that tensor-parallel ranks share a node. Code
+never indexes the mesh directly: it asks for a role's size, rank, process group or sub-mesh. A role is
+one dimension or several flattened into one, so new dimensions (dp_replicate / dp_shard for FSDP,
+cp for context parallelism) are added here, with the roles that combine them, without touching the
+call sites (e.g. `ROLES["dp"] = ("dp_replicate", "dp_shard")`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("pp", "dp", "tp")
+DIMS = ("pp", "dp", "tp")  # outermost first
+ROLES: dict[str, tuple[str, ...]] = {"pp": ("pp",), "dp": ("dp",), "tp": ("tp",)}
 
 
-def build_mesh(device_type: str, pp: int, dp: int, tp: int) -> DeviceMesh:
-    """Needs the default process group; world size must equal pp * dp * tp (validated with the config)."""
-    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+@dataclass(frozen=True)
+class ParallelDims:
+    """The size of every mesh dimension; their product is the world size."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for value in asdict(self).values():
+            size *= value
+        return size
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Mesh:
+    """The DeviceMesh of `dims` (needs the default process group; world size = dims.world_size)."""
+
+    def __init__(self, dims: ParallelDims, device_type: str):
+        self.dims = dims
+        sizes = dims.as_dict()
+        self.device_mesh = init_device_mesh(device_type, tuple(sizes[d] for d in DIMS), mesh_dim_names=DIMS)
+        self._roles: dict[str, DeviceMesh] = {}
+
+    def sub(self, role: str) -> DeviceMesh:
+        """The one-dimensional mesh of `role` this rank belongs to (for DTensor and pipeline APIs)."""
+        if role not in self._roles:
+            dims = ROLES[role]
+            mesh = self.device_mesh[dims[0]] if len(dims) == 1 else self.device_mesh[dims]._flatten(role)
+            self._roles[role] = mesh
+        return self._roles[role]
+
+    def size(self, role: str) -> int:
+        return self.sub(role).size()
+
+    def rank(self, role: str) -> int:
+        return self.sub(role).get_local_rank()
+
+    def group(self, role: str) -> dist.ProcessGroup:
+        return self.sub(role).get_group()
+
+    def coordinates(self) -> dict[str, int]:
+        """This rank's place in every role (for rank_layout.json)."""
+        return {role: self.rank(role) for role in ROLES}
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.rank("pp") == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.rank("pp") == self.size("pp") - 1
+
+    def ranks_along(self, role: str) -> list[list[int]]:
+        """Every group of global ranks that `role` connects, one list per group (for custom subgroups)."""
+        (dim,) = ROLES[role]
+        grid = self.device_mesh.mesh.movedim(DIMS.index(dim), -1)
+        return grid.reshape(-1, grid.shape[-1]).tolist()

@@ -1,40 +1,51 @@
-"""This rank's part of the model on the (pp, dp, tp) mesh, and how to run forward/backward on it.
+"""This rank's part of the model on the mesh, and how to run forward/backward on it.
 
-`parallelize` builds the local pipeline stage(s), shards them over tp, and builds the pipeline schedule;
+`parallelize` builds the local pipeline stage(s) of a model family on the meta device, shards them over
+tp, allocates and initializes only the local shards, and builds the pipeline schedule;
 `forward_backward` / `forward_only` run one rank-local batch (a list of micro-batches) through it, with
 the same result as the single-process model on the same global batch.
+
+Tied embeddings across pipeline stages (Megatron's design): the last stage holds its own copy of the
+first stage's embedding as its head, initialized identically; before the gradients are reduced over dp,
+the two copies' gradients are summed over the pair (first, last) of each pipeline, so both take the
+same optimizer step and stay equal. Gradient norms count only the first stage's copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import JobConfig
-from hpc_train.distributed.grads import local
-from hpc_train.distributed.pipeline import build_schedule, build_stage_model, stage_ids
+from hpc_train.distributed.grads import fix_grad_placements, local
+from hpc_train.distributed.mesh import Mesh
+from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.tensor_parallel import apply_tensor_parallel
-from hpc_train.model.gpt import GPT, cross_entropy, init_weights, padded_vocab_size
+from hpc_train.models.decoder import cross_entropy
+from hpc_train.models.spec import ModelSpec, StageModule
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class ParallelModel:
     cfg: JobConfig
-    chunks: list[GPT]  # this rank's pipeline stages (one without pipeline parallelism)
-    mesh: DeviceMesh
+    spec: ModelSpec
+    chunks: list[StageModule]  # this rank's pipeline stages (one without pipeline parallelism)
+    mesh: Mesh
+    autocast_dtype: torch.dtype | None = None  # compute dtype under autocast; None = no autocast
     schedule: Any | None = None  # the pipeline schedule when pp > 1
     loss_scale: float = 1.0  # fp16 dynamic loss scale, applied to the loss before backward
+    tied_copy: nn.Parameter | None = None  # an embedding tied across pipeline stages, as held here
+    tied_group: dist.ProcessGroup | None = None  # the (first, last) stage pair that shares it
 
     def scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A pipeline micro-batch's share of the batch loss, times the fp16 loss scale: its gradients are
@@ -42,78 +53,107 @@ class ParallelModel:
         return cross_entropy(logits, targets) * (self.loss_scale / self.cfg.train.grad_accum)
 
     @property
-    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """Global names (`layers.<i>....`), the same whatever the layout."""
-        return [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters() if p.requires_grad]
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter this rank holds, frozen or not, under its whole-model name (`layers.<i>....`;
+        a tied head copy under the embedding's name): the same names whatever the layout."""
+        return [(chunk.canonical_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
 
     @property
-    def parameters(self) -> list[torch.nn.Parameter]:
+    def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters]
 
-    def group(self, dim: str) -> dist.ProcessGroup:
-        return self.mesh[dim].get_group()
-
-    def rank(self, dim: str) -> int:
-        return self.mesh[dim].get_local_rank()
+    @property
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters if p.requires_grad]
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.rank("pp") == 0
+    def persistent_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """Buffers that belong in a checkpoint (the RoPE tables and the vocabulary mask are recomputed)."""
+        out = []
+        for chunk in self.chunks:
+            params = {n for n, _ in chunk.named_parameters(remove_duplicate=False)}
+            out += [(n, t) for n, t in chunk.state_dict(keep_vars=True).items() if n not in params]
+        return out
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.rank("pp") == self.cfg.parallel.pp - 1
+    def counted_in_norm(self, p: nn.Parameter) -> bool:
+        """False for the last stage's copy of a tied embedding: its gradient is the first stage's."""
+        return p is not self.tied_copy or self.mesh.is_first_stage
+
+    def holds_tied_copy(self, params: list[nn.Parameter]) -> bool:
+        """Whether finalizing `params` talks to another pipeline stage (so never from inside backward)."""
+        return self.tied_group is not None and any(p is self.tied_copy for p in params)
+
+    def finalize_grads(self, params: list[nn.Parameter]) -> None:
+        """Before `params`' gradients are reduced over dp: each in its parameter's tp placement, and a
+        tied embedding's summed over the pipeline stages that hold it."""
+        fix_grad_placements(params)
+        if self.holds_tied_copy(params) and self.tied_copy.grad is not None:
+            dist.all_reduce(local(self.tied_copy.grad), group=self.tied_group)
 
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:
             chunk.train(mode)
 
 
-def parallelize(cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> ParallelModel:
+def is_frozen(name: str, patterns: list[str]) -> bool:
+    """Whether train.freeze holds the parameter of this whole-model name fixed (fnmatch patterns)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def freeze(model: ParallelModel, patterns: list[str]) -> None:
+    for name, p in model.named_parameters:
+        if is_frozen(name, patterns):
+            p.requires_grad_(False)
+
+
+def _tied_pipeline_copy(chunks: list[StageModule], mesh: Mesh) -> tuple[nn.Parameter | None, dist.ProcessGroup | None]:
+    """With tied embeddings and pp > 1: every rank creates the (first, last) stage pair groups; the
+    first and last stages get theirs and the embedding (or head copy) they hold."""
+    if mesh.size("pp") == 1 or not chunks[0].tied:
+        return None, None
+    pairs = [[line[0], line[-1]] for line in mesh.ranks_along("pp")]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    if mesh.is_first_stage:
+        return chunks[0].tok_embeddings.weight, group
+    if mesh.is_last_stage:
+        return chunks[-1].output.weight, group
+    return None, None
+
+
+def parallelize(
+    cfg: JobConfig, spec: ModelSpec, mesh: Mesh, device: torch.device, autocast_dtype: torch.dtype | None = None
+) -> ParallelModel:
     """Build this rank's stages on the meta device, shard them over tp, then allocate only the local shards
     on `device` and initialize them (identically to the single-process model): no rank ever holds more
     than its own part of the model, plus one full parameter at a time during init."""
-    pp, tp = cfg.parallel.pp, cfg.parallel.tp
-    num_stages = pp * cfg.parallel.virtual_stages
-    stages = stage_ids(mesh["pp"].get_local_rank(), pp, cfg.parallel.virtual_stages)
+    p = cfg.parallel
+    pp, tp = mesh.size("pp"), mesh.size("tp")
+    num_stages = pp * p.virtual_stages
+    stages = stage_ids(mesh.rank("pp"), pp, p.virtual_stages)
     chunks = []
     for stage in stages:
         with torch.device("meta"):
-            chunk = build_stage_model(cfg, stage, num_stages, tp)
+            chunk = spec.build_stage(cfg.model, stage, num_stages, tp)
         if tp > 1:
-            apply_tensor_parallel(chunk, mesh["tp"], cfg.parallel.sequence_parallel)
+            apply_tensor_parallel(chunk, spec, mesh.sub("tp"), p.sequence_parallel)
         chunk.to_empty(device=device)
-        init_weights(chunk, cfg.train.seed)
+        spec.init_weights(chunk, cfg.train.seed)
         chunks.append(chunk)
-    model = ParallelModel(cfg, chunks, mesh)
+    tied_copy, tied_group = _tied_pipeline_copy(chunks, mesh)
+    model = ParallelModel(cfg, spec, chunks, mesh, autocast_dtype, tied_copy=tied_copy, tied_group=tied_group)
+    freeze(model, cfg.train.freeze)
     if pp > 1:
-        model.schedule = build_schedule(chunks, stages, cfg, mesh["pp"], device, model.scaled_loss)
+        model.schedule = build_schedule(chunks, stages, p, cfg.train.grad_accum, mesh.sub("pp"), device,
+                                        model.scaled_loss)  # fmt: skip
     return model
-
-
-def weights_in_training_dtype(cfg: JobConfig) -> bool:
-    """bf16/fp16 weights when ZeRO-1 holds the fp32 master copy; otherwise fp32 weights under autocast."""
-    return cfg.optim.zero_stage == 1 and cfg.train.precision != "fp32"
-
-
-def cast_parameters(model: ParallelModel) -> None:
-    """Keep the model's parameters in the training dtype where `weights_in_training_dtype` says so. The
-    Parameter objects stay the same (the optimizer holds them); buffers (RoPE tables, the vocab mask)
-    stay fp32. `param.data = ...` would leave a DTensor's local shard in fp32, so swap whole tensors."""
-    if weights_in_training_dtype(model.cfg):
-        dtype = AUTOCAST_DTYPES[model.cfg.train.precision]
-        for param in model.parameters:
-            cast = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-            torch.utils.swap_tensors(param, cast)
 
 
 def step_context(model: ParallelModel, device: torch.device) -> contextlib.ExitStack:
     """Autocast for the configured precision, and loss_parallel when the logits are vocab-sharded."""
     stack = contextlib.ExitStack()
-    dtype = AUTOCAST_DTYPES[model.cfg.train.precision]
-    if dtype is not None:
-        stack.enter_context(torch.autocast(device.type, dtype=dtype))
-    if model.cfg.parallel.tp > 1:
+    if model.autocast_dtype is not None:
+        stack.enter_context(torch.autocast(device.type, dtype=model.autocast_dtype))
+    if model.mesh.size("tp") > 1:
         stack.enter_context(loss_parallel())
     return stack
 
@@ -132,8 +172,8 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
             return total
         tokens = torch.cat([t for t, _ in micro_batches])
         targets = torch.cat([t for _, t in micro_batches])
-        inputs = (tokens,) if model.is_first_stage else ()
-        target = targets if model.is_last_stage else None
+        inputs = (tokens,) if model.mesh.is_first_stage else ()
+        target = targets if model.mesh.is_last_stage else None
         losses: list[torch.Tensor] = []
         run = model.schedule.step if backward else model.schedule.eval
         run(*inputs, target=target, losses=losses)
@@ -153,30 +193,40 @@ def forward_only(model: ParallelModel, micro_batches: MicroBatches) -> torch.Ten
 
 def reduce_loss(model: ParallelModel, loss: torch.Tensor) -> float:
     """The global-batch mean: taken from the last pipeline stage, averaged over dp."""
-    for dim in ("pp", "dp"):
-        if model.mesh[dim].size() > 1:
-            dist.all_reduce(loss, group=model.group(dim))
-    return loss.item() / model.mesh["dp"].size()
+    for role in ("pp", "dp"):
+        if model.mesh.size(role) > 1:
+            dist.all_reduce(loss, group=model.mesh.group(role))
+    return loss.item() / model.mesh.size("dp")
+
+
+def unpadded(spec: ModelSpec, name: str, t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A vocabulary-padded tensor's real rows, whole (gathered over tp) and compact; any other as it is."""
+    if name not in spec.vocab_params:
+        return t
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return full[:vocab_size].detach().clone()
 
 
 def full_state_dict(model: ParallelModel) -> dict[str, torch.Tensor] | None:
     """Consolidated weights on global rank 0 (None elsewhere), in the single-process model's layout
     (vocabulary padded for tp=1), whatever the layout they were trained with."""
+    m = model.cfg.model
     state = {}
     for chunk in model.chunks:
         for name, value in chunk.state_dict().items():
-            state[name] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-    if model.rank("dp") != 0 or model.rank("tp") != 0:
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            state[name] = unpadded(model.spec, name, value, m.vocab_size).detach().cpu()
+    if model.mesh.rank("dp") != 0 or model.mesh.rank("tp") != 0:
         return None
-    if model.mesh["pp"].size() > 1:  # the pp group of global rank 0: every stage's (dp=0, tp=0) rank
-        parts = [None] * model.mesh["pp"].size() if dist.get_rank() == 0 else None
-        dist.gather_object(state, parts, dst=0, group=model.group("pp"))
+    if model.mesh.size("pp") > 1:  # the pp group of global rank 0: every stage's (dp=0, tp=0) rank
+        parts = [None] * model.mesh.size("pp") if dist.get_rank() == 0 else None
+        dist.gather_object(state, parts, dst=0, group=model.mesh.group("pp"))
         state = {k: v for part in parts or [] for k, v in part.items()}
     if dist.get_rank() != 0:
         return None
-    vocab = padded_vocab_size(model.cfg.model, tp=1)
-    for name in ("tok_embeddings.weight", "output.weight"):
+    vocab = model.spec.padded_vocab_size(m, 1)
+    for name in model.spec.vocab_params:
         if name in state:  # padding rows are zero (never looked up, -inf logits): re-pad for tp=1
-            rows = state[name][: model.cfg.model.vocab_size]
+            rows = state[name]
             state[name] = torch.cat([rows, rows.new_zeros(vocab - rows.shape[0], rows.shape[1])])
     return state

@@ -1,7 +1,7 @@
 """Pipeline parallelism with `torch.distributed.pipelining`.
 
-The model is cut into pp x virtual_stages stages of equal layer count (embedding on the first stage;
-final norm, head and loss on the last). Rank r of the pipeline holds stages r, r + pp, r + 2pp, ...
+The model is cut into pp x virtual_stages stages by its family's `build_stage` (embeddings on the first
+stage; final norm, head and loss on the last). Rank r of the pipeline holds stages r, r + pp, r + 2pp, ...
 (the looped placement the interleaved 1F1B schedule expects). A schedule fixes its activation shapes on
 its first step, so it is built for one (micro-batch size, sequence length) and rebuilt if they change.
 """
@@ -12,11 +12,11 @@ import inspect
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-from hpc_train.config import JobConfig
-from hpc_train.model.gpt import GPT, apply_recompute
+from hpc_train.config import ParallelConfig
 
 SCHEDULES = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -25,32 +25,30 @@ def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
-def build_stage_model(cfg: JobConfig, stage: int, num_stages: int, tp: int) -> GPT:
-    per_stage = cfg.model.n_layers // num_stages
-    layers = range(stage * per_stage, (stage + 1) * per_stage)
-    model = GPT(cfg.model, tp=tp, layer_ids=layers, first=stage == 0, last=stage == num_stages - 1)
-    apply_recompute(model, cfg.model)
-    return model
+def bubble_fraction(parallel: ParallelConfig, micro_batches: int) -> float:
+    """The idle share of a pipeline step relative to its compute: (pp - 1) / (m v)."""
+    return (parallel.pp - 1) / (micro_batches * parallel.virtual_stages)
 
 
 def build_schedule(
-    chunks: list[GPT],
+    chunks: list[nn.Module],
     stages: list[int],
-    cfg: JobConfig,
+    parallel: ParallelConfig,
+    micro_batches: int,
     pp_mesh: DeviceMesh,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ):
-    """One PipelineStage per local chunk and the configured schedule over `train.grad_accum` micro-batches.
-    `loss_fn` divides by the micro-batch count itself, so the schedule must not rescale the gradients."""
-    num_stages = cfg.parallel.pp * cfg.parallel.virtual_stages
+    """One PipelineStage per local chunk and the configured schedule over `micro_batches`. `loss_fn`
+    divides by the micro-batch count itself, so the schedule must not rescale the gradients."""
+    num_stages = parallel.pp * parallel.virtual_stages
     group = pp_mesh.get_group()
     pipeline_stages = [
         PipelineStage(chunk, stage, num_stages, device, group=group)
         for chunk, stage in zip(chunks, stages, strict=True)
     ]
-    schedule_cls = SCHEDULES[cfg.parallel.schedule]
-    options = {"n_microbatches": cfg.train.grad_accum, "loss_fn": loss_fn}
+    schedule_cls = SCHEDULES[parallel.schedule]
+    options = {"n_microbatches": micro_batches, "loss_fn": loss_fn}
     if "scale_grads" in inspect.signature(schedule_cls).parameters:  # the releases that rescale by default
         options["scale_grads"] = False
     return schedule_cls(pipeline_stages[0] if schedule_cls is Schedule1F1B else pipeline_stages, **options)

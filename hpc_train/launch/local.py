@@ -69,11 +69,13 @@ def launch_local(entry: Callable[..., Any], nproc: int, *args: Any) -> Any:
 
 
 @contextmanager
-def single_process_group(timeout_s: int = 600) -> Iterator[None]:
-    """A one-rank gloo group in this process, for tools and tests that drive the library's parts directly."""
+def single_process_group(timeout_s: int = 600) -> Iterator[RankEnv]:
+    """A one-rank gloo group in this process, for tools and tests that drive the library's parts directly;
+    yields the rank's environment (for `builder.build_run`)."""
     store = serve_store()
-    init_distributed(local_rank_env(0, 1, store.port, "single"), torch.device("cpu"), "gloo", timeout_s)
+    rank_env = local_rank_env(0, 1, store.port, "single")
+    init_distributed(rank_env, torch.device("cpu"), "gloo", timeout_s)
     try:
-        yield
+        yield rank_env
     finally:
         dist.destroy_process_group()

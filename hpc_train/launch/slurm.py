@@ -1,8 +1,9 @@
 """The Slurm submit path: config -> submitit executor -> sbatch job with one srun task per rank.
 
 Every task runs `SlurmTask`, which bootstraps its rank from Slurm's environment (launch/bootstrap.py)
-and trains. `executor_for` turns the config's `slurm` section into submitit's parameters after the whole
-layout has been validated, so a bad layout is refused before anything reaches the scheduler.
+and calls the entry point it was given (the CLI gives the train loop's). `executor_for` turns the
+config's `slurm` section into submitit's parameters; the CLI checks the whole layout for the job's
+world size (`slurm_world_size`) first, so a bad layout is refused before anything reaches the scheduler.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import re
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_train.config import ConfigError, JobConfig, to_yaml, validate
+from hpc_train.config import ConfigError, JobConfig, to_yaml
+from hpc_train.launch.bootstrap import RankEnv, detect_rank_env
 
 # Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 TIME_FORMATS = (
@@ -42,8 +45,8 @@ def time_limit_minutes(value: str) -> int:
     raise ConfigError(f"slurm.time={value!r} is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS (e.g. 04:00:00)")
 
 
-def validate_submission(cfg: JobConfig, check_paths: bool = True) -> int:
-    """The Foundation checks with world size = nodes x tasks per node, plus the Slurm-only ones; returns dp."""
+def slurm_world_size(cfg: JobConfig) -> int:
+    """The Slurm-only checks; returns the job's world size, nodes x tasks per node."""
     s = cfg.slurm
     if s.gpus_per_node and s.gpus_per_node != s.tasks_per_node:
         raise ConfigError(
@@ -51,11 +54,7 @@ def validate_submission(cfg: JobConfig, check_paths: bool = True) -> int:
             f"one rank per GPU; set slurm.tasks_per_node={s.gpus_per_node}"
         )
     time_limit_minutes(s.time)
-    world = s.nodes * s.tasks_per_node
-    try:
-        return validate(cfg, world, check_paths=check_paths)
-    except ConfigError as err:
-        raise ConfigError(f"{err} (world size = slurm.nodes x slurm.tasks_per_node = {world})") from None
+    return s.nodes * s.tasks_per_node
 
 
 def log_folder(cfg: JobConfig) -> Path:
@@ -99,18 +98,16 @@ def executor_for(cfg: JobConfig):
 
 @dataclass
 class SlurmTask:
-    """What every srun task runs (pickled by submitit): join the job's ranks and train."""
+    """What every srun task runs (pickled by submitit): `entry(rank_env, cfg)` as one of the job's ranks."""
 
     cfg: JobConfig
+    entry: Callable[[RankEnv, JobConfig], Any]
 
     def __call__(self) -> None:
-        from hpc_train.launch.bootstrap import detect_rank_env
-        from hpc_train.train.loop import run_training
-
         rank_env = detect_rank_env()
         if rank_env is None:
             raise RuntimeError("SlurmTask runs inside an srun step; no SLURM_PROCID/SLURM_STEP_ID found")
-        run_training(rank_env, self.cfg)
+        self.entry(rank_env, self.cfg)
 
 
 def sbatch_script(cfg: JobConfig) -> str:
@@ -119,20 +116,19 @@ def sbatch_script(cfg: JobConfig) -> str:
     return executor._make_submission_file_text(executor._submitit_command_str, uid="dry-run")
 
 
-def dry_run(cfg: JobConfig) -> str:
-    dp = validate_submission(cfg)
-    p = cfg.parallel
+def dry_run(cfg: JobConfig, layout: str) -> str:
+    """The exact job, for a config already checked; `layout` describes the ranks' mesh."""
     return (
         f"# hpc_train dry run: nothing submitted. {cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node} task(s) "
-        f"= {cfg.slurm.nodes * cfg.slurm.tasks_per_node} ranks as (pp={p.pp}, dp={dp}, tp={p.tp})\n"
+        f"= {cfg.slurm.nodes * cfg.slurm.tasks_per_node} ranks as ({layout})\n"
         f"# ---- sbatch script ----\n{sbatch_script(cfg)}\n# ---- resolved config ----\n{to_yaml(cfg)}"
     )
 
 
-def submit(cfg: JobConfig):
-    validate_submission(cfg)
+def submit(cfg: JobConfig, entry: Callable[[RankEnv, JobConfig], Any]):
+    """Submit a config already checked; every task runs `entry(rank_env, cfg)`."""
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    return executor_for(cfg).submit(SlurmTask(cfg))
+    return executor_for(cfg).submit(SlurmTask(cfg, entry))
 
 
 def task_logs(job, task: int) -> tuple[Path, Path]:

@@ -7,6 +7,7 @@ import json
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,23 +56,49 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, int]:
 
 
 class MetricsLog:
-    """Appends one JSON object per step to metrics.jsonl and shows one progress line per step."""
+    """Appends one JSON object per step to metrics.jsonl and shows one progress line per step. Nothing is
+    opened before the first record. A checkpoint part: its state is the last step recorded, and on resume
+    the records of later steps (to be trained again) are dropped, as is a partial last line."""
 
-    def __init__(self, run_dir: Path, total_steps: int, progress: str, start_step: int = 0, tensorboard: bool = False):
-        self.file = open(run_dir / "metrics.jsonl", "a")
-        self.tensorboard = None
-        if tensorboard:
+    def __init__(self, run_dir: Path, total_steps: int, progress: str, tensorboard: bool = False):
+        self.run_dir, self.total_steps, self.use_tensorboard = Path(run_dir), total_steps, tensorboard
+        self.path = self.run_dir / "metrics.jsonl"
+        self.progress = ("bar" if sys.stdout.isatty() else "lines") if progress == "auto" else progress
+        self.step = 0  # the last step recorded
+        self.file = self.tensorboard = self.bar = None
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
+        if not self.path.is_file():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= self.step:
+                    kept.append(line + "\n")
+            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill
+                break
+        self.path.write_text("".join(kept))
+
+    def _open(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a")
+        if self.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package ('.[viz]')
 
-            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
-        if progress == "auto":
-            progress = "bar" if sys.stdout.isatty() else "lines"
-        self.progress = progress
-        self.bar = tqdm(total=total_steps, initial=start_step, unit="step") if progress == "bar" else None
+            self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if self.progress == "bar":
+            self.bar = tqdm(total=self.total_steps, initial=self.step, unit="step")
 
     def write(self, record: dict[str, Any], show: bool = True) -> None:
+        if self.file is None:
+            self._open()
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        self.step = record["step"]
         if self.tensorboard is not None:
             for key, value in flatten(record).items():
                 self.tensorboard.add_scalar(key, value, record["step"])
@@ -89,11 +116,10 @@ class MetricsLog:
             (self.bar.write if self.bar is not None else print)(text)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        self.file.close()
+        for handle in (self.bar, self.tensorboard, self.file):
+            if handle is not None:
+                handle.close()
+        self.file = self.tensorboard = self.bar = None
 
 
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -116,3 +142,42 @@ def format_record(r: dict[str, Any]) -> str:
         f"mfu {100 * r['mfu']:.1f}%", f"mem {r['memory_gb']:.2f}GB",
     ]  # fmt: skip
     return " | ".join(parts)
+
+
+@dataclass
+class StepMeter:
+    """Turns one step's time and memory into its metrics record fields: throughput, MFU, memory by
+    category (with the planner's prediction beside the first measurements) and the phase breakdown."""
+
+    tokens_per_step: int  # global batch x sequence length
+    flops_per_token: int
+    world_size: int
+    peak_flops: float  # per device
+    bubble_fraction: float  # the pipeline's idle share of forward+backward (0 without pipelining)
+    predicted: dict[str, int]  # the planner's bytes by category
+    first_step: int  # the first step of this run (after a resume)
+
+    def fields(
+        self,
+        step: int,
+        elapsed: float,
+        memory: dict[str, int],
+        peak_memory: tuple[float, float],
+        timings: dict[str, float] | None,
+    ) -> dict[str, Any]:
+        tokens_per_s = self.tokens_per_step / elapsed
+        out = {
+            "tokens_per_s": tokens_per_s,
+            "tflops": tokens_per_s * self.flops_per_token / self.world_size / 1e12,
+            "mfu": tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops),
+            "memory_gb": peak_memory[0] / 1e9,  # max over ranks
+            "memory_reserved_gb": peak_memory[1] / 1e9,
+            "step_time_s": elapsed,
+            "memory_bytes": memory,  # rank 0's, by category
+        }
+        if step < self.first_step + 2:
+            out["memory_predicted_bytes"] = self.predicted
+        if timings is not None:
+            bubble = self.bubble_fraction * timings["forward_backward"]
+            out["time_breakdown_s"] = {**timings, "pipeline_bubble_est": bubble, "total": elapsed}
+        return out

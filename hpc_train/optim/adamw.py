@@ -1,13 +1,14 @@
-"""AdamW with Megatron's weight-decay grouping, and the warmup + cosine learning-rate schedule."""
+"""AdamW with Megatron's weight-decay grouping, and its per-parameter state as checkpoints keep it."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from hpc_train.config import OptimConfig
+from hpc_train.distributed.grads import local
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def adamw(
@@ -25,13 +26,16 @@ def adamw(
     )
 
 
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup from lr/warmup to lr, then cosine
-    decay to min_lr over decay_steps (default: the whole run), then min_lr."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = (cfg.decay_steps or total_steps) - cfg.warmup_steps
-    if decay_steps <= 0:
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def moment_bytes(optimizer: torch.optim.AdamW) -> int:
+    return sum(local(t).nbytes for s in optimizer.state.values() for k, t in s.items() if k in MOMENTS)
+
+
+def adam_step_tensor(step: int, optimizer: torch.optim.AdamW, p: torch.Tensor) -> torch.Tensor:
+    """AdamW's per-parameter step counter as torch keeps it (on the device when fused)."""
+    fused = optimizer.param_groups[0].get("fused")
+    return torch.tensor(float(step), dtype=torch.float32, device=local(p).device if fused else "cpu")

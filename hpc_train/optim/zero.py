@@ -1,7 +1,6 @@
-"""Optimizers over the data-parallel group: plain data parallelism (zero_stage 0) and ZeRO-1, Megatron's
-distributed optimizer (zero_stage 1).
+"""zero_stage 1: ZeRO-1, Megatron's distributed optimizer.
 
-ZeRO-1: local gradients (each already in its parameter's tensor-parallel placement) are copied into
+Local gradients (each already in its parameter's tensor-parallel placement) are copied into
 contiguous fp32 buckets; each bucket is reduce-scattered over dp so rank r receives the averaged
 gradients of its contiguous 1/dp slice. Rank r keeps fp32 master weights and AdamW moments for that
 slice only (12 bytes per owned element, nothing more), updates it with torch's AdamW (the same
@@ -23,91 +22,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
-from hpc_train.distributed.grads import (
-    BucketedReduction,
-    GradGroups,
-    bucketize,
-    fix_grad_placements,
-    flat_allreduce,
-    is_tp_sharded,
-    local,
-)
-from hpc_train.train.optim import adamw
+from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
+from hpc_train.distributed.parallelize import ParallelModel
+from hpc_train.optim.adamw import MOMENTS, adam_step_tensor, adamw, moment_bytes, set_lr
+from hpc_train.optim.buckets import BucketedReduction, bucketize
 
 # torch >= 2.13 names these *_single for gloo; older releases only have the *_tensor names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
-class DataParallelOptimizer:
-    """zero_stage 0: every dp rank averages the full gradients (all-reduce) and runs the same AdamW."""
-
-    def __init__(self, params: list[nn.Parameter], cfg: OptimConfig, dp_group: dist.ProcessGroup):
-        self.params, self.dp_group = params, dp_group
-        self.optimizer = adamw(params, cfg, params[0].device)
-        buckets = [[params[i] for i in b] for b in bucketize([local(p) for p in params], int(cfg.bucket_mb * 2**20))]
-        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce)
-
-    def _launch(self, bucket: int) -> Callable[[], None]:
-        params = self.reduction.buckets[bucket]
-        fix_grad_placements(params)
-        grads = [local(p.grad) for p in params if p.grad is not None]
-        if dist.get_world_size(self.dp_group) == 1 or not grads:
-            return lambda: None
-        return flat_allreduce(grads, self.dp_group)
-
-    def begin_step(self, micro_batches: int) -> None:
-        self.reduction.begin_step(micro_batches)
-
-    def reduce_gradients(self) -> None:
-        """Average every gradient over dp (each in its parameter's tp placement first)."""
-        self.reduction.finish()
-
-    def grad_groups(self) -> GradGroups:
-        grads = [(p.grad, local(p.grad)) for p in self.params if p.grad is not None]
-        return GradGroups(
-            tp_sharded=[g for d, g in grads if is_tp_sharded(d)],
-            tp_replicated=[g for d, g in grads if not is_tp_sharded(d)],
-            dp_sharded=False,
-        )
-
-    def step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_bytes(self) -> int:
-        """Bytes of the AdamW moments this rank holds (its tp shards)."""
-        return moment_bytes(self.optimizer)
-
-    def grad_buffer_bytes(self) -> int:
-        return 0  # reduces the parameters' own gradients in place
-
-    def param_states(self) -> list[dict[str, torch.Tensor]]:
-        """Per parameter, in the parameter's own shape and placement: exp_avg, exp_avg_sq."""
-        return [{k: self.optimizer.state[p][k] for k in MOMENTS} for p in self.params]
-
-    def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
-        for p, state in zip(self.params, states, strict=True):
-            moments = {k: state[k].to(p.dtype).clone() for k in MOMENTS}
-            self.optimizer.state[p] = {"step": adam_step_tensor(step, self.optimizer, p), **moments}
-
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-STATE_KEYS = (*MOMENTS, "master")  # what a checkpoint keeps per parameter (master only with ZeRO-1)
-
-
-def moment_bytes(optimizer: torch.optim.AdamW) -> int:
-    return sum(local(t).nbytes for s in optimizer.state.values() for k, t in s.items() if k in MOMENTS)
-
-
-def adam_step_tensor(step: int, optimizer: torch.optim.AdamW, p: torch.Tensor) -> torch.Tensor:
-    """AdamW's per-parameter step counter as torch keeps it (on the device when fused)."""
-    fused = optimizer.param_groups[0].get("fused")
-    return torch.tensor(float(step), dtype=torch.float32, device=local(p).device if fused else "cpu")
 
 
 def _flat_slice(t: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
@@ -146,27 +68,39 @@ class _Run:
     master: nn.Parameter  # view into the master buffer
     decay: bool
     tp_sharded: bool
+    counted_in_norm: bool
 
 
 class ZeroOptimizer:
     """zero_stage 1: optimizer state sharded over the data-parallel group (see the module docstring)."""
 
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        cfg: OptimConfig,
-        dp_group: dist.ProcessGroup,
-    ):
-        self.params, self.dp_group = params, dp_group
-        self.dp, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        self.device = local(params[0]).device
+    master_weights = True  # fp32 master slices: the model may hold bf16/fp16 weights
+    shards_state = True  # so it can also live in host memory (optim.offload=cpu)
+    state_keys = (*MOMENTS, "master")
+
+    def __init__(self, model: ParallelModel, cfg: OptimConfig):
+        self.model, self.params = model, model.trainable_parameters
+        self.dp_group = model.mesh.group("dp")
+        self.dp, self.dp_rank = model.mesh.size("dp"), model.mesh.rank("dp")
+        self.device = local(self.params[0]).device
         self.state_device = torch.device("cpu") if cfg.offload == "cpu" else self.device
-        self.buckets = self._make_buckets(params, int(cfg.bucket_mb * 2**20))
-        self.reduction = BucketedReduction([b.params for b in self.buckets], self._launch, cfg.overlap_grad_reduce)
+        self.buckets = self._make_buckets(self.params, int(cfg.bucket_mb * 2**20))
+        buckets = [b.params for b in self.buckets]
+        deferred = {i for i, b in enumerate(buckets) if model.holds_tied_copy(b)}
+        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, deferred)
         self.master = self._make_runs()
         decay = [r.master for b in self.buckets for r in b.runs if r.decay]
         no_decay = [r.master for b in self.buckets for r in b.runs if not r.decay]
         self.optimizer = adamw(decay + no_decay, cfg, self.state_device, decay_params=set(map(id, decay)))
+
+    @staticmethod
+    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
+        """(gradient, optimizer-state) bytes for `params` local elements: the fp32 buckets and the reduced
+        slice; 12 bytes (master + moments) per owned element. Without overlap the parameters' own
+        gradients are still there at the end of backward; with it each bucket has taken (and freed) them."""
+        shard = math.ceil(params / dp)
+        grads = 4 * params + 4 * shard + (0 if overlap else params * param_bytes)
+        return grads, 12 * shard
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
         buckets = []
@@ -200,14 +134,14 @@ class ZeroOptimizer:
             lo = self.dp_rank * bucket.shard_numel
             run_master = nn.Parameter(view)  # shares the master buffer's storage
             bucket.runs.append(_Run(begin - lo, end - begin, p, begin - start, run_master, p.ndim >= 2,
-                                    is_tp_sharded(p)))  # fmt: skip
+                                    is_tp_sharded(p), self.model.counted_in_norm(p)))  # fmt: skip
             offset += end - begin
         return master
 
     def _launch(self, index: int) -> Callable[[], None]:
         """Copy a bucket's local gradients into its fp32 buffer and start the reduce-scatter: mean over dp."""
         bucket = self.buckets[index]
-        fix_grad_placements(bucket.params)
+        self.model.finalize_grads(bucket.params)
         for p, start in zip(bucket.params, bucket.offsets, strict=True):
             target = bucket.grad[start : start + local(p).numel()]
             target.copy_(local(p.grad).reshape(-1)) if p.grad is not None else target.zero_()
@@ -230,12 +164,9 @@ class ZeroOptimizer:
         return [bucket.grad_shard[r.shard_start : r.shard_start + r.numel] for r in bucket.runs]
 
     def grad_groups(self) -> GradGroups:
-        runs = [(r, g) for b in self.buckets for r, g in zip(b.runs, self._owned_grads(b), strict=True)]
-        return GradGroups(
-            tp_sharded=[g for r, g in runs if r.tp_sharded],
-            tp_replicated=[g for r, g in runs if not r.tp_sharded],
-            dp_sharded=True,
-        )
+        grads = [(g, r.tp_sharded, r.counted_in_norm)
+                 for b in self.buckets for r, g in zip(b.runs, self._owned_grads(b), strict=True)]  # fmt: skip
+        return GradGroups.of(grads, dp_sharded=True)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -243,8 +174,7 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             for run, grad in zip(bucket.runs, self._owned_grads(bucket), strict=True):
                 run.master.grad = grad.to(self.state_device)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.optimizer.step()
         for bucket in self.buckets:
             full = self._gather_bucket(bucket, [r.master for r in bucket.runs], local(bucket.params[0]).dtype)
@@ -298,6 +228,8 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             for run in bucket.runs:
                 state, offset = by_param[id(run.param)], run.param_offset
+                if not state:  # not in the checkpoint (e.g. frozen when it was saved): fresh state
+                    continue
                 run.master.copy_(_flat_slice(state.get("master", run.param), offset, run.numel))
                 self.optimizer.state[run.master] = {
                     "step": adam_step_tensor(step, self.optimizer, run.master),
@@ -307,9 +239,3 @@ class ZeroOptimizer:
     def state_bytes(self) -> int:
         """Exact bytes of optimizer state on this rank: fp32 master weights + the two AdamW moments."""
         return self.master.nbytes + moment_bytes(self.optimizer)
-
-
-def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig, dp_group: dist.ProcessGroup):
-    if cfg.zero_stage == 1:
-        return ZeroOptimizer(params, cfg, dp_group)
-    return DataParallelOptimizer(params, cfg, dp_group)

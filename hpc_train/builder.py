@@ -1,0 +1,102 @@
+"""The composition root: (config, rank environment) -> a `Run` holding every part of a training run,
+created in one explicit order. The train loop, the CLI's train and Slurm paths (through the loop) and
+every tool under tools/ build runs here; nothing else wires parts by hand.
+
+Order, and why: check the whole config -> mesh (needs the process group) -> per-rank RNG -> data ->
+model family -> precision policy (needs the optimizer class: only an optimizer with fp32 master weights
+lets the model hold bf16/fp16 weights) -> parallel model (meta build, tp, local init, pipeline schedule)
+-> optimizer (takes its fp32 master copy) -> cast the weights to the policy's dtype -> loss scaler ->
+sampler -> metrics -> checkpointer, with every part it saves registered.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hpc_train.checkpoint.checkpointer import Checkpointer
+from hpc_train.checkpoint.state import ModelState, OptimizerState, RNGState
+from hpc_train.config import JobConfig
+from hpc_train.data.indexed import IndexedDataset
+from hpc_train.data.prepare import load_datasets
+from hpc_train.data.sampler import ResumableSampler
+from hpc_train.distributed.mesh import Mesh, ParallelDims
+from hpc_train.distributed.parallelize import ParallelModel, parallelize
+from hpc_train.launch.bootstrap import RankEnv
+from hpc_train.layout import check_run
+from hpc_train.models import get_spec
+from hpc_train.models.spec import ModelSpec
+from hpc_train.optim import build_optimizer, precision_policy
+from hpc_train.optim.loss_scale import LossScaler
+from hpc_train.optim.precision import PrecisionPolicy
+from hpc_train.optim.protocol import Optimizer
+from hpc_train.train.metrics import MetricsLog
+
+
+@dataclass
+class Run:
+    cfg: JobConfig
+    rank_env: RankEnv
+    device: torch.device
+    dims: ParallelDims
+    mesh: Mesh
+    spec: ModelSpec
+    policy: PrecisionPolicy
+    model: ParallelModel
+    optimizer: Optimizer
+    scaler: LossScaler | None  # fp16 only
+    train_set: IndexedDataset | None  # None for a run built without data (tools feeding their own batches)
+    valid_set: IndexedDataset | None
+    sampler: ResumableSampler | None
+    metrics: MetricsLog | None  # on the rank that logs (global rank 0)
+    checkpointer: Checkpointer
+    report: Callable[[str], None]  # events everyone should see: printed by rank 0 only
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Per-rank RNG streams (Python, numpy, torch); the model init uses its own generators."""
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
+
+
+def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data: bool = True) -> Run:
+    """Every part of the run on this rank; the default process group must exist."""
+    dims = check_run(cfg, rank_env.world_size, check_paths=with_data)
+    mesh = Mesh(dims, device.type)
+    is_logger = rank_env.rank == 0
+    report = functools.partial(print, flush=True) if is_logger else (lambda message: None)
+    seed_everything(cfg.train.seed, rank_env.rank)
+    train_set, valid_set = load_datasets(cfg.data, cfg.model, progress=is_logger) if with_data else (None, None)
+
+    spec = get_spec(cfg.model.arch)
+    policy = precision_policy(cfg)
+    model = parallelize(cfg, spec, mesh, device, policy.autocast_dtype)
+    optimizer = build_optimizer(model, cfg.optim)
+    policy.cast_parameters(model.parameters)  # after the optimizer took its fp32 master copy
+    t = cfg.train
+    scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if policy.loss_scaling else None
+    global_batch = t.micro_batch_size * t.grad_accum * dims.dp
+    sampler = None
+    if train_set is not None:
+        sampler = ResumableSampler(len(train_set), global_batch, t.micro_batch_size, mesh.rank("dp"), dims.dp, t.seed)
+    metrics = MetricsLog(cfg.run_dir, t.steps, cfg.logging.progress, cfg.logging.tensorboard) if is_logger else None
+
+    layout = {**dims.as_dict(), "world_size": dims.world_size, "zero_stage": cfg.optim.zero_stage,
+              "precision": t.precision}  # fmt: skip
+    shared = {"sampler": sampler, "loss_scaler": scaler, "metrics": metrics}
+    checkpointer = Checkpointer(
+        cfg,
+        layout,
+        sharded={"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
+        shared={name: part for name, part in shared.items() if part is not None},
+        per_rank={"rng": RNGState()},
+        report=report,
+    )
+    return Run(cfg, rank_env, device, dims, mesh, spec, policy, model, optimizer, scaler, train_set, valid_set,
+               sampler, metrics, checkpointer, report)  # fmt: skip

@@ -1,0 +1,338 @@
+"""The decoder skeleton both model families share: token embedding (plus learned positions or RoPE),
+pre-norm blocks of causal SDPA attention and an MLP, final norm, output head over a padded vocabulary.
+
+A family is an `Architecture`: which norm, which MLP, biases or not, rotary or learned positions, tied
+embeddings by default. Attention reshapes by head dimension, not by head count, so the same code runs on
+the local head shard of a tensor-parallel rank. The embedding and head are padded to `padded_vocab_size`
+rows (Megatron's vocabulary padding); the padded entries get -inf logits, so they never enter the loss.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.utils.checkpoint import checkpoint
+
+from hpc_train.config import ConfigError, ModelConfig
+
+EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
+VOCAB_PARAMS = (EMBEDDING, HEAD)  # rows padded to the vocabulary multiple; checkpoints store them unpadded
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What distinguishes one decoder family from another inside the shared skeleton."""
+
+    norm: Callable[[int, float], nn.Module]  # (width, eps) -> a norm module
+    mlp: type[nn.Module]  # built as mlp(d_model, hidden, bias); names its column- and row-parallel layers
+    ffn_size: Callable[[ModelConfig], int]  # the MLP's hidden width
+    linear_bias: bool  # biases in the attention and MLP projections
+    rotary: bool  # RoPE; otherwise learned position embeddings
+    tie_embeddings: bool  # the family's default when model.tie_embeddings is not set
+    residual_projections: tuple[str, ...]  # initialized with init_std / sqrt(2 * n_layers)
+
+
+def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
+    multiple = cfg.vocab_multiple * tp
+    return math.ceil(cfg.vocab_size / multiple) * multiple
+
+
+def ties_embeddings(cfg: ModelConfig, arch: Architecture) -> bool:
+    return arch.tie_embeddings if cfg.tie_embeddings is None else cfg.tie_embeddings
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); rotate-half form of RoPE."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, arch: Architecture):
+        super().__init__()
+        self.recompute_core = False  # selective recompute: keep only q, k, v for the attention core
+        self.rotary = arch.rotary
+        self.head_dim = cfg.d_model // cfg.n_heads
+        kv_heads = cfg.n_kv_heads or cfg.n_heads
+        bias = arch.linear_bias
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """`cos`, `sin`: the RoPE tables, or None with learned positions."""
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if cos is not None:
+            q, k = apply_rotary(q, cos[:seq], sin[:seq]), apply_rotary(k, cos[:seq], sin[:seq])
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its q group
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(F.scaled_dot_product_attention, q, k, v, is_causal=True, use_reentrant=False)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, arch: Architecture):
+        super().__init__()
+        self.recompute_all = False  # full recompute: keep only the block's input
+        self.attn_norm = arch.norm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, arch)
+        self.mlp_norm = arch.norm(cfg.d_model, cfg.norm_eps)
+        self.mlp = arch.mlp(cfg.d_model, arch.ffn_size(cfg), arch.linear_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        if self.recompute_all and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """The whole model, or one pipeline stage of it: `layer_ids` picks the blocks (their names stay global,
+    `layers.<i>`), `first` adds the embeddings, `last` the final norm and output head. `tp` only sets the
+    vocabulary padding; the tensor-parallel sharding itself is applied by `distributed.tensor_parallel`.
+    With tied embeddings the head shares the embedding's parameter; a last pipeline stage without the
+    embedding holds its own copy of it (kept equal by `distributed.parallelize`)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        arch: Architecture,
+        tp: int = 1,
+        layer_ids: range | None = None,
+        first: bool = True,
+        last: bool = True,
+    ):
+        super().__init__()
+        self.cfg, self.arch = cfg, arch
+        self.tied = ties_embeddings(cfg, arch)
+        vocab = padded_vocab_size(cfg, tp)
+        layer_ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+        self.tok_embeddings = nn.Embedding(vocab, cfg.d_model) if first else None
+        self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.d_model) if first and not arch.rotary else None
+        # where the embedding sum enters the sequence-parallel region: the TP plan makes it a scatter
+        self.sequence_scatter = nn.Identity() if self.pos_embeddings is not None else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, arch) for i in layer_ids})
+        self.norm = arch.norm(cfg.d_model, cfg.norm_eps) if last else None
+        self.output = nn.Linear(cfg.d_model, vocab, bias=False) if last else None
+        self.tie_weights()
+        for name, value in self.buffer_values(vocab if last else None).items():
+            self.register_buffer(name, value, persistent=False)
+
+    def canonical_name(self, name: str) -> str:
+        """The name a parameter has in the whole model: a tied head copy is the embedding."""
+        return EMBEDDING if self.tied and name == HEAD else name
+
+    def tie_weights(self) -> None:
+        """The head shares the embedding's parameter (again after `to_empty`, which allocates them apart)."""
+        if self.tied and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def buffer_values(self, vocab: int | None) -> dict[str, torch.Tensor]:
+        """The RoPE tables and, on the last stage, the vocabulary mask: padded entries get -inf logits, so
+        they never take part in the softmax."""
+        cfg, values = self.cfg, {}
+        if self.arch.rotary:
+            head_dim = cfg.d_model // cfg.n_heads
+            values["rope_cos"], values["rope_sin"] = rotary_tables(head_dim, cfg.seq_len, cfg.rope_theta)
+        if vocab is not None:
+            values["vocab_mask"] = torch.full((vocab,), float("-inf"))
+            values["vocab_mask"][: cfg.vocab_size] = 0.0
+        return values
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (or a previous stage's hidden states) -> hidden states, or padded logits on the last
+        stage; with `targets`, the mean next-token loss."""
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+            if self.pos_embeddings is not None:
+                x = self.sequence_scatter(x + self.pos_embeddings.weight[: x.shape[1]])
+        cos, sin = (self.rope_cos, self.rope_sin) if self.arch.rotary else (None, None)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.output is None:
+            return x
+        logits = self.output(self.norm(x)) + self.vocab_mask
+        return logits if targets is None else cross_entropy(logits, targets)
+
+
+def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, tp: int = 1, *, arch: Architecture) -> Decoder:
+    """Pipeline stage `stage` of `num_stages` (equal layer counts; embeddings first, head last), with its
+    activation recompute applied; stage 0 of 1 is the whole model."""
+    per_stage = cfg.n_layers // num_stages
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    model = Decoder(cfg, arch, tp=tp, layer_ids=layers, first=stage == 0, last=stage == num_stages - 1)
+    apply_recompute(model, cfg)
+    return model
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss in fp32; works on vocab-sharded DTensor logits inside `loss_parallel()`."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def recompute_choice(cfg: ModelConfig, index_in_stage: int) -> str:
+    """The recompute policy of a stage's `index_in_stage`-th block: none, selective or full. With
+    `recompute_every=k` only every k-th block of the stage, with `recompute_first=M` only its first M."""
+    chosen = cfg.recompute != "none" and index_in_stage % cfg.recompute_every == 0
+    chosen = chosen and (cfg.recompute_first is None or index_in_stage < cfg.recompute_first)
+    return cfg.recompute if chosen else "none"
+
+
+def apply_recompute(model: Decoder, cfg: ModelConfig) -> None:
+    """Activation recompute (torch.utils.checkpoint, non-reentrant) for the blocks of this model or stage:
+    `selective` recomputes the attention core, `full` whole blocks."""
+    for i, block in enumerate(model.layers.values()):
+        choice = recompute_choice(cfg, i)
+        block.recompute_all = choice == "full"
+        block.attn.recompute_core = choice == "selective"
+
+
+def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Megatron's tensor parallelism for the skeleton: column-parallel q/k/v and MLP inputs, row-parallel
+    output projections (one all-reduce per block and direction, or with sequence parallelism one
+    all-gather + one reduce-scatter), a vocab-parallel embedding and a column-parallel head whose logits
+    stay sharded for `loss_parallel`. Between blocks the residual stream is a plain local tensor: full
+    (replicated) without sequence parallelism, this rank's slice of the sequence with it."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        if model.pos_embeddings is None:
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        else:  # learned positions are added to the whole sequence, then scattered
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            if sequence_parallel:
+                plan["sequence_scatter"] = PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(stream,), use_local_output=True
+                )
+    if model.output is not None:
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    mlp = model.arch.mlp
+    for name in model.layers:
+        block = {
+            "attn": PrepareModuleInput(
+                input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=stream),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            **{f"mlp.{layer}": ColwiseParallel() for layer in mlp.column_parallel},
+            f"mlp.{mlp.row_parallel}": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            block.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+        plan.update({f"layers.{name}.{key}": style for key, style in block.items()})
+    return plan
+
+
+def decoder_flops_per_token(cfg: ModelConfig, *, arch: Architecture) -> int:
+    """Training FLOPs per token, 6N + 12 * L * d * s (Megatron / nanoGPT / PaLM): N counts every weight
+    that takes part in a matmul (the input embeddings are lookups; the head counts once, tied or not)."""
+    d, layers, vocab = cfg.d_model, cfg.n_layers, padded_vocab_size(cfg)
+    kv = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)
+    mlp_matrices = len(arch.mlp.column_parallel) + 1
+    per_layer = d * d * 2 + d * kv * 2 + mlp_matrices * d * arch.ffn_size(cfg)
+    return 6 * (layers * per_layer + vocab * d) + 12 * layers * d * cfg.seq_len
+
+
+def validate_decoder(cfg: ModelConfig, tp: int, *, arch: Architecture) -> None:
+    """Shapes the skeleton needs, for a tensor-parallel size `tp`."""
+    kv_heads = cfg.n_kv_heads or cfg.n_heads
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}")
+    if arch.rotary and (cfg.d_model // cfg.n_heads) % 2:
+        raise ConfigError(f"head dim d_model/n_heads={cfg.d_model // cfg.n_heads} must be even for rotary embedding")
+    if cfg.n_heads % kv_heads:
+        raise ConfigError(f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={kv_heads}")
+    if cfg.n_heads % tp:
+        raise ConfigError(f"model.n_heads={cfg.n_heads} is not divisible by parallel.tp={tp}; pick a tp dividing it")
+    if arch.ffn_size(cfg) % tp:
+        raise ConfigError(
+            f"MLP hidden size {arch.ffn_size(cfg)} is not divisible by parallel.tp={tp}; set model.ffn_hidden"
+        )
+    if kv_heads % tp:
+        raise ConfigError(f"model.n_kv_heads={kv_heads} is not divisible by parallel.tp={tp}; pick a tp dividing it")
+
+
+def _set_full(t: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full-size value into `t`, or, when `t` is a tensor-parallel DTensor, this rank's shard of it
+    (every rank computes the same full value, so nothing is sent where torch lets us say so)."""
+    if isinstance(t, DTensor):
+        accepts_source = "src_data_rank" in inspect.signature(distribute_tensor).parameters
+        local_only = {"src_data_rank": None} if accepts_source else {}
+        full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, **local_only)
+    t.copy_(full)
+
+
+def init_weights(model: Decoder, seed: int) -> None:
+    """Deterministic init of every parameter and buffer, in place: a model built on the meta device and
+    materialized with `to_empty` (then possibly tensor-parallel) gets exactly the single-process values.
+    Each parameter draws from its own generator, seeded by `seed` and its whole-model name, so a pipeline
+    stage, a tied head copy or a differently padded vocabulary gets the values of the full model.
+    N(0, std) for matrices and embeddings, std / sqrt(2 * n_layers) for the residual projections
+    (GPT-2 / Megatron), ones and zeros for norms, zeros for biases and the vocabulary padding rows.
+    One full parameter at a time is generated, on the host."""
+    cfg = model.cfg
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    model.tie_weights()
+    with torch.no_grad():
+        vocab = model.vocab_mask.shape[0] if model.output is not None else None
+        for name, value in model.buffer_values(vocab).items():
+            _set_full(getattr(model, name), value)
+        for name, param in model.named_parameters():
+            name = model.canonical_name(name)
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            if name.endswith("bias"):
+                param.zero_()
+                continue
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # mt19937: 32-bit seeds
+            std = residual_std if name.endswith(model.arch.residual_projections) else cfg.init_std
+            if name in VOCAB_PARAMS:
+                full = torch.zeros(param.shape)
+                torch.randn((cfg.vocab_size, *param.shape[1:]), generator=gen, out=full[: cfg.vocab_size])
+            else:
+                full = torch.randn(param.shape, generator=gen)
+            _set_full(param, full.mul_(std))
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,65 @@
+"""What a model family supplies to the rest of hpc_train (torchtitan's TrainSpec is the model): how to
+build it (whole or as a pipeline stage), initialize it, shard it over tensor parallelism, count its
+FLOPs and its activation memory, which of its tensors are padded to the vocabulary, and which head is
+tied to which embedding. Everything else (parallelize, optimizers, checkpoints, the planner) reads the
+model through this seam only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from hpc_train.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What one micro-batch on one rank looks like to the activation formulas."""
+
+    tokens: int  # micro-batch tokens on the rank (micro-batch size x sequence length)
+    tp: int
+    sequence_parallel: bool
+    element_bytes: int  # of activations in the training dtype
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Bytes one micro-batch keeps for backward, by part of a pipeline stage."""
+
+    layer: dict[str, int]  # per block, by recompute choice: none, selective, full
+    every_stage: int  # held once per stage (e.g. RoPE tables)
+    first_stage: int  # the embeddings
+    last_stage: int  # final norm, head and loss
+
+
+class StageModule(Protocol):
+    """What `build_stage` returns, besides being an nn.Module whose forward maps token ids (first stage) or
+    hidden states to hidden states, or logits on the last stage (the loss too, given targets)."""
+
+    tied: bool  # the head shares the embedding's parameter
+    tok_embeddings: nn.Embedding | None  # on the first stage
+    output: nn.Linear | None  # the head, on the last stage
+
+    def canonical_name(self, name: str) -> str:
+        """A parameter's name in the whole model (a last stage's tied head copy is the embedding)."""
+        ...
+
+    def tie_weights(self) -> None:
+        """Share the embedding's parameter with the head again (after `to_empty` or sharding)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build_stage: Callable[..., StageModule]  # (cfg, stage=0, num_stages=1, tp=1): whole model for 0 of 1
+    init_weights: Callable[[StageModule, int], None]  # (stage built on meta and materialized, seed), in place
+    tp_plan: Callable[[StageModule, bool], dict[str, ParallelStyle]]  # (stage, sequence_parallel)
+    flops_per_token: Callable[[ModelConfig], int]
+    activations: Callable[[ModelConfig, ActivationShape], StageActivations]
+    padded_vocab_size: Callable[[ModelConfig, int], int]  # (cfg, tp)
+    validate: Callable[[ModelConfig, int], None]  # (cfg, tp): raises ConfigError
+    vocab_params: tuple[str, ...]  # padded on their vocabulary rows: checkpoints store them unpadded

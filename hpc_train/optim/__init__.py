@@ -1,0 +1,39 @@
+"""Optimizers over the data-parallel group, selected by `optim.zero_stage`.
+
+Every optimizer follows `Optimizer` (optim/protocol.py): it takes a parallelized model's trainable
+parameters, reduces their gradients over dp, steps, and hands its state to checkpoints per parameter.
+A new ZeRO stage (or FSDP) is a new class in `OPTIMIZERS`, not a new branch elsewhere.
+"""
+
+from __future__ import annotations
+
+from hpc_train.config import ConfigError, JobConfig, OptimConfig
+from hpc_train.distributed.parallelize import ParallelModel
+from hpc_train.optim.data_parallel import DataParallelOptimizer
+from hpc_train.optim.precision import PrecisionPolicy
+from hpc_train.optim.protocol import Optimizer
+from hpc_train.optim.zero import ZeroOptimizer
+
+OPTIMIZERS: dict[int, type[Optimizer]] = {0: DataParallelOptimizer, 1: ZeroOptimizer}
+
+
+def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
+    """The class for `optim.zero_stage`, checked against what it supports."""
+    if cfg.zero_stage not in OPTIMIZERS:
+        raise ConfigError(
+            f"optim.zero_stage={cfg.zero_stage} is not supported; use {' or '.join(map(str, OPTIMIZERS))}"
+        )
+    cls = OPTIMIZERS[cfg.zero_stage]
+    if cfg.offload != "none" and not cls.shards_state:
+        stage = next(stage for stage, c in OPTIMIZERS.items() if c.shards_state)
+        raise ConfigError(f"optim.offload=cpu offloads the sharded optimizer state: set optim.zero_stage={stage}")
+    return cls
+
+
+def build_optimizer(model: ParallelModel, cfg: OptimConfig) -> Optimizer:
+    return optimizer_class(cfg)(model, cfg)
+
+
+def precision_policy(cfg: JobConfig) -> PrecisionPolicy:
+    """Decided once, from train.precision and whether the optimizer keeps fp32 master weights."""
+    return PrecisionPolicy.decide(cfg.train.precision, optimizer_class(cfg.optim).master_weights)

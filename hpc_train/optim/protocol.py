@@ -1,0 +1,56 @@
+"""What the training step, the planner and checkpoints need from an optimizer."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from hpc_train.config import OptimConfig
+from hpc_train.distributed.grads import GradGroups
+from hpc_train.distributed.parallelize import ParallelModel
+
+
+class Optimizer(Protocol):
+    master_weights: ClassVar[bool]  # keeps fp32 master weights, so the model may hold bf16/fp16 ones
+    shards_state: ClassVar[bool]  # state split over dp (and so it can be offloaded to the host)
+    state_keys: ClassVar[tuple[str, ...]]  # what `param_states` holds per parameter
+    params: list[nn.Parameter]  # the trainable parameters, in the order of `param_states`
+
+    def __init__(self, model: ParallelModel, cfg: OptimConfig) -> None: ...
+
+    @staticmethod
+    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
+        """(gradient, optimizer-state) bytes on a rank holding `params` trainable elements."""
+        ...
+
+    def begin_step(self, micro_batches: int) -> None:
+        """Before forward/backward: how many backward passes make the gradients final."""
+
+    def reduce_gradients(self) -> None:
+        """After backward: gradients reduced over dp (whatever backward did not already start)."""
+
+    def grad_groups(self) -> GradGroups:
+        """The reduced gradient elements this rank holds, for overflow checks, norms and clipping."""
+        ...
+
+    def step(self, lr: float) -> None:
+        """Update the parameters (and whatever copy of them the optimizer keeps)."""
+
+    def zero_grad(self) -> None: ...
+
+    def state_bytes(self) -> int:
+        """Exact bytes of optimizer state on this rank."""
+        ...
+
+    def grad_buffer_bytes(self) -> int:
+        """Bytes of gradient buffers the optimizer holds besides the parameters' own gradients."""
+        ...
+
+    def param_states(self) -> list[dict[str, torch.Tensor]]:
+        """Per trainable parameter, in the parameter's own shape and placement (checkpoints reshard it)."""
+        ...
+
+    def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
+        """The inverse of `param_states` (an empty dict: no saved state for that parameter)."""

@@ -1,0 +1,107 @@
+"""One training step on this rank's micro-batches, and evaluation: the arithmetic the loop repeats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc_train.config import JobConfig
+from hpc_train.data.indexed import IndexedDataset
+from hpc_train.distributed import watchdog
+from hpc_train.distributed.grads import clip_grad_norm, local
+from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
+from hpc_train.faults import fault_point
+from hpc_train.optim.loss_scale import LossScaler
+from hpc_train.optim.protocol import Optimizer
+from hpc_train.train.memory import SavedActivations, tensor_bytes
+from hpc_train.train.profiling import timed
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the global batch
+    grad_norm: float
+    memory: dict[str, int] = field(default_factory=dict)  # this rank's bytes by category
+
+
+def apply_gradients(
+    model: ParallelModel,
+    optimizer: Optimizer,
+    lr: float,
+    grad_clip: float,
+    scaler: LossScaler | None = None,
+    timings: dict[str, float] | None = None,
+) -> float | None:
+    """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step.
+    Returns the gradient norm, or None when the step was skipped for an overflow."""
+    device = local(model.parameters[0]).device
+    with timed(timings, "grad_reduce", device):
+        optimizer.reduce_gradients()
+    grads = optimizer.grad_groups()
+    if scaler is not None:
+        overflow = scaler.found_inf(grads.all)
+        scaler.update(overflow)
+        if overflow:
+            optimizer.zero_grad()
+            return None
+        scaler.unscale(grads.all)
+    with timed(timings, "optimizer", device):
+        grad_norm = clip_grad_norm(grads, grad_clip, model.mesh)
+        optimizer.step(lr)
+        optimizer.zero_grad()
+    return grad_norm
+
+
+def train_step(
+    model: ParallelModel,
+    optimizer: Optimizer,
+    micro_batches: MicroBatches,
+    lr: float,
+    grad_clip: float,
+    scaler: LossScaler | None = None,
+    step: int = 0,
+    timings: dict[str, float] | None = None,
+) -> StepResult:
+    """One optimizer step on this rank's micro-batches; the loss is the global-batch mean. With
+    `timings`, the seconds of each phase are added to it."""
+    model.loss_scale = scaler.scale if scaler else 1.0
+    params = model.parameters
+    optimizer.begin_step(len(micro_batches))
+    with SavedActivations(params) as saved, timed(timings, "forward_backward", micro_batches[0][0].device):
+        loss = forward_backward(model, micro_batches)
+    fault_point("mid_step", step, dist.get_rank())
+    watchdog.record(step, 1)
+    memory = {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params) + optimizer.grad_buffer_bytes(),
+        "activations_per_microbatch": saved.bytes // len(micro_batches),
+        "activations_peak": saved.peak_bytes,
+    }
+    grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler, timings)
+    memory["optimizer"] = optimizer.state_bytes()
+    return StepResult(reduce_loss(model, loss), grad_norm if grad_norm is not None else float("nan"), memory)
+
+
+def rank_micro_batches(dataset: IndexedDataset, indices: list[np.ndarray], device: torch.device) -> MicroBatches:
+    return [tuple(t.to(device, non_blocking=True) for t in dataset.batch(idx)) for idx in indices]
+
+
+def evaluate(model: ParallelModel, dataset: IndexedDataset, cfg: JobConfig) -> float:
+    """Mean loss over the first eval_batches global batches of the held-out set, read in order: the same
+    samples, in the same micro-batch shapes as training, whatever the layout."""
+    model.train(False)
+    t = cfg.train
+    dp, dp_rank = model.mesh.size("dp"), model.mesh.rank("dp")
+    per_rank = t.micro_batch_size * t.grad_accum
+    device = local(model.parameters[0]).device
+    total = 0.0
+    for b in range(t.eval_batches):
+        start = (b * dp + dp_rank) * per_rank
+        indices = np.arange(start, start + per_rank) % len(dataset)
+        micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device)
+        total += reduce_loss(model, forward_only(model, micro))
+    model.train(True)
+    return total / t.eval_batches
