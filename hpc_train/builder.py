@@ -25,12 +25,11 @@ from hpc_train.config import JobConfig
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import load_datasets
 from hpc_train.data.sampler import ResumableSampler
-from hpc_train.distributed.mesh import Mesh, ParallelDims
+from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.parallelize import ParallelModel, parallelize
 from hpc_train.launch.bootstrap import RankEnv
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
-from hpc_train.models.spec import ModelSpec
 from hpc_train.optim import build_optimizer, precision_policy
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.precision import PrecisionPolicy
@@ -43,9 +42,7 @@ class Run:
     cfg: JobConfig
     rank_env: RankEnv
     device: torch.device
-    dims: ParallelDims
     mesh: Mesh
-    spec: ModelSpec
     policy: PrecisionPolicy
     model: ParallelModel
     optimizer: Optimizer
@@ -98,5 +95,5 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         per_rank={"rng": RNGState()},
         report=report,
     )
-    return Run(cfg, rank_env, device, dims, mesh, spec, policy, model, optimizer, scaler, train_set, valid_set,
+    return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,
                sampler, metrics, checkpointer, report)  # fmt: skip

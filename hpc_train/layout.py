@@ -8,8 +8,9 @@ import torch
 
 from hpc_train.config import ConfigError, JobConfig, validate
 from hpc_train.distributed.mesh import ParallelDims
-from hpc_train.distributed.parallelize import is_frozen
+from hpc_train.distributed.pipeline import stage_ids
 from hpc_train.models import get_spec
+from hpc_train.models.spec import ModelSpec, is_frozen
 from hpc_train.optim import optimizer_class
 
 
@@ -20,15 +21,34 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
     spec.validate(cfg.model, cfg.parallel.tp)
     optimizer_class(cfg.optim)
     if cfg.train.freeze:
-        with torch.device("meta"):
-            model = spec.build_stage(cfg.model)
-        names = [name for name, _ in model.named_parameters()]
-        for pattern in cfg.train.freeze:
-            if not any(is_frozen(name, [pattern]) for name in names):
-                raise ConfigError(
-                    f"train.freeze pattern {pattern!r} matches no parameter of the {spec.name} model "
-                    f"(e.g. {names[0]!r}, 'layers.0.*'); `hpc-train ckpt inspect` lists a checkpoint's names"
-                )
-        if all(is_frozen(name, cfg.train.freeze) for name in names):
-            raise ConfigError("train.freeze holds every parameter fixed: nothing would train")
+        _check_freeze(cfg, spec)
     return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)
+
+
+def _check_freeze(cfg: JobConfig, spec: ModelSpec) -> None:
+    """Every train.freeze pattern names a parameter, and every pipeline rank keeps one to train (an
+    optimizer needs parameters; a stage with none would only forward what others learn)."""
+    freeze, pp, stages = cfg.train.freeze, cfg.parallel.pp, cfg.parallel.pp * cfg.parallel.virtual_stages
+    names_by_rank = []
+    for pp_rank in range(pp):
+        names = []
+        for stage in stage_ids(pp_rank, pp, cfg.parallel.virtual_stages):
+            with torch.device("meta"):
+                chunk = spec.build_stage(cfg.model, stage, stages)
+            names += [chunk.canonical_name(name) for name, _ in chunk.named_parameters()]
+        names_by_rank.append(names)
+    every = [name for names in names_by_rank for name in names]
+    for pattern in freeze:
+        if not any(is_frozen(name, [pattern]) for name in every):
+            raise ConfigError(
+                f"train.freeze pattern {pattern!r} matches no parameter of the {spec.name} model "
+                f"(e.g. {every[0]!r}, 'layers.0.*'); `hpc-train ckpt inspect` lists a checkpoint's names"
+            )
+    if all(is_frozen(name, freeze) for name in every):
+        raise ConfigError("train.freeze holds every parameter fixed: nothing would train")
+    for pp_rank, names in enumerate(names_by_rank):
+        if all(is_frozen(name, freeze) for name in names):
+            raise ConfigError(
+                f"train.freeze holds every parameter of pipeline rank {pp_rank} fixed ({len(names)} parameters): "
+                f"unfreeze one there, or use a smaller parallel.pp"
+            )

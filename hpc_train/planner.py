@@ -2,13 +2,13 @@
 
 Parameters, gradients and optimizer state are counted exactly: the model family's stages are built on the
 meta device, what its tensor-parallel plan shards is divided by tp, and the optimizer class says what it
-keeps per trainable element (optim/). Activations use the family's formulas (models/llama.py,
-models/gpt2.py), derived from its own saved-tensor trace, per block and recompute choice, times the
-micro-batches the pipeline schedule keeps in flight on the first stage: pp with 1F1B,
-(v-1)pp + 2(pp-1) + 1 chunks with interleaved 1F1B (torch's warmup; measured 2.00 and 2.50 micro-batches
-for pp=2, v=2). Validated against exact CPU
-measurement in tests/test_planner.py (every figure within 5%). On CUDA the caching allocator adds
-fragmentation on top, which is not modelled, and norms may keep fp32 copies CPU autocast does not.
+keeps per trainable element (optim/). Activations use the family's formula (models/decoder.py
+`decoder_activations`, with the family's norm and MLP), derived from the block's saved-tensor trace, per
+block and recompute choice, times the micro-batches the pipeline schedule keeps in flight on the first
+stage: pp with 1F1B, (v-1)pp + 2(pp-1) + 1 chunks with interleaved 1F1B (torch's warmup; measured 2.00
+and 2.50 micro-batches for pp=2, v=2). Validated against exact CPU measurement in tests/test_planner.py
+(every figure within 5%). On CUDA the caching allocator adds fragmentation on top, which is not
+modelled, and norms may keep fp32 copies CPU autocast does not.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import torch
 
 from hpc_train.config import ConfigError, JobConfig, ModelConfig
 from hpc_train.distributed.mesh import ParallelDims
-from hpc_train.distributed.parallelize import is_frozen
 from hpc_train.distributed.pipeline import bubble_fraction, stage_ids
 from hpc_train.distributed.tensor_parallel import sharded_parameter_names
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.models.decoder import recompute_choice
-from hpc_train.models.spec import ActivationShape
+from hpc_train.models.spec import ActivationShape, is_frozen
 from hpc_train.optim import optimizer_class, precision_policy
 
 GiB = 2**30

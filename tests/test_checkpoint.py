@@ -1,6 +1,7 @@
 """Fault tolerance with real processes, real SIGKILLs and real files: bit-exact resume, crashes at every
 point of the commit protocol, corrupted checkpoints, and resharding to another layout."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -318,6 +319,20 @@ def _frozen_checks(rank_env, cfg):
             assert torch.equal(local(fresh_params[name]), value), name
         for name, p in params.items():
             assert torch.equal(local(fresh_params[name]), local(p)), name
+
+        # resumed with nothing frozen: the ZeRO masters of the weights that were frozen (no optimizer
+        # state saved) take the loaded weights, not the new run's init; a save before any update holds
+        # every parameter's state
+        thawed = build_run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, freeze=[])), rank_env, cpu)
+        assert thawed.checkpointer.resume().step == 1
+        thawed_params = dict(thawed.model.named_parameters)
+        names = {id(p): n for n, p in thawed_params.items()}
+        states = thawed.optimizer.param_states()
+        assert {names[id(p)] for p in thawed.optimizer.params} >= set(FROZEN)
+        for p, state in zip(thawed.optimizer.params, states, strict=True):
+            assert torch.equal(local(state["master"]), local(p)), names[id(p)]
+            assert set(state) == {"master", "exp_avg", "exp_avg_sq"}, names[id(p)]
+        thawed.checkpointer.save(2)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -40,6 +40,11 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
         (["model.arch=gpt2", "model.n_heads=3", "model.d_model=96", "parallel.tp=2"], 2, ["n_heads=3", "tp=2"]),
         (["train.freeze=[embeddings.*]"], 1, ["train.freeze pattern 'embeddings.*' matches no parameter of the llama"]),
         (["train.freeze=['*']"], 1, ["train.freeze holds every parameter fixed"]),
+        (
+            ["model.n_layers=2", "parallel.pp=2", "train.grad_accum=2", "train.freeze=[tok_*, layers.0.*]"],
+            2,
+            ["train.freeze holds every parameter of pipeline rank 0 fixed", "smaller parallel.pp"],
+        ),
         (["optim.offload=cpu"], 2, ["optim.offload=cpu offloads the sharded optimizer state", "zero_stage=1"]),
         (["optim.zero_stage=2"], 2, ["optim.zero_stage=2 is not supported; use 0 or 1"]),
         (["steps"], 1, ["override 'steps' is not of the form key=value"]),

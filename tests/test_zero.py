@@ -115,12 +115,15 @@ def test_overlapped_reduction_launches_from_backward(make_cfg):
 
 @pytest.fixture(scope="module")
 def precision_runs(tmp_path_factory):
-    """tiny.yaml for 50 steps, 2 processes with ZeRO-1, in fp32, bf16 and fp16."""
+    """tiny.yaml for 50 steps, 2 processes with ZeRO-1, in fp32, bf16 and fp16, at half its peak lr:
+    tiny.yaml's 3e-3 sits at the edge of stability, where any rounding difference (or one CPU's kernels
+    against another's) grows into a different loss spike, so the curves there compare chaos, not
+    precision."""
     runs = {}
     for precision in ("fp32", "bf16", "fp16"):
         run_dir = tmp_path_factory.mktemp(precision)
         overrides = ["train.steps=50", "optim.zero_stage=1", f"run_dir={run_dir}", f"train.precision={precision}",
-                     "logging.progress=none", "train.eval_interval=0"]  # fmt: skip
+                     "logging.progress=none", "train.eval_interval=0", "optim.lr=1.5e-3"]  # fmt: skip
         cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
         launch_local(run_training, 2, cfg)
         runs[precision] = read_metrics(run_dir)
@@ -129,18 +132,18 @@ def precision_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_tracks_fp32(precision_runs, precision):
-    """bf16/fp16 weights with fp32 master weights follow the fp32 curve. Per-step losses are noisy (the
-    batches differ a lot and the warmup peak amplifies small weight differences), so the tolerance is on
-    the mean gap over the 50 steps (< 0.08; measured 0.043 bf16, 0.034 fp16), the gap of the last-10
-    means (< 0.1) and a no-divergence bound on every step (< 0.6; measured max 0.16 bf16, 0.44 fp16)."""
+    """bf16/fp16 weights with fp32 master weights follow the fp32 curve. An fp16 overflow skips a step and
+    shifts the curve by one update, so the tolerance is on the mean gap over the 50 steps (< 0.05;
+    measured over seeds 0-2: at most 0.002 bf16, 0.019 fp16), the gap of the last-10 means (< 0.05;
+    at most 0.009) and a no-divergence bound on every step (< 0.4; measured max 0.012 bf16, 0.185 fp16)."""
     ref = [m["loss"] for m in precision_runs["fp32"]]
     got = [m["loss"] for m in precision_runs[precision]]
     gaps = [abs(r - g) for r, g in zip(ref, got, strict=True)]
     assert ref[-1] < ref[0] - 1.5
-    assert sum(gaps) / len(gaps) < 0.08
-    assert abs(sum(ref[-10:]) - sum(got[-10:])) / 10 < 0.1
-    assert max(gaps) < 0.6
+    assert sum(gaps) / len(gaps) < 0.05
+    assert abs(sum(ref[-10:]) - sum(got[-10:])) / 10 < 0.05
+    assert max(gaps) < 0.4
     if precision == "fp16":
         last = precision_runs["fp16"][-1]
-        assert last["skipped_steps"] <= 3  # a few overflows while the scale settles (measured: 1)
+        assert last["skipped_steps"] <= 3  # a few overflows while the scale settles (measured: 0-1)
         assert last["loss_scale"] == 65536.0 / 2 ** last["skipped_steps"]  # no growth inside the 1000-step window

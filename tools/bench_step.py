@@ -60,8 +60,8 @@ def compare(cfg, run, rounds: int, steps: int) -> None:
     shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
     tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
     targets = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
-    plain = run.spec.build_stage(cfg.model)
-    run.spec.init_weights(plain, cfg.train.seed)
+    plain = run.model.spec.build_stage(cfg.model)
+    run.model.spec.init_weights(plain, cfg.train.seed)
     plain_opt = adamw(list(plain.parameters()), cfg.optim, run.device)
 
     def run_ours(step: int) -> None:

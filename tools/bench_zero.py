@@ -1,6 +1,6 @@
 """ZeRO-1 on CPU with 2 processes (gloo): step time and optimizer-state bytes per rank of hpc_train's
 ZeRO-1, DeepSpeed's ZeRO stage 1 and plain data parallelism with AdamW (hpc_train zero_stage 0). Same
-model (hpc_train's GPT), same batch, one run; hpc_train's two also with the dp reduction overlapped with
+model (hpc_train's llama decoder), same batch, one run; hpc_train's two also with the dp reduction overlapped with
 backward (optim.overlap_grad_reduce). The variants alternate round by round, and each figure is the
 median over rounds. DeepSpeed is optional (`pip install deepspeed`); it compiles its ops on first
 use, so it is built and warmed up before anything is timed.

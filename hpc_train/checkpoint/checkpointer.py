@@ -48,7 +48,6 @@ def upgrade_rank_state(state: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class Resumed:
     step: int
-    path: str
     layout: dict[str, Any]  # the layout it was saved with
 
 
@@ -157,4 +156,4 @@ class Checkpointer:
                 part.load_state_dict(own[name])
         change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
         self.report(f"resumed from {path} (step {step}{change})")
-        return Resumed(step, path, manifest["layout"])
+        return Resumed(step, manifest["layout"])

@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hpc_train.distributed.grads import local
-from hpc_train.distributed.parallelize import ParallelModel, unpadded
+from hpc_train.distributed.parallelize import ParallelModel, pad_rows, unpadded
+from hpc_train.distributed.placement import distribute_like
 from hpc_train.optim.protocol import Optimizer
 
 
@@ -47,11 +47,7 @@ class ShardedPart(Protocol):
 
 def _repad_like(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Unpadded whole rows -> a tensor laid out like `p` (padded for this layout, sharded like it)."""
-    padded = torch.zeros(p.shape, dtype=rows.dtype, device=rows.device)
-    padded[: rows.shape[0]] = rows
-    if isinstance(p, DTensor):
-        return distribute_tensor(padded, p.device_mesh, p.placements, src_data_rank=None)
-    return padded
+    return distribute_like(pad_rows(rows, p.shape[0]), p)
 
 
 def _template_like(model: ParallelModel, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -120,8 +116,7 @@ class OptimizerState:
                 if value is not None:
                     state[key] = _repad_like(p, value) if name in self.model.spec.vocab_params else value
             states.append(state)
-        if any(states):
-            self.optimizer.load_param_states(states, step)
+        self.optimizer.load_param_states(states, step)  # always: ZeRO's masters follow the loaded weights
 
 
 class RNGState:

@@ -77,6 +77,6 @@ class Mesh:
 
     def ranks_along(self, role: str) -> list[list[int]]:
         """Every group of global ranks that `role` connects, one list per group (for custom subgroups)."""
-        (dim,) = ROLES[role]
-        grid = self.device_mesh.mesh.movedim(DIMS.index(dim), -1)
-        return grid.reshape(-1, grid.shape[-1]).tolist()
+        dims = [DIMS.index(dim) for dim in ROLES[role]]
+        grid = self.device_mesh.mesh.movedim(dims, list(range(-len(dims), 0)))
+        return grid.reshape(-1, self.size(role)).tolist()

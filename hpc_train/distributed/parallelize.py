@@ -14,7 +14,6 @@ same optimizer step and stay equal. Gradient norms count only the first stage's 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.tensor_parallel import apply_tensor_parallel
 from hpc_train.models.decoder import cross_entropy
-from hpc_train.models.spec import ModelSpec, StageModule
+from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -93,11 +92,6 @@ class ParallelModel:
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:
             chunk.train(mode)
-
-
-def is_frozen(name: str, patterns: list[str]) -> bool:
-    """Whether train.freeze holds the parameter of this whole-model name fixed (fnmatch patterns)."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def freeze(model: ParallelModel, patterns: list[str]) -> None:
@@ -207,6 +201,12 @@ def unpadded(spec: ModelSpec, name: str, t: torch.Tensor, vocab_size: int) -> to
     return full[:vocab_size].detach().clone()
 
 
+def pad_rows(rows: torch.Tensor, total: int) -> torch.Tensor:
+    """Unpadded vocabulary rows with zero rows appended up to `total` (padding rows are never looked up
+    and get -inf logits)."""
+    return torch.cat([rows, rows.new_zeros(total - rows.shape[0], *rows.shape[1:])])
+
+
 def full_state_dict(model: ParallelModel) -> dict[str, torch.Tensor] | None:
     """Consolidated weights on global rank 0 (None elsewhere), in the single-process model's layout
     (vocabulary padded for tp=1), whatever the layout they were trained with."""
@@ -226,7 +226,6 @@ def full_state_dict(model: ParallelModel) -> dict[str, torch.Tensor] | None:
         return None
     vocab = model.spec.padded_vocab_size(m, 1)
     for name in model.spec.vocab_params:
-        if name in state:  # padding rows are zero (never looked up, -inf logits): re-pad for tp=1
-            rows = state[name]
-            state[name] = torch.cat([rows, rows.new_zeros(vocab - rows.shape[0], rows.shape[1])])
+        if name in state:  # re-padded for tp=1
+            state[name] = pad_rows(state[name], vocab)
     return state

@@ -9,7 +9,7 @@ rows (Megatron's vocabulary padding); the padded entries get -inf logits, so the
 
 from __future__ import annotations
 
-import inspect
+import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -29,6 +29,8 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ConfigError, ModelConfig
+from hpc_train.distributed.placement import distribute_like
+from hpc_train.models.spec import ActivationShape, ModelSpec, StageActivations
 
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 VOCAB_PARAMS = (EMBEDDING, HEAD)  # rows padded to the vocabulary multiple; checkpoints store them unpadded
@@ -39,12 +41,14 @@ class Architecture:
     """What distinguishes one decoder family from another inside the shared skeleton."""
 
     norm: Callable[[int, float], nn.Module]  # (width, eps) -> a norm module
-    mlp: type[nn.Module]  # built as mlp(d_model, hidden, bias); names its column- and row-parallel layers
+    mlp: type[nn.Module]  # built as mlp(d_model, hidden, bias); names its column- and row-parallel
+    # layers and how many T x hidden tensors it keeps for backward (saved_widths)
     ffn_size: Callable[[ModelConfig], int]  # the MLP's hidden width
     linear_bias: bool  # biases in the attention and MLP projections
     rotary: bool  # RoPE; otherwise learned position embeddings
     tie_embeddings: bool  # the family's default when model.tie_embeddings is not set
     residual_projections: tuple[str, ...]  # initialized with init_std / sqrt(2 * n_layers)
+    norm_saved_bytes: Callable[[int, int, int], int]  # (tokens, width, element bytes): one norm's saved tensors
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
@@ -272,6 +276,45 @@ def decoder_flops_per_token(cfg: ModelConfig, *, arch: Architecture) -> int:
     return 6 * (layers * per_layer + vocab * d) + 12 * layers * d * cfg.seq_len
 
 
+def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Architecture) -> StageActivations:
+    """Derived from the block's saved-tensor trace, in units of T x d elements (T tokens on the rank, d
+    model width, a heads, f the MLP width) per block:
+
+      two norms       arch.norm_saved_bytes each (the family's module says what its norm keeps)
+      matmul inputs   2 (the normed input of attention and of the MLP, in the activation dtype)
+      q, k, v         1 + 2 kv/a (after RoPE where rotary), kept by SDPA
+      attention out   1 (shared with wo's input), plus SDPA's fp32 logsumexp of T x a
+      MLP             mlp.saved_widths x f/d (e.g. SwiGLU: w1 and w3 outputs, silu output, their product)
+
+    Biases keep nothing; learned positions are a slice of a parameter. Fused SDPA never keeps the s x s
+    attention matrix, so Korthikanti et al.'s 5as/h term does not exist here, and `selective` recompute
+    saves only the logsumexp; `full` keeps only the block's input. Under tp everything after the
+    column-parallel matmuls is divided by tp; with sequence parallelism the norm regions are too (the
+    gathered matmul inputs are not)."""
+    tokens, tp, e = shape.tokens, shape.tp, shape.element_bytes
+    d, a, kv, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, arch.ffn_size(cfg)
+    norm_tokens = tokens // tp if shape.sequence_parallel else tokens
+    norm = arch.norm_saved_bytes(norm_tokens, d, e)
+    selective = (
+        2 * norm
+        + 2 * tokens * d * e
+        + tokens * d * e * (1 + 2 * kv / a) // tp
+        + tokens * d * e // tp
+        + arch.mlp.saved_widths * tokens * f * e // tp
+    )
+    vocab = padded_vocab_size(cfg, tp)
+    return StageActivations(
+        layer={
+            "none": int(selective + tokens * a * 4 // tp),
+            "selective": int(selective),
+            "full": norm_tokens * d * e,
+        },
+        every_stage=2 * cfg.seq_len * (d // a) * 4 if arch.rotary else 0,  # the RoPE tables
+        first_stage=tokens * 8,  # token ids kept by the embedding
+        last_stage=norm + tokens * d * e + tokens * vocab // tp * 4 + tokens * 8,  # head + fp32 log-softmax
+    )
+
+
 def validate_decoder(cfg: ModelConfig, tp: int, *, arch: Architecture) -> None:
     """Shapes the skeleton needs, for a tensor-parallel size `tp`."""
     kv_heads = cfg.n_kv_heads or cfg.n_heads
@@ -291,16 +334,6 @@ def validate_decoder(cfg: ModelConfig, tp: int, *, arch: Architecture) -> None:
         raise ConfigError(f"model.n_kv_heads={kv_heads} is not divisible by parallel.tp={tp}; pick a tp dividing it")
 
 
-def _set_full(t: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full-size value into `t`, or, when `t` is a tensor-parallel DTensor, this rank's shard of it
-    (every rank computes the same full value, so nothing is sent where torch lets us say so)."""
-    if isinstance(t, DTensor):
-        accepts_source = "src_data_rank" in inspect.signature(distribute_tensor).parameters
-        local_only = {"src_data_rank": None} if accepts_source else {}
-        full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, **local_only)
-    t.copy_(full)
-
-
 def init_weights(model: Decoder, seed: int) -> None:
     """Deterministic init of every parameter and buffer, in place: a model built on the meta device and
     materialized with `to_empty` (then possibly tensor-parallel) gets exactly the single-process values.
@@ -315,7 +348,7 @@ def init_weights(model: Decoder, seed: int) -> None:
     with torch.no_grad():
         vocab = model.vocab_mask.shape[0] if model.output is not None else None
         for name, value in model.buffer_values(vocab).items():
-            _set_full(getattr(model, name), value)
+            getattr(model, name).copy_(distribute_like(value, getattr(model, name)))
         for name, param in model.named_parameters():
             name = model.canonical_name(name)
             if name.endswith("norm.weight"):
@@ -331,8 +364,23 @@ def init_weights(model: Decoder, seed: int) -> None:
                 torch.randn((cfg.vocab_size, *param.shape[1:]), generator=gen, out=full[: cfg.vocab_size])
             else:
                 full = torch.randn(param.shape, generator=gen)
-            _set_full(param, full.mul_(std))
+            param.copy_(distribute_like(full.mul_(std), param))
 
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def decoder_spec(name: str, arch: Architecture) -> ModelSpec:
+    """The registry entry of a family built on this skeleton."""
+    return ModelSpec(
+        name=name,
+        build_stage=functools.partial(build_stage, arch=arch),
+        init_weights=init_weights,
+        tp_plan=decoder_tp_plan,
+        flops_per_token=functools.partial(decoder_flops_per_token, arch=arch),
+        activations=functools.partial(decoder_activations, arch=arch),
+        padded_vocab_size=padded_vocab_size,
+        validate=functools.partial(validate_decoder, arch=arch),
+        vocab_params=VOCAB_PARAMS,
+    )

@@ -1,11 +1,13 @@
 """What a model family supplies to the rest of hpc_train (torchtitan's TrainSpec is the model): how to
 build it (whole or as a pipeline stage), initialize it, shard it over tensor parallelism, count its
 FLOPs and its activation memory, which of its tensors are padded to the vocabulary, and which head is
-tied to which embedding. Everything else (parallelize, optimizers, checkpoints, the planner) reads the
-model through this seam only."""
+tied to which embedding. Parallelize, optimizers, checkpoints and the planner read the model through
+this seam; what they still take from the shared decoder skeleton directly (its cross-entropy, the
+recompute selection, the embedding's parameter name) is family-neutral there."""
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -63,3 +65,8 @@ class ModelSpec:
     padded_vocab_size: Callable[[ModelConfig, int], int]  # (cfg, tp)
     validate: Callable[[ModelConfig, int], None]  # (cfg, tp): raises ConfigError
     vocab_params: tuple[str, ...]  # padded on their vocabulary rows: checkpoints store them unpadded
+
+
+def is_frozen(name: str, patterns: list[str]) -> bool:
+    """Whether train.freeze holds the parameter of this whole-model name fixed (fnmatch patterns)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)

@@ -69,12 +69,13 @@ class DataParallelOptimizer:
         return 0  # reduces the parameters' own gradients in place
 
     def param_states(self) -> list[dict[str, torch.Tensor]]:
-        """Per trainable parameter, in the parameter's own shape and placement: exp_avg, exp_avg_sq."""
-        return [{k: self.optimizer.state[p][k] for k in MOMENTS} for p in self.params]
+        """Per trainable parameter, in the parameter's own shape and placement: exp_avg, exp_avg_sq (none
+        before the parameter's first update)."""
+        return [{k: t for k, t in self.optimizer.state.get(p, {}).items() if k in MOMENTS} for p in self.params]
 
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
         for p, state in zip(self.params, states, strict=True):
-            if not state:  # not in the checkpoint (e.g. frozen when it was saved): fresh moments
+            if not all(k in state for k in MOMENTS):  # not saved (e.g. frozen then): fresh moments
                 continue
             moments = {k: state[k].to(p.dtype).clone() for k in MOMENTS}
             self.optimizer.state[p] = {"step": adam_step_tensor(step, self.optimizer, p), **moments}

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
 from hpc_train.distributed.parallelize import ParallelModel
+from hpc_train.distributed.placement import like_param
 from hpc_train.optim.adamw import MOMENTS, adam_step_tensor, adamw, moment_bytes, set_lr
 from hpc_train.optim.buckets import BucketedReduction, bucketize
 
@@ -34,13 +34,6 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 def _flat_slice(t: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     return local(t).reshape(-1)[offset : offset + numel].float()
-
-
-def like_param(p: nn.Parameter, local_tensor: torch.Tensor) -> torch.Tensor:
-    """`local_tensor` (this rank's part) as a tensor laid out like `p`: a DTensor when `p` is one."""
-    if isinstance(p, DTensor):
-        return DTensor.from_local(local_tensor, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-    return local_tensor
 
 
 @dataclass
@@ -207,13 +200,14 @@ class ZeroOptimizer:
     def param_states(self) -> list[dict[str, torch.Tensor]]:
         """Per parameter, in the parameter's own shape and placement: exp_avg, exp_avg_sq and the fp32
         master weights, gathered over dp (checkpoints store them per parameter so they can be resharded;
-        this holds the whole local optimizer state once, for the save)."""
+        this holds the whole local optimizer state once, for the save). No moments before the first
+        update (an fp16 overflow may skip it)."""
         states: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
+        stepped = bool(self.optimizer.state)
         for bucket in self.buckets:
-            owned = {
-                "master": [r.master.detach() for r in bucket.runs],
-                **{k: [self.optimizer.state[r.master][k] for r in bucket.runs] for k in MOMENTS},
-            }
+            owned = {"master": [r.master.detach() for r in bucket.runs]}
+            if stepped:
+                owned.update({k: [self.optimizer.state[r.master][k] for r in bucket.runs] for k in MOMENTS})
             for key, values in owned.items():
                 full = self._gather_bucket(bucket, values)
                 for p, start in zip(bucket.params, bucket.offsets, strict=True):
@@ -223,17 +217,25 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
-        """Take each rank's owned slices of per-parameter states (missing master: the weights themselves)."""
+        """Take each rank's owned slices of per-parameter states, after the model's weights were loaded. A
+        master not in the checkpoint (zero_stage 0 saved it, or the parameter was frozen) is taken from the
+        loaded weights; missing moments start as AdamW starts them (zeros, step 0), so that every master
+        has state again and the next save holds all of it."""
         by_param = {id(p): s for p, s in zip(self.params, states, strict=True)}
         for bucket in self.buckets:
             for run in bucket.runs:
                 state, offset = by_param[id(run.param)], run.param_offset
-                if not state:  # not in the checkpoint (e.g. frozen when it was saved): fresh state
-                    continue
                 run.master.copy_(_flat_slice(state.get("master", run.param), offset, run.numel))
+                saved = all(k in state for k in MOMENTS)
+                moments = {
+                    k: _flat_slice(state[k], offset, run.numel).to(self.state_device).clone()
+                    if saved
+                    else torch.zeros_like(run.master)
+                    for k in MOMENTS
+                }
                 self.optimizer.state[run.master] = {
-                    "step": adam_step_tensor(step, self.optimizer, run.master),
-                    **{k: _flat_slice(state[k], offset, run.numel).to(self.state_device).clone() for k in MOMENTS},
+                    "step": adam_step_tensor(step if saved else 0, self.optimizer, run.master),
+                    **moments,
                 }
 
     def state_bytes(self) -> int:

@@ -34,7 +34,7 @@ class TrainResult:
 def announce(run: Run, start_step: int) -> StepMeter:
     """Record where every rank runs (rank_layout.json), the resolved config, the model and layout, and the
     planner's prediction; return the meter that measures each step against them."""
-    cfg, dims, run_dir = run.cfg, run.dims, Path(run.cfg.run_dir)
+    cfg, dims, run_dir = run.cfg, run.mesh.dims, Path(run.cfg.run_dir)
     layout = [None] * dims.world_size  # every rank's place, checked once so a mismatch shows up early
     dist.all_gather_object(layout, {**describe_rank(run.rank_env), **run.mesh.coordinates()})
     global_batch = run.sampler.global_batch_size
@@ -43,7 +43,7 @@ def announce(run: Run, start_step: int) -> StepMeter:
         (run_dir / "rank_layout.json").write_text(json.dumps(layout, indent=1))
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         with torch.device("meta"):  # the whole model's size, without allocating it
-            n_params = count_params(run.spec.build_stage(cfg.model))
+            n_params = count_params(run.model.spec.build_stage(cfg.model))
         run.metrics.message(
             f"hpc_train: {cfg.model.arch} {n_params / 1e6:.2f}M params | world {dims.world_size} (pp {dims.pp}, "
             f"dp {dims.dp}, tp {dims.tp}) on {run.device.type} | global batch {global_batch} x {cfg.model.seq_len} "
@@ -57,7 +57,7 @@ def announce(run: Run, start_step: int) -> StepMeter:
     )
     return StepMeter(
         tokens_per_step=global_batch * cfg.model.seq_len,
-        flops_per_token=run.spec.flops_per_token(cfg.model),
+        flops_per_token=run.model.spec.flops_per_token(cfg.model),
         world_size=dims.world_size,
         peak_flops=device_peak_flops(run.device),
         bubble_fraction=bubble_fraction(cfg.parallel, cfg.train.grad_accum),
