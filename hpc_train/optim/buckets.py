@@ -32,7 +32,7 @@ class BucketedReduction:
     --overlap-grad-reduce) a bucket is launched from inside backward as soon as each of its parameters has
     received the gradient of the step's last micro-batch (a post-accumulate-grad hook counts arrivals), so
     its communication runs while backward goes on through earlier layers; `finish` launches whatever
-    backward did not (and the `deferred` buckets, whose launch talks to another pipeline stage) and
+    backward did not (and the buckets `deferred` names: their launch talks to another pipeline stage) and
     completes every bucket."""
 
     def __init__(
@@ -40,9 +40,10 @@ class BucketedReduction:
         buckets: list[list[nn.Parameter]],
         launch: Callable[[int], Callable[[], None]],
         overlap: bool,
-        deferred: set[int] = frozenset(),
+        deferred: Callable[[list[nn.Parameter]], bool] = lambda bucket: False,
     ):
-        self.buckets, self.launch, self.overlap, self.deferred = buckets, launch, overlap, deferred
+        self.buckets, self.launch, self.overlap = buckets, launch, overlap
+        self.deferred = {i for i, bucket in enumerate(buckets) if deferred(bucket)}
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
         self.completions: dict[int, Callable[[], None]] = {}
         self.hooked = False

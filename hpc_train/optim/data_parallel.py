@@ -26,8 +26,7 @@ class DataParallelOptimizer:
         self.optimizer = adamw(self.params, cfg, local(self.params[0]).device)
         limit = int(cfg.bucket_mb * 2**20)
         buckets = [[self.params[i] for i in b] for b in bucketize([local(p) for p in self.params], limit)]
-        deferred = {i for i, b in enumerate(buckets) if model.holds_tied_copy(b)}
-        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, deferred)
+        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy)
 
     @staticmethod
     def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:

@@ -79,8 +79,7 @@ class ZeroOptimizer:
         self.state_device = torch.device("cpu") if cfg.offload == "cpu" else self.device
         self.buckets = self._make_buckets(self.params, int(cfg.bucket_mb * 2**20))
         buckets = [b.params for b in self.buckets]
-        deferred = {i for i, b in enumerate(buckets) if model.holds_tied_copy(b)}
-        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, deferred)
+        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy)
         self.master = self._make_runs()
         decay = [r.master for b in self.buckets for r in b.runs if r.decay]
         no_decay = [r.master for b in self.buckets for r in b.runs if not r.decay]
