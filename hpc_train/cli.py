@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_train.config import ConfigError, JobConfig, load_config, to_yaml
+from hpc_train.config import ConfigError, JobConfig, check_values, load_config, to_yaml
 from hpc_train.distributed.mesh import ParallelDims
+from hpc_train.errors import UserError
 from hpc_train.launch.bootstrap import detect_rank_env
 from hpc_train.layout import check_run
 
@@ -18,13 +19,27 @@ def _config_and_overrides(args: argparse.Namespace) -> JobConfig:
     return load_config(path, items)
 
 
+def check_inputs(cfg: JobConfig, world: int, starts_here: bool) -> ParallelDims:
+    """Everything a run reads, before any process starts: the config for this world size, the datasets'
+    contents, and that checkpoint.dir is this run's (and, for a run starting here, not in use)."""
+    from hpc_train.checkpoint.ownership import check_checkpoint_dir
+    from hpc_train.data.prepare import check_datasets
+
+    dims = check_run(cfg, world)
+    check_datasets(cfg.data, cfg.model)
+    check_checkpoint_dir(cfg, probe_lock=starts_here)
+    return dims
+
+
 def cmd_train(args: argparse.Namespace) -> None:
-    from hpc_train.launch.local import launch_local
+    from hpc_train.launch.local import check_machine, launch_local
     from hpc_train.train.loop import run_training
 
     cfg = _config_and_overrides(args)
     rank_env = detect_rank_env()
-    check_run(cfg, rank_env.world_size if rank_env else cfg.parallel.nproc)  # before any process starts
+    if rank_env is None:
+        check_machine(cfg)
+    check_inputs(cfg, rank_env.world_size if rank_env else cfg.parallel.nproc, starts_here=rank_env is None)
     if rank_env is not None:
         run_training(rank_env, cfg)
     else:
@@ -49,9 +64,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from hpc_train import planner
 
     cfg = _config_and_overrides(args)
+    for flag, value in (("--world", args.world), ("--gpu-mem", args.gpu_mem), ("--peak-tflops", args.peak_tflops)):
+        if value is not None and not 0 < value < float("inf"):
+            raise ConfigError(f"{flag} {value} must be a positive number")
     world = args.world or planner.plan_world(cfg)
     gpu_mem = args.gpu_mem * 2**30 if args.gpu_mem else cfg.slurm.gpu_mem_gb * 2**30
     if args.search:
+        check_values(cfg)
         rows = planner.search(cfg, world, gpu_mem, args.peak_tflops * 1e12)
         print(json.dumps(rows, indent=1) if args.json else planner.format_search(rows))
         return
@@ -84,7 +103,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
     cfg = _config_and_overrides(args)
     world = slurm.slurm_world_size(cfg)
     try:
-        dims = check_run(cfg, world)
+        dims = check_inputs(cfg, world, starts_here=False)
     except ConfigError as err:
         raise ConfigError(f"{err} (world size = slurm.nodes x slurm.tasks_per_node = {world})") from None
     if not args.force:
@@ -106,8 +125,7 @@ def cmd_ckpt(args: argparse.Namespace) -> None:
     """list / verify / inspect the checkpoints of a run directory (or a checkpoints directory)."""
     from pathlib import Path
 
-    from torch.distributed.checkpoint import FileSystemReader
-
+    from hpc_train.checkpoint.safe_load import read_dcp_metadata
     from hpc_train.checkpoint.store import CheckpointStore
 
     root = Path(args.run_dir)
@@ -120,7 +138,8 @@ def cmd_ckpt(args: argparse.Namespace) -> None:
         if chosen is None:
             raise FileNotFoundError(f"no usable checkpoint{'' if args.step is None else f' of step {args.step}'}")
         print(f"{chosen.path} (step {chosen.step}, layout {chosen.manifest['layout']})")
-        for key, meta in sorted(FileSystemReader(str(chosen.path)).read_metadata().state_dict_metadata.items()):
+        metadata = read_dcp_metadata(chosen.path, set(chosen.manifest["files"]))
+        for key, meta in sorted(metadata.state_dict_metadata.items()):
             shape = tuple(getattr(meta, "size", ())) or "-"
             dtype = getattr(getattr(meta, "properties", None), "dtype", "")
             print(f"  {key:<48} {shape!s:<16} {dtype}")
@@ -191,11 +210,17 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(item.startswith("-") for item in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # overrides after a flag (`plan cfg.yaml --search parallel.tp=2`)
+        args.overrides = [*args.overrides, *extra]
     try:
         COMMANDS[args.command](args)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"hpc-train: error: {err}", file=sys.stderr)
+    except (UserError, FileNotFoundError) as err:
+        for line in str(err).splitlines():
+            print(f"hpc-train: error: {line}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -7,20 +7,25 @@ quantities derived from the parallel layout. Every error is a `ConfigError` nami
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from hpc_train.errors import UserError
 
 BUILTIN_DATA = "stdlib"  # data path naming the embedded corpus (the interpreter's own standard library)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, with a message that names the key and what to change."""
 
 
@@ -73,6 +78,7 @@ class TrainConfig:
     eval_batches: int = 4
     save_final_model: bool = True  # write run_dir/model_final.pt (consolidated weights) at the end
     freeze: list[str] = field(default_factory=list)  # parameter names (fnmatch patterns) held fixed
+    skip_nonfinite: int = 0  # steps with a non-finite loss or gradient skipped before the run stops
 
 
 @dataclass
@@ -171,17 +177,20 @@ CHOICES = {
 }
 POSITIVE = (
     "model.n_layers", "model.n_heads", "model.d_model", "model.seq_len", "model.vocab_size",
-    "model.vocab_multiple", "model.ffn_multiple", "model.recompute_every", "parallel.nproc", "parallel.tp",
-    "parallel.pp",
-    "parallel.virtual_stages", "parallel.timeout_s", "train.steps", "train.micro_batch_size",
-    "train.grad_accum", "train.eval_batches", "train.initial_loss_scale", "train.loss_scale_window",
-    "slurm.nodes", "slurm.tasks_per_node", "logging.log_interval",
+    "model.vocab_multiple", "model.ffn_multiple", "model.recompute_every", "model.rope_theta", "model.norm_eps",
+    "model.init_std", "parallel.nproc", "parallel.tp", "parallel.pp", "parallel.virtual_stages",
+    "parallel.timeout_s", "train.steps", "train.micro_batch_size", "train.grad_accum", "train.eval_batches",
+    "train.initial_loss_scale", "train.loss_scale_window", "optim.eps", "slurm.nodes", "slurm.tasks_per_node",
+    "slurm.gpu_mem_gb", "logging.log_interval",
 )  # fmt: skip
 NON_NEGATIVE = (
-    "train.eval_interval", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay", "optim.lr",
-    "optim.min_lr", "optim.bucket_mb", "checkpoint.interval", "checkpoint.keep_last", "slurm.gpus_per_node",
-    "slurm.signal_delay_s", "slurm.max_requeues",
+    "train.eval_interval", "train.skip_nonfinite", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay",
+    "optim.lr", "optim.min_lr", "optim.bucket_mb", "checkpoint.interval", "checkpoint.keep_last",
+    "checkpoint.keep_every", "slurm.gpus_per_node", "slurm.signal_delay_s", "slurm.max_requeues",
 )  # fmt: skip
+POSITIVE_IF_SET = ("model.n_kv_heads", "model.ffn_hidden", "train.global_batch_size", "optim.decay_steps")
+NON_NEGATIVE_IF_SET = ("model.recompute_first",)
+FRACTIONS = ("optim.beta1", "optim.beta2")  # in [0, 1)
 
 
 def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
@@ -204,22 +213,45 @@ def _merge_error(err: OmegaConfBaseException, source: str) -> ConfigError:
         hint = f"; did you mean '{close[0]}'?" if close else "; `hpc-train config show` lists the valid keys"
         return ConfigError(f"unknown config key '{key}' (from {source}){hint}")
     if isinstance(err, ValidationError) and err.value is not None and key != "?":
+        value = err.value._value() if hasattr(err.value, "_value") else err.value
         expected = JobConfig
         for part in str(key).split("."):
             expected = typing.get_type_hints(expected)[part]
         expected_name = getattr(expected, "__name__", str(expected))
         return ConfigError(
-            f"config key '{key}' (from {source}) got {err.value!r} of type {type(err.value).__name__}, "
-            f"expected {expected_name}"
+            f"config key '{key}' (from {source}) got {value!r} of type {type(value).__name__}, expected {expected_name}"
         )
-    return ConfigError(f"invalid config (from {source}): {err.msg}")
+    where = f"config key '{key}' " if key != "?" else "config "
+    return ConfigError(f"invalid {where}(from {source}): {str(err.msg or err).splitlines()[0]}")
+
+
+def _check_sections(layer: DictConfig, source: str) -> None:
+    """A section given as a plain value (`model: 5`) is named before omegaconf reports it obscurely."""
+    sections = {f.name for f in dataclasses.fields(JobConfig) if f.default_factory is not dataclasses.MISSING}
+    for key in layer:
+        if key in sections and not isinstance(layer._get_node(key), DictConfig):
+            raise ConfigError(f"config section '{key}' (from {source}) must be a mapping of its keys "
+                              f"(e.g. '{key}.<key>=...'), not {layer[key]!r}")  # fmt: skip
 
 
 def parse_overrides(overrides: list[str]) -> DictConfig:
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=10)")
-    return OmegaConf.from_dotlist(list(overrides))
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or type(err).__name__
+        bad = next((item for item in overrides if not _parses(item.partition("=")[2])), "?")
+        raise ConfigError(f"override '{bad}' is not valid YAML ({problem}); quote the value, e.g. \"['*']\"") from None
+
+
+def _parses(value: str) -> bool:
+    try:
+        yaml.safe_load(value)
+        return True
+    except yaml.YAMLError:
+        return False
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> JobConfig:
@@ -229,12 +261,21 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(f"config file '{path}' does not exist; the presets live in configs/")
-        loaded = OmegaConf.load(path)
+        try:
+            loaded = OmegaConf.load(path)
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where else ""
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ConfigError(f"config file '{path}' is not valid YAML{line}: {problem}") from None
+        except (UnicodeDecodeError, OSError) as err:
+            raise ConfigError(f"config file '{path}' cannot be read: {err}") from None
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, not a list")
         layers.append((str(path), loaded))
     layers.append(("command line", parse_overrides(overrides or [])))
     for source, layer in layers:
+        _check_sections(layer, source)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
@@ -273,48 +314,92 @@ def derive_dp(cfg: JobConfig, world_size: int) -> int:
     return dp
 
 
-def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
-    """Check choices, ranges, paths and the parallel layout; return the data-parallel size. What depends
-    on the model family or the optimizer is checked with them (`layout.check_run` runs everything)."""
-    for key, allowed in CHOICES.items():
-        if _get(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
-    for key in POSITIVE:
-        if _get(cfg, key) <= 0:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
-    for key in NON_NEGATIVE:
-        if _get(cfg, key) < 0:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+def _value_problems(cfg: JobConfig) -> list[str]:
+    """Every key's own range: choices, signs, finiteness, fractions; one line per problem."""
+    problems = [f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}"
+                for key, allowed in CHOICES.items() if _get(cfg, key) not in allowed]  # fmt: skip
+    floats = [f"{section}.{k}" for section in ("model", "train", "optim", "slurm")
+              for k, v in vars(getattr(cfg, section)).items() if isinstance(v, float)]  # fmt: skip
+    problems += [f"{key}={_get(cfg, key)} must be a finite number"
+                 for key in floats if not math.isfinite(_get(cfg, key))]  # fmt: skip
+    bad = set(problems)
+
+    def check(keys: tuple[str, ...], ok, rule: str, optional: bool = False) -> None:
+        for key in keys:
+            value = _get(cfg, key)
+            if (optional and value is None) or any(key in line for line in bad):
+                continue
+            if not ok(value):
+                problems.append(f"{key}={value} must be {rule}")
+
+    check(POSITIVE, lambda v: v > 0, "> 0")
+    check(NON_NEGATIVE, lambda v: v >= 0, ">= 0")
+    check(POSITIVE_IF_SET, lambda v: v > 0, "> 0 (or left out)", optional=True)
+    check(NON_NEGATIVE_IF_SET, lambda v: v >= 0, ">= 0 (or left out)", optional=True)
+    check(FRACTIONS, lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.9 or 0.95")
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", cfg.name):
-        raise ConfigError(f"name={cfg.name!r} may hold only letters, digits, '.', '_' and '-'")
-
-    m, p = cfg.model, cfg.parallel
-    if m.n_layers % (p.pp * p.virtual_stages):
-        raise ConfigError(
-            f"model.n_layers={m.n_layers} is not divisible by parallel.pp x parallel.virtual_stages = "
-            f"{p.pp} x {p.virtual_stages}; pick a layout whose stage count divides the layers"
-        )
-    dp = derive_dp(cfg, world_size)
-
-    t = cfg.train
-    derived_gbs = t.micro_batch_size * t.grad_accum * dp
-    if t.global_batch_size is not None and t.global_batch_size != derived_gbs:
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} != micro_batch_size x grad_accum x dp = "
-            f"{t.micro_batch_size} x {t.grad_accum} x {dp} = {derived_gbs}; "
-            f"set train.grad_accum={t.global_batch_size // (t.micro_batch_size * dp) or 1} or leave "
-            "global_batch_size out"
-        )
-    if cfg.optim.min_lr > cfg.optim.lr:
-        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
+        problems.append(f"name={cfg.name!r} may hold only letters, digits, '.', '_' and '-'")
+    if not problems and cfg.optim.min_lr > cfg.optim.lr:
+        problems.append(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
     steps = cfg.logging.profile_steps
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
-        raise ConfigError(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
-    check_pipeline(cfg)
+        problems.append(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
+    for key in ("name", "run_dir", "checkpoint.dir", "data.train_path", "data.valid_path", "data.cache_dir"):
+        value = cfg.name if key == "name" else cfg.run_dir if key == "run_dir" else _get(cfg, key)
+        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
+            problems.append(f"{key}={value!r} holds a control character (a newline?); remove it")
+    return problems
+
+
+def check_values(cfg: JobConfig) -> None:
+    """Every key's own range, whatever the layout; one ConfigError holding all problems."""
+    if problems := _value_problems(cfg):
+        raise ConfigError("\n".join(problems))
+
+
+def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
+    """Check choices, ranges, paths and the parallel layout; return the data-parallel size. Every problem
+    is reported at once, one line each. What depends on the model family or the optimizer is checked with
+    them (`layout.check_run` runs everything)."""
+    check_values(cfg)  # the layout checks below assume sane values
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    dp = 1
+
+    def layout() -> None:
+        nonlocal dp
+        if m.n_layers % (p.pp * p.virtual_stages):
+            raise ConfigError(
+                f"model.n_layers={m.n_layers} is not divisible by parallel.pp x parallel.virtual_stages = "
+                f"{p.pp} x {p.virtual_stages}; pick a layout whose stage count divides the layers"
+            )
+        dp = derive_dp(cfg, world_size)
+        derived_gbs = t.micro_batch_size * t.grad_accum * dp
+        if t.global_batch_size is not None and t.global_batch_size != derived_gbs:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} != micro_batch_size x grad_accum x dp = "
+                f"{t.micro_batch_size} x {t.grad_accum} x {dp} = {derived_gbs}; "
+                f"set train.grad_accum={t.global_batch_size // (t.micro_batch_size * dp) or 1} or leave "
+                "global_batch_size out"
+            )
+
+    checks = [layout, lambda: check_pipeline(cfg)]
     if check_paths:
-        for key in ("data.train_path", "data.valid_path"):
-            check_data_path(key, _get(cfg, key))
+        data_keys = ("data.train_path", "data.valid_path")
+        checks += [lambda key=key: check_data_path(key, _get(cfg, key)) for key in data_keys]
+    raise_all(checks)
     return dp
+
+
+def raise_all(checks) -> None:
+    """Run every check; raise one ConfigError holding all their messages, one per line."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as err:
+            problems.append(str(err))
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def check_pipeline(cfg: JobConfig) -> None:

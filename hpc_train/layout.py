@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hpc_train.config import ConfigError, JobConfig, validate
+from hpc_train.config import ConfigError, JobConfig, raise_all, validate
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import stage_ids
 from hpc_train.models import get_spec
@@ -18,8 +18,7 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
     """Raise a ConfigError naming the problem and the fix; return the mesh's dimensions."""
     dp = validate(cfg, world_size, check_paths)
     spec = get_spec(cfg.model.arch)
-    spec.validate(cfg.model, cfg.parallel.tp)
-    optimizer_class(cfg.optim)
+    raise_all([lambda: spec.validate(cfg.model, cfg.parallel.tp), lambda: optimizer_class(cfg.optim)])
     if cfg.train.freeze:
         _check_freeze(cfg, spec)
     return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)

@@ -7,10 +7,12 @@
 #   slurm/local-cluster.sh stop     stop the daemons this script started (by their recorded PIDs)
 #   slurm/local-cluster.sh status   show the daemons and sinfo
 #
-# Idempotent: `start` on a running cluster only checks it. State, logs and PIDs live in $STATE_DIR.
+# Idempotent: `start` on a running cluster only checks it. State, logs and PIDs live in $STATE_DIR, and
+# so does the accounting database's password: random, made by the first `start`, root-only (mode 600).
 set -euo pipefail
 
 STATE_DIR=${HPC_TRAIN_SLURM_STATE:-/var/lib/hpc-train-slurm}
+DB_PASSWORD_FILE=$STATE_DIR/db-password
 CLUSTER=hpctrain
 NODES=(n1 n2)
 CPUS_PER_NODE=4
@@ -75,8 +77,26 @@ install_packages() {
     if [[ -n $restore ]]; then mv "$restore" "$policy"; else rm -f "$policy"; fi
 }
 
+# The password slurmdbd logs into MariaDB with: made once per machine (per $STATE_DIR, which also holds
+# the database), so no two installs share one; hex, so it needs no quoting in SQL or slurmdbd.conf.
+db_password() {
+    if [[ ! -s $DB_PASSWORD_FILE ]]; then
+        local tmp
+        tmp=$(mktemp "$DB_PASSWORD_FILE.XXXXXX")  # mode 600 from the start
+        od -An -N16 -tx1 /dev/urandom | tr -d ' \n' >"$tmp"
+        mv "$tmp" "$DB_PASSWORD_FILE"
+    fi
+    chmod 600 "$DB_PASSWORD_FILE"
+    local password
+    password=$(<"$DB_PASSWORD_FILE")
+    [[ $password =~ ^[[:xdigit:]]{32}$ ]] || die "$DB_PASSWORD_FILE is not a generated password; delete it for a new one"
+    printf '%s' "$password"
+}
+
 write_config() {
     mkdir -p "$STATE_DIR"/{pids,log,ctld,spool,mysql} /etc/slurm /run/munge
+    local db_pass
+    db_pass=$(db_password)
     local nodelist="n[1-${#NODES[@]}]" last_port=$((NODE_PORT_BASE + ${#NODES[@]} - 1))
     cat >/etc/slurm/slurm.conf <<EOF
 # Written by hpc_train's slurm/local-cluster.sh: ${#NODES[@]} emulated nodes on this machine.
@@ -115,6 +135,7 @@ JobCompType=jobcomp/none
 NodeName=$nodelist NodeHostname=localhost NodeAddr=127.0.0.1 Port=$NODE_PORT_BASE-$last_port CPUs=$CPUS_PER_NODE RealMemory=$MEM_PER_NODE_MB State=UNKNOWN
 PartitionName=debug Nodes=$nodelist Default=YES MaxTime=INFINITE State=UP
 EOF
+    install -m 600 /dev/null /etc/slurm/slurmdbd.conf  # holds the password: never readable by others
     cat >/etc/slurm/slurmdbd.conf <<EOF
 AuthType=auth/munge
 DbdHost=localhost
@@ -126,10 +147,9 @@ StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
 StoragePort=$DB_PORT
 StorageUser=slurm
-StoragePass=slurm
+StoragePass=$db_pass
 StorageLoc=slurm_acct_db
 EOF
-    chmod 600 /etc/slurm/slurmdbd.conf
     # The emulated node names must resolve.
     grep -qE "^127\.0\.0\.1[[:space:]]+${NODES[0]}([[:space:]]|$)" /etc/hosts ||
         echo "127.0.0.1 ${NODES[*]}" >>/etc/hosts
@@ -152,8 +172,16 @@ start_mariadb() {
     spawn mariadbd /usr/sbin/mariadbd --user=root --datadir="$STATE_DIR/mysql" --socket="$sock" \
         --port=$DB_PORT --bind-address=127.0.0.1 --skip-name-resolve --innodb-buffer-pool-size=64M
     wait_for 30 mariadb mariadb --socket="$sock" -e "SELECT 1"
-    mariadb --socket="$sock" -e "CREATE USER IF NOT EXISTS 'slurm'@'%' IDENTIFIED BY 'slurm';
-        GRANT ALL ON slurm_acct_db.* TO 'slurm'@'%'; FLUSH PRIVILEGES;"
+    # ALTER too: a database made before the password was generated has the user with an older one.
+    # On stdin, not the command line, so the password never shows in the process list.
+    local db_pass
+    db_pass=$(db_password)
+    mariadb --socket="$sock" <<EOF
+CREATE USER IF NOT EXISTS 'slurm'@'%' IDENTIFIED BY '$db_pass';
+ALTER USER 'slurm'@'%' IDENTIFIED BY '$db_pass';
+GRANT ALL ON slurm_acct_db.* TO 'slurm'@'%';
+FLUSH PRIVILEGES;
+EOF
 }
 
 nodes_idle() {

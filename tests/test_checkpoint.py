@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from hpc_train.builder import build_run
 from hpc_train.checkpoint.store import CheckpointStore
+from hpc_train.cli import main
 from hpc_train.config import load_config
 from hpc_train.distributed.grads import local
 from hpc_train.launch.bootstrap import init_distributed
@@ -181,7 +182,7 @@ def saved_run(tmp_path_factory, small_corpus):
     [
         ("truncated shard", "(truncated?)"),
         ("flipped bytes", "fails its sha256 checksum"),
-        ("deleted .metadata", "missing .metadata"),
+        ("deleted .metadata", "missing file .metadata"),
         ("deleted manifest", "missing manifest.json"),
     ],
 )
@@ -217,6 +218,10 @@ def test_stale_tmp_is_skipped_and_cleaned(saved_run, tmp_path):
     assert "step_0000004" in listing and "(latest)" in listing and "UNUSABLE: incomplete save" in listing
     manifest = json.loads((run / "checkpoints/step_0000004/manifest.json").read_text())
     assert manifest["layout"]["dp"] == 2 and "rank00001.pt" in manifest["files"]
+    older = run / "checkpoints/step_0000003.tmp"  # a leftover older than the newest commit goes at the next prune
+    older.mkdir()
+    assert CheckpointStore(run / "checkpoints").prune(keep_last=3, keep_every=0) == [older]
+    assert stale.is_dir() and not older.exists()
 
 
 def test_keep_last_and_keep_every(saved_run, tmp_path, small_corpus):
@@ -342,3 +347,189 @@ def test_frozen_parameters_survive_save_and_resume_bit_exact(cfg_for):
     cfg = cfg_for("frozen", "parallel.tp=2", SP, "optim.zero_stage=1", "train.micro_batch_size=2",
                   f"train.freeze=[{FROZEN[0]}, {FROZEN[1]}]")  # fmt: skip
     launch_local(_frozen_checks, 2, cfg)
+
+
+def _rewrite_manifest(step_dir, edit):
+    path = step_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _rehash(step_dir, name):
+    """What an attacker does after replacing a file: the manifest is unsigned, so it is updated to match."""
+    from hpc_train.checkpoint.store import sha256_file
+
+    record = {"size": (step_dir / name).stat().st_size, "sha256": sha256_file(step_dir / name)}
+    _rewrite_manifest(step_dir, lambda m: m["files"].__setitem__(name, record))
+
+
+def _plant(step_dir, how, marker):
+    """A checkpoint made unusable in one way; `marker` is the file a payload would create."""
+    import pickle
+
+    from hpc_train.checkpoint.safe_load import _MetadataUnpickler
+    from tests.test_hardening import Payload
+
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    if how == "payload in a rank file":
+        torch.save({"format": 3, "step": 4, "rng": Payload(marker)}, step_dir / "rank00001.pt")
+        _rehash(step_dir, "rank00001.pt")
+    elif how in ("payload in .metadata", "bytes entry in .metadata", "shard outside the checkpoint"):
+        if how == "payload in .metadata":
+            data = pickle.dumps(Payload(marker))
+        else:
+            from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+            metadata = _MetadataUnpickler(open(step_dir / ".metadata", "rb")).load()
+            key = next(iter(metadata.state_dict_metadata))
+            if how == "bytes entry in .metadata":
+                metadata.state_dict_metadata[key] = BytesStorageMetadata()
+            else:
+                next(iter(metadata.storage_data.values())).relative_path = "../../step_0000002/__0_0.distcp"
+            data = pickle.dumps(metadata)
+        (step_dir / ".metadata").write_bytes(data)
+        _rehash(step_dir, ".metadata")
+    elif how == "unlisted file":
+        (step_dir / "extra.distcp").write_bytes(b"x")
+    elif how in ("name with ..", "absolute name"):
+        name = "../step_0000002/__0_0.distcp" if how == "name with .." else "/etc/hostname"
+        _rewrite_manifest(step_dir, lambda m: m["files"].__setitem__(name, {"size": 1, "sha256": "0" * 64}))
+    elif how == "symbolic link":
+        (step_dir / "rank00001.pt").unlink()
+        (step_dir / "rank00001.pt").symlink_to(step_dir.parent / "step_0000002/rank00001.pt")
+    elif how == "non-UTF-8 manifest":
+        (step_dir / "manifest.json").write_bytes(b"\xff\xfe{")
+    elif how == "manifest without files":
+        _rewrite_manifest(step_dir, lambda m: m.pop("files"))
+    elif how == "manifest with a string size":
+        _rewrite_manifest(step_dir, lambda m: m["files"][".metadata"].__setitem__("size", "12"))
+    elif how == "manifest of another step":
+        _rewrite_manifest(step_dir, lambda m: m.__setitem__("step", 99))
+    elif how == "manifest is a list":
+        (step_dir / "manifest.json").write_text(json.dumps([manifest]))
+    assert manifest
+
+
+@pytest.mark.parametrize(
+    "how, named",
+    [
+        ("payload in a rank file", "holds something other than tensors and plain values, refused"),
+        ("payload in .metadata", "refused to load posix.system"),
+        ("bytes entry in .metadata", "refused to load torch.distributed.checkpoint.metadata.BytesStorageMetadata"),
+        ("shard outside the checkpoint", "which is not a shard file of this checkpoint"),
+        ("unlisted file", "holds files its manifest does not list: extra.distcp"),
+        ("name with ..", "is not a plain name inside the checkpoint"),
+        ("absolute name", "'/etc/hostname' is not a plain name"),
+        ("symbolic link", "rank00001.pt is a symbolic link"),
+        ("non-UTF-8 manifest", "unreadable manifest.json"),
+        ("manifest without files", "malformed manifest.json: 'files' missing"),
+        ("manifest with a string size", "the record of .metadata needs an integer size"),
+        ("manifest of another step", "manifest.json is of step 99, not 4"),
+        ("manifest is a list", "malformed manifest.json: not an object"),
+    ],
+)
+def test_unsafe_or_malformed_checkpoint_is_named_and_skipped(saved_run, tmp_path, how, named, capsys):
+    """Verification is closed and runs nothing: each problem is named, the checkpoint skipped for the
+    previous good one, and no payload runs (also not in `ckpt verify` / `ckpt inspect`)."""
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    shutil.copytree(saved_run, run)
+    _plant(run / "checkpoints/step_0000004", how, marker)
+    reports = []
+    assert CheckpointStore(run / "checkpoints").newest_valid(report=reports.append).step == 2
+    assert len(reports) == 1 and "step_0000004 skipped" in reports[0] and named in reports[0], reports
+    with pytest.raises(SystemExit) as verify:
+        main(["ckpt", "verify", str(run)])
+    main(["ckpt", "inspect", str(run)])
+    out = capsys.readouterr().out
+    assert verify.value.code == 1 and named in out and "step_0000002 (step 2" in out  # inspect: the newest usable
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("how", ["file named like a step", "symlink named like a step"])
+def test_step_entries_that_are_not_directories_are_skipped(saved_run, tmp_path, how):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    entry = run / "checkpoints/step_0000009"
+    if how == "file named like a step":
+        entry.write_text("junk")
+    else:
+        entry.symlink_to(run / "checkpoints/step_0000004")
+    reports = []
+    assert CheckpointStore(run / "checkpoints").newest_valid(report=reports.append).step == 4
+    assert "step_0000009 skipped: not a directory" in reports[0]
+    assert CheckpointStore(run / "checkpoints").prune(1, 0) == [run / "checkpoints/step_0000002"]
+    assert entry.is_symlink() or entry.is_file()  # never deleted through
+
+
+def test_payload_in_a_shard_is_refused_on_resume(saved_run, tmp_path, small_corpus):
+    """A shard's bytes replaced by a pickle payload (DCP reads shards with weights_only=True): resume stops
+    with a message naming the checkpoint, and nothing runs."""
+    import pickle
+
+    from tests.test_hardening import Payload
+
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    shutil.copytree(saved_run, run)
+    step_dir = run / "checkpoints/step_0000004"
+    shard = next(step_dir.glob("__0_*.distcp"))
+    shard.write_bytes(pickle.dumps(Payload(marker)).ljust(shard.stat().st_size, b"\0"))
+    _rehash(step_dir, shard.name)
+    out = hpc_train_train(run, small_corpus, 6)
+    assert out.returncode == 2 and not marker.exists()
+    assert f"loading checkpoint {step_dir} failed" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_another_model_or_data_is_refused_and_nothing_is_touched(saved_run, tmp_path, small_corpus):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    bigger = hpc_train_train(run, small_corpus, 6, extra=["model.n_layers=2"])  # refused before any rank starts
+    assert bigger.returncode == 2 and "model.n_layers: 4 in the checkpoint, 2 here" in bigger.stderr, bigger.stderr
+    other_data = tmp_path / "other"
+    from hpc_train.data.prepare import prepare_data, stdlib_sources
+
+    prepare_data(stdlib_sources()[40:60], str(other_data), progress=False)
+    moved = hpc_train_train(run, other_data, 6)  # refused by the ranks, which know the data's size
+    assert moved.returncode != 0 and "training data: {'tokens'" in moved.stderr, moved.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_nonfinite_training_stops_and_keeps_the_finite_checkpoints(tmp_path, small_corpus):
+    """An absurd learning rate: step 1 is finite and saved, step 2 is not; the run stops naming the step, no
+    non-finite state is committed and nothing good is pruned (keep_last=1)."""
+    diverge = ["optim.lr=1e30", "optim.min_lr=0", "optim.warmup_steps=0", "optim.grad_clip=0",
+               "checkpoint.interval=1", "checkpoint.keep_last=1"]  # fmt: skip
+    out = hpc_train_train(tmp_path, small_corpus, 6, extra=diverge)
+    assert out.returncode == 2 and "step 2: the gradient norm is nan; stopping" in out.stderr, out.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step")) == ["step_0000001"]
+    skipping = hpc_train_train(tmp_path / "skip", small_corpus, 6, extra=[*diverge, "train.skip_nonfinite=2"])
+    assert "step 2: the gradient norm is nan; step skipped (1 of train.skip_nonfinite=2)" in skipping.stdout
+    assert "step 4: the gradient norm is nan; stopping" in skipping.stderr
+
+
+def test_async_save_in_flight_resumes_bit_exact(tmp_path, small_corpus):
+    """Step 2's checkpoint is written in the background while step 3 trains (and changes the weights); a run
+    resumed from it retraces steps 3 and 4 exactly."""
+    async_save = ["checkpoint.async_save=true"]
+    assert hpc_train_train(tmp_path / "run", small_corpus, 4, extra=async_save).returncode == 0
+    shutil.copytree(tmp_path / "run/checkpoints/step_0000002", tmp_path / "resumed/checkpoints/step_0000002")
+    done = hpc_train_train(tmp_path / "resumed", small_corpus, 4, extra=async_save)
+    assert done.returncode == 0, done.stderr
+    assert [r["step"] for r in resumed_from(tmp_path / "resumed")] == [2]
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "run")[2:]
+
+
+def test_full_disk_names_the_path_and_the_reason(tmp_path, small_corpus):
+    """A checkpoint.dir on a 300 KB file system: the save fails on every rank with the OS's reason."""
+    full = tmp_path / "full"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(full)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        out = hpc_train_train(tmp_path / "run", small_corpus, 2, extra=[f"checkpoint.dir={full}/ck"])
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"saving checkpoint of step 2 into {full}/ck/step_0000002.tmp failed" in out.stderr
+    assert "No space left on device" in out.stderr

@@ -1,8 +1,11 @@
-"""The Slurm path against the real local cluster (slurm/local-cluster.sh; `make test` starts it).
-Real sbatch, real srun, real accounting: no mocks. In CI a missing cluster fails these tests."""
+"""The Slurm path. The dry run and the refusals need no Slurm and always run; the jobs run against the
+real local cluster (slurm/local-cluster.sh; `make test` starts it). Real sbatch, real srun, real
+accounting: no mocks. In CI a missing cluster fails the tests that need it."""
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -10,6 +13,8 @@ import time
 import pytest
 
 from hpc_train.cli import main
+from hpc_train.config import load_config
+from hpc_train.launch import slurm
 from hpc_train.launch.local import launch_local
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, read_metrics
@@ -24,7 +29,7 @@ def cluster_nodes_idle() -> bool:
     return out.returncode == 0 and len(states) >= 2 and all(s.startswith(("idle", "mix", "alloc")) for s in states)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def cluster():
     if not cluster_nodes_idle():
         message = "the local Slurm cluster is not running: `make test` starts it (slurm/local-cluster.sh start)"
@@ -33,9 +38,14 @@ def cluster():
         pytest.skip(message)
 
 
-def job_count() -> int:
-    out = subprocess.run(["sacct", "-a", "-n", "-X", "-S", "now-1days", "-o", "JobID"], capture_output=True, text=True)
-    return len(out.stdout.split())
+def job_count() -> int | None:
+    """Jobs in accounting over the last day; None without a cluster (where nothing can be submitted)."""
+    try:
+        out = subprocess.run(["sacct", "-a", "-n", "-X", "-S", "now-1days", "-o", "JobID"], capture_output=True,
+                             text=True, timeout=20)  # fmt: skip
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    return len(out.stdout.split()) if out.returncode == 0 else None
 
 
 def hpc_train(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -83,6 +93,130 @@ def test_invalid_submissions_are_refused_before_sbatch(capsys, overrides, expect
     assert job_count() == before
 
 
+INJECTED = "x\\ntouch {marker}"  # YAML double-quoted: a real newline, then a shell command
+# (override, the key its one problem line names): every config value that reaches the sbatch script
+INJECTIONS = [
+    (f'name="{INJECTED}"', "name="),
+    (f'slurm.job_name="{INJECTED}"', "slurm.job_name="),
+    (f'slurm.partition="{INJECTED}"', "slurm.partition="),
+    (f'slurm.account="{INJECTED}"', "slurm.account="),
+    (f'slurm.qos="{INJECTED}"', "slurm.qos="),
+    (f'slurm.constraint="{INJECTED}"', "slurm.constraint="),
+    (f'slurm.mem="{INJECTED}"', "slurm.mem="),
+    (f'slurm.extra={{mail-type: "{INJECTED}"}}', "slurm.extra['mail-type']="),
+    ('slurm.extra={"a b": END}', "slurm.extra key 'a b'"),
+    ('slurm.extra={"x\\ny": END}', "slurm.extra key 'x\\ny'"),
+    (f'slurm.log_dir="{INJECTED}"', "slurm.log_dir="),
+    (f'run_dir="{INJECTED}"', "run_dir="),
+    (f'slurm.setup=[module load cuda, "{INJECTED}"]', "slurm.setup[1]="),
+]
+OTHER_PROBLEMS = [
+    ("slurm.partition='de bug'", "slurm.partition="),
+    ('slurm.account="it\'s"', "slurm.account="),
+    ("slurm.mem=lots", "slurm.mem="),
+    ("slurm.log_dir=/tmp/logs-%j", "slurm.log_dir="),
+    ("slurm.cpus_per_task=0", "slurm.cpus_per_task="),
+    ("slurm.signal_delay_s=3600", "slurm.signal_delay_s="),
+]
+BAD_FIELDS = INJECTIONS + OTHER_PROBLEMS
+
+
+def injected(override: str, tmp_path) -> str:
+    """The override with its shell command aimed at a file of this test (which must never appear)."""
+    return override.replace("{marker}", str(tmp_path / "pwned"))
+
+
+def refused_lines(capsys, overrides: list[str]) -> list[str]:
+    """The error lines of a dry run that must be refused (exit code 2) before anything is written."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["submit", "configs/tiny.yaml", *TWO_BY_TWO, "slurm.time=01:00:00", *overrides, "--dry-run"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert all(line.startswith("hpc-train: error: ") for line in lines), lines
+    return lines
+
+
+@pytest.mark.parametrize("override, key", BAD_FIELDS, ids=[key for _, key in BAD_FIELDS])
+def test_values_that_would_break_the_sbatch_script_are_refused(capsys, tmp_path, override, key):
+    before = job_count()
+    lines = refused_lines(capsys, [f"run_dir={tmp_path}", injected(override, tmp_path)])
+    assert len(lines) == 1 and key in lines[0], lines
+    assert job_count() == before and list(tmp_path.iterdir()) == []
+
+
+def test_every_bad_value_is_reported_at_once(capsys, tmp_path):
+    """One line per problem, so a user fixes them all in one go (name is not used once job_name is set)."""
+    fields = [(o, k) for o, k in INJECTIONS[1:] if not o.startswith("slurm.extra")] + OTHER_PROBLEMS[-2:]
+    extra = 'slurm.extra={mail-type: "x\\ny", "a b": END}'
+    keys = [key for _, key in fields] + ["slurm.extra['mail-type']=", "slurm.extra key 'a b'"]
+    lines = refused_lines(capsys, [*(injected(override, tmp_path) for override, _ in fields), extra])
+    assert len(lines) == len(keys), lines
+    for key in keys:
+        assert sum(key in line for line in lines) == 1, key
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_script_from_valid_fields_has_only_the_expected_lines(tmp_path):
+    setup = ["module load cuda", "export NCCL_DEBUG=WARN"]
+    cfg = load_config("configs/tiny.yaml", [
+        "slurm.nodes=2", "slurm.tasks_per_node=2", "slurm.gpus_per_node=2", "slurm.cpus_per_task=4",
+        "slurm.mem=200G", "slurm.time=01:00:00", "slurm.partition=gpu", "slurm.account=proj-1",
+        "slurm.qos=normal", "slurm.constraint=a100", "slurm.exclusive=true", "slurm.job_name=pretrain.v2",
+        "slurm.extra={mail-type: END, mail-user: me@example.org}", f"slurm.setup={setup}",
+        f"run_dir={tmp_path / 'with space'}",
+    ])  # fmt: skip
+    assert slurm.check_sbatch_fields(cfg) == []
+    logs = tmp_path / "with space" / "slurm"
+    directives = [
+        "account=proj-1", "constraint=a100", "cpus-per-task=4", f"error='{logs}/%j_0_log.err'", "exclusive",
+        "gpus-per-node=2", "job-name=pretrain.v2", "mail-type=END", "mail-user=me@example.org", "mem=200G",
+        "nodes=2", "ntasks-per-node=2", "open-mode=append", f"output='{logs}/%j_0_log.out'", "partition=gpu",
+        "qos=normal", "signal=USR2@120", "time=60", "wckey=submitit",
+    ]  # fmt: skip
+    srun = shlex.join(["srun", "--unbuffered", "--output", f"{logs}/%j_%t_log.out", "--error",
+                       f"{logs}/%j_%t_log.err", "--kill-on-bad-exit=1"])  # fmt: skip
+    command = f"{srun} {shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(logs))}"
+    fixed = {"#!/bin/bash", "", "# Parameters", "# setup", "# command", "export SUBMITIT_EXECUTOR=slurm"}
+    lines = slurm.sbatch_script(cfg).splitlines()
+    assert sorted(line for line in lines if line.startswith("#SBATCH")) == [f"#SBATCH --{d}" for d in directives]
+    assert [line for line in lines if not line.startswith("#SBATCH") and line not in fixed] == [*setup, command]
+
+
+def test_dry_run_needs_no_slurm(tmp_path):
+    """No srun or sbatch on PATH (a laptop, a login node without Slurm): the dry run still prints the script."""
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    assert shutil.which("srun", path=str(empty_bin)) is None and shutil.which("sbatch", path=str(empty_bin)) is None
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "hpc_train.cli", "submit", "configs/tiny.yaml", *TWO_BY_TWO, f"run_dir={run_dir}",
+         "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180, env={**os.environ, "PATH": str(empty_bin)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    cfg = load_config(ROOT / "configs/tiny.yaml", [*TWO_BY_TWO, f"run_dir={run_dir}"])
+    assert f"# ---- sbatch script ----\n{slurm.sbatch_script(cfg)}\n" in out.stdout
+    assert "#SBATCH --nodes=2" in out.stdout and "srun --unbuffered" in out.stdout
+    assert not run_dir.exists()
+
+
+def test_dry_run_script_is_the_one_submit_hands_to_sbatch(tmp_path, monkeypatch):
+    """submitit's own executor (it wants srun on PATH: a stand-in is enough) writes the same script."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (fake_bin / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake_bin))
+    cfg = load_config("configs/tiny.yaml", [*TWO_BY_TWO, "slurm.setup=[module load cuda]", f"run_dir={tmp_path}"])
+    executor = slurm.executor_for(cfg)
+    assert type(executor).__name__ == "SlurmExecutor"
+    script = executor._make_submission_file_text(executor._submitit_command_str, uid="x")
+    assert slurm.sbatch_script(cfg) == script
+
+
+@pytest.mark.usefixtures("cluster")
 def test_two_node_job_matches_local_launcher(make_cfg, tmp_path):
     """2 nodes x 2 tasks, dp=4: the same losses as the local launcher's 4 processes, every rank in its place."""
     common = [*TINY_MODEL, "train.steps=3", "train.micro_batch_size=2", f"data.train_path={make_cfg().data.train_path}"]
@@ -104,22 +238,21 @@ def test_two_node_job_matches_local_launcher(make_cfg, tmp_path):
     print(f"slurm job: {time.monotonic() - start:.1f}s")
 
 
-def test_crashing_job_is_reported_failed_with_the_rank_error(make_cfg, tmp_path):
-    """The data is found broken only on the node (truncated after its index was written)."""
-    corpus = tmp_path / "broken"
-    prepared = hpc_train("prepare-data", str(ROOT / "hpc_train/*.py"), "--output", str(corpus))
-    assert prepared.returncode == 0, prepared.stderr
-    os.truncate(f"{corpus}.bin", 100)
+@pytest.mark.usefixtures("cluster")
+def test_crashing_job_is_reported_failed_with_the_rank_error(make_cfg, tmp_path, monkeypatch):
+    """A failure only on the node (every input checked fine at submission): rank 0 raises inside step 2."""
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "mid_step@2@0@oom")  # sbatch passes the environment to the job
     start = time.monotonic()
-    job = hpc_train("submit", *TINY_MODEL, *TWO_BY_TWO, f"data.train_path={corpus}", f"run_dir={tmp_path / 'run'}",
-                    "train.steps=3", "--wait", timeout=120)  # fmt: skip
+    job = hpc_train("submit", *TINY_MODEL, *TWO_BY_TWO, f"data.train_path={make_cfg().data.train_path}",
+                    f"run_dir={tmp_path / 'run'}", "train.steps=3", "--wait", timeout=120)  # fmt: skip
     elapsed = time.monotonic() - start
     assert job.returncode == 1
     assert "finished: FAILED" in job.stdout
-    assert "the dataset is truncated" in job.stderr and "rank " in job.stderr
+    assert "injected by HPC_TRAIN_FAULT" in job.stderr and "rank 0" in job.stderr
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.usefixtures("cluster")
 def test_sbatch_template_runs_the_same_entry_point(make_cfg, tmp_path):
     cfg = make_cfg()
     env = {**os.environ, "HPC_TRAIN_PYTHON": sys.executable}
@@ -140,6 +273,7 @@ def sacct_state(job_id: str) -> str:
     return out.split()[0] if out.split() else ""
 
 
+@pytest.mark.usefixtures("cluster")
 def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
     """A running job gets Slurm's warning signal: every rank finishes its step, a checkpoint is committed,
     the job requeues itself, restarts, resumes from it and ends with the uninterrupted run's losses."""

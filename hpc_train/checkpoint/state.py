@@ -58,7 +58,10 @@ def _template_like(model: ParallelModel, name: str, t: torch.Tensor, dtype: torc
 
 
 class ModelState:
-    """Every parameter and persistent buffer, under its whole-model name."""
+    """Every parameter and persistent buffer, under its whole-model name; `strict`: a checkpoint must
+    hold every one of them, in its shape."""
+
+    strict = True
 
     def __init__(self, model: ParallelModel):
         self.model = model
@@ -123,14 +126,17 @@ class RNGState:
     """This rank's Python, numpy, torch CPU and CUDA generators."""
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        kind, keys, *rest = np.random.get_state()  # its key array as a tensor: per-rank files hold no numpy
+        numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), *rest)
+        state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
+        kind, keys, *rest = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])

@@ -5,6 +5,10 @@ rank 0 then writes `manifest.json` (files, sizes, checksums, layout, config, cod
 files and the directory, renames it to `step_XXXXXXX/`, and only then replaces the `latest` pointer
 atomically (temp file, fsync, rename). A crash at any point leaves either the previous state or a
 `.tmp` directory, which is never loaded. Loading picks the newest checkpoint that verifies.
+
+Verification is closed: the manifest must be well formed, every file in the directory must be listed
+in it (and nothing else), names are plain file names (no paths, no symbolic links), and DCP's metadata
+must name only those files. Any problem is reported by name and the checkpoint skipped, never raised.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_train.checkpoint.safe_load import DCP_METADATA, PLAIN_NAME, CheckpointError, load_rank_file, read_dcp_metadata
 from hpc_train.faults import fault_point
 
 MANIFEST = "manifest.json"
@@ -25,9 +30,8 @@ LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 CHUNK = 8 * 2**20
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, naming the checkpoint and the file."""
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointStore"]
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def step_dir_name(step: int) -> str:
@@ -109,34 +113,29 @@ class CheckpointStore:
         found = []
         for path in self.root.iterdir():
             if match := STEP_DIR.match(path.name):
-                found.append(CheckpointInfo(path, int(match.group(1))))
+                not_dir = path.is_symlink() or not path.is_dir()
+                found.append(CheckpointInfo(path, int(match.group(1)), "not a directory" if not_dir else None))
             elif path.name.endswith(".tmp") and path.is_dir() and (m := STEP_DIR.match(path.name[:-4])):
                 found.append(CheckpointInfo(path, int(m.group(1)), "incomplete save (.tmp, never committed)"))
         return sorted(found, key=lambda c: (c.step, c.problem is None), reverse=True)
 
     def verify(self, info: CheckpointInfo, full: bool = True) -> CheckpointInfo:
-        """Check the manifest, every file's size and (full) its sha256, and DCP's .metadata."""
+        """Check the manifest, that it lists exactly the directory's files, each file's size and (full) its
+        sha256, and DCP's .metadata."""
         if info.problem:
             return info
-        try:
-            manifest = json.loads((info.path / MANIFEST).read_text())
-        except FileNotFoundError:
-            return CheckpointInfo(info.path, info.step, f"missing {MANIFEST}")
-        except json.JSONDecodeError:
-            return CheckpointInfo(info.path, info.step, f"unreadable {MANIFEST}")
-        files = manifest.get("files", {})
-        if ".metadata" not in files or not (info.path / ".metadata").is_file():
-            return CheckpointInfo(info.path, info.step, "missing .metadata (DCP's index of the shards)", manifest)
-        for name, record in files.items():
-            path = info.path / name
-            if not path.is_file():
-                return CheckpointInfo(info.path, info.step, f"missing file {name}", manifest)
-            if path.stat().st_size != record["size"]:
-                problem = f"{name} has {path.stat().st_size} bytes, the manifest says {record['size']} (truncated?)"
-                return CheckpointInfo(info.path, info.step, problem, manifest)
-            if full and sha256_file(path) != record["sha256"]:
-                return CheckpointInfo(info.path, info.step, f"{name} fails its sha256 checksum (corrupted)", manifest)
-        return CheckpointInfo(info.path, info.step, None, manifest)
+        manifest, problem = read_manifest(info.path, info.step)
+        if problem is None:
+            problem = check_files(info.path, manifest["files"], full)
+        if problem is None:
+            try:  # the files that are unpickled on load, checked without running anything
+                read_dcp_metadata(info.path, set(manifest["files"]))
+                for name in manifest["files"]:
+                    if name.endswith(".pt"):
+                        load_rank_file(info.path / name)
+            except CheckpointError as err:
+                problem = str(err)
+        return CheckpointInfo(info.path, info.step, problem, manifest if problem is None else None)
 
     def newest_valid(self, full: bool = True, report=print) -> CheckpointInfo | None:
         for info in self.scan():
@@ -161,7 +160,55 @@ class CheckpointStore:
             removed.append(c.path)
         newest = committed[0].step
         for c in self.scan():
-            if c.problem and c.step < newest:
+            if c.path.name.endswith(".tmp") and c.step < newest:
                 shutil.rmtree(c.path, ignore_errors=True)
                 removed.append(c.path)
         return removed
+
+
+def read_manifest(directory: Path, step: int) -> tuple[dict | None, str | None]:
+    """(manifest, None), or (None, what is wrong with it)."""
+    path = directory / MANIFEST
+    if path.is_symlink() or not path.is_file():
+        return None, f"missing {MANIFEST}"
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, f"unreadable {MANIFEST} ({err})"
+    except OSError as err:
+        return None, f"unreadable {MANIFEST} ({err.strerror})"
+    if not isinstance(manifest, dict):
+        return None, f"malformed {MANIFEST}: not an object"
+    for key, kind in (("files", dict), ("layout", dict), ("config", str), ("step", int)):
+        if not isinstance(manifest.get(key), kind):
+            return None, f"malformed {MANIFEST}: '{key}' missing or not a {kind.__name__}"
+    for name, record in manifest["files"].items():
+        if not PLAIN_NAME.match(name) or name == MANIFEST:
+            return None, f"malformed {MANIFEST}: file name {name!r} is not a plain name inside the checkpoint"
+        size, digest = (record.get("size"), record.get("sha256")) if isinstance(record, dict) else (None, None)
+        if not isinstance(size, int) or size < 0 or not isinstance(digest, str) or not SHA256.match(digest):
+            return None, f"malformed {MANIFEST}: the record of {name} needs an integer size and a sha256"
+    if manifest["step"] != step:
+        return None, f"{MANIFEST} is of step {manifest['step']}, not {step} (a renamed directory?)"
+    if DCP_METADATA not in manifest["files"]:
+        return None, f"missing {DCP_METADATA} (DCP's index of the shards)"
+    return manifest, None
+
+
+def check_files(directory: Path, files: dict[str, dict], full: bool) -> str | None:
+    """What is wrong with the files of a checkpoint against its manifest's records, or None."""
+    unlisted = sorted(set(os.listdir(directory)) - set(files) - {MANIFEST})
+    if unlisted:
+        return f"holds files its manifest does not list: {', '.join(unlisted[:5])}"
+    for name, record in files.items():
+        path = directory / name
+        if path.is_symlink():
+            return f"{name} is a symbolic link"
+        if not path.is_file():
+            return f"missing file {name}"
+        size = path.stat().st_size
+        if size != record["size"]:
+            return f"{name} has {size} bytes, the manifest says {record['size']} (truncated?)"
+        if full and sha256_file(path) != record["sha256"]:
+            return f"{name} fails its sha256 checksum (corrupted)"
+    return None

@@ -66,20 +66,44 @@ class IndexedDatasetWriter:
         os.replace(idx_tmp, self.prefix + ".idx")
 
 
+def _read_header(idx_path: str) -> tuple[dict, int]:
+    """The index's JSON header and where its offsets start; ValueError naming what is wrong."""
+    with open(idx_path, "rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise ValueError(f"{idx_path} is not an hpc_train index (bad magic); re-run prepare-data")
+        raw = f.read(8)
+        header_len = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if not 0 < header_len < 2**20:
+            raise ValueError(f"{idx_path} has a damaged header; re-run prepare-data")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(f"{idx_path} has a damaged header; re-run prepare-data") from None
+        offsets_at = f.tell() + (-f.tell() % 8)
+    types = {"dtype": str, "vocab_size": int, "num_tokens": int, "num_docs": int}
+    if not isinstance(header, dict) or any(not isinstance(header.get(k), t) for k, t in types.items()):
+        raise ValueError(f"{idx_path}: header lacks dtype/vocab_size/num_tokens/num_docs; re-run prepare-data")
+    if header["dtype"] not in ("uint16", "uint32") or header["vocab_size"] < 1 or header["num_docs"] < 0:
+        raise ValueError(f"{idx_path}: header holds impossible values {header}; re-run prepare-data")
+    expected = offsets_at + 8 * (header["num_docs"] + 1)
+    if os.path.getsize(idx_path) != expected:
+        raise ValueError(f"{idx_path} has {os.path.getsize(idx_path)} bytes, its header implies {expected}: truncated")
+    return header, offsets_at
+
+
 class IndexedDataset:
     """Fixed-length training samples over the token stream: sample i is tokens[i*s : i*s + s + 1],
     giving inputs x = [:-1] and next-token targets y = [1:]. Documents are separated by their EOD token."""
 
     def __init__(self, prefix: str | os.PathLike, seq_len: int):
         self.prefix = str(prefix)
-        with open(self.prefix + ".idx", "rb") as f:
-            if f.read(len(MAGIC)) != MAGIC:
-                raise ValueError(f"{self.prefix}.idx is not an hpc_train index (bad magic); re-run prepare-data")
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            self.header = json.loads(f.read(header_len))
-            offsets_at = f.tell() + (-f.tell() % 8)
+        self.header, offsets_at = _read_header(self.prefix + ".idx")
         self.doc_offsets = np.memmap(self.prefix + ".idx", dtype=np.int64, mode="r", offset=offsets_at)
-        self.tokens = np.memmap(self.prefix + ".bin", dtype=np.dtype(self.header["dtype"]), mode="r")
+        dtype = np.dtype(self.header["dtype"])
+        size = os.path.getsize(self.prefix + ".bin")
+        if size % dtype.itemsize or size == 0:
+            raise ValueError(f"{self.prefix}.bin has {size} bytes, not a whole number of {dtype} tokens: damaged")
+        self.tokens = np.memmap(self.prefix + ".bin", dtype=dtype, mode="r")
         if len(self.tokens) != self.header["num_tokens"]:
             raise ValueError(
                 f"{self.prefix}.bin holds {len(self.tokens)} tokens but its index says {self.header['num_tokens']}: "
@@ -101,3 +125,18 @@ class IndexedDataset:
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.from_numpy(np.stack([self[int(i)] for i in indices]).astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
+
+
+def check_token_ids(dataset: IndexedDataset, vocab_size: int, chunk: int = 2**26) -> None:
+    """Every token id below `vocab_size` and the document offsets consistent: ValueError otherwise. One
+    pass over the file, in chunks (a few seconds per GB)."""
+    offsets = dataset.doc_offsets
+    if offsets[0] != 0 or offsets[-1] != len(dataset.tokens) or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"{dataset.prefix}.idx: document offsets do not cover the tokens; re-run prepare-data")
+    for start in range(0, len(dataset.tokens), chunk):
+        top = int(dataset.tokens[start : start + chunk].max())
+        if top >= vocab_size:
+            raise ValueError(
+                f"{dataset.prefix}.bin holds token id {top}, beyond the vocabulary of {vocab_size} "
+                "(a dataset from another tokenizer?); re-run prepare-data with the model's tokenizer"
+            )

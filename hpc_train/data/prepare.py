@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hpc_train.config import BUILTIN_DATA, ConfigError, DataConfig, ModelConfig
-from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter
+from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter, check_token_ids
 from hpc_train.data.tokenizer import build_tokenizer
 
 VALID_SUFFIX = "_valid"
@@ -40,12 +40,18 @@ def prepare_data(
 ) -> dict[str, str]:
     """Tokenize each file as one document into OUTPUT.bin/.idx; with `valid_every=N`, every N-th document
     goes to the held-out OUTPUT_valid instead. Returns the prefixes written."""
+    if valid_every < 0 or (valid_every and valid_every > len(files)):
+        raise ConfigError(f"--valid-every {valid_every} with {len(files)} input file(s) holds out no file; "
+                          "use a value between 2 and the number of files, or 0 for no held-out split")  # fmt: skip
+    texts = {path: read_text_input(path) for path in files}
+    if not any(texts.values()):
+        raise ConfigError(f"the {len(files)} input file(s) hold no text: nothing to tokenize")
     tok = build_tokenizer(tokenizer)
     writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name)}
     if valid_every:
         writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name)
     for i, path in enumerate(tqdm(files, desc="tokenizing", unit="file", disable=not progress)):
-        ids = tok.encode(path.read_text(encoding="utf-8", errors="replace"))
+        ids = tok.encode(texts[path])
         if tok.eod_id is not None:
             ids = np.append(ids, tok.eod_id)
         split = "valid" if valid_every and i % valid_every == valid_every - 1 else "train"
@@ -53,6 +59,42 @@ def prepare_data(
     for writer in writers.values():
         writer.close()
     return {split: writer.prefix for split, writer in writers.items()}
+
+
+def read_text_input(path: Path) -> str:
+    """A text file's contents; binary input (NUL bytes or invalid UTF-8) is refused by name."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        raise ConfigError(f"input {path} is binary (it holds NUL bytes); prepare-data takes text files")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"input {path} is not UTF-8 text (byte {err.start}); convert it or leave it out") from None
+
+
+def check_datasets(cfg: DataConfig, model: ModelConfig) -> None:
+    """Before any rank starts: every dataset the run reads has a sound index, whole token file and token ids
+    inside the model's vocabulary (the embedded corpus is built by this code and skipped)."""
+    for key, prefix in (("data.train_path", cfg.train_path), ("data.valid_path", cfg.valid_path)):
+        if prefix in (None, BUILTIN_DATA):
+            continue
+        try:
+            dataset = IndexedDataset(prefix, model.seq_len)
+        except ValueError as err:
+            raise ConfigError(f"{key}={prefix!r}: {err}") from None
+        check_vocabulary(dataset, model)
+        try:
+            check_token_ids(dataset, dataset.vocab_size)
+        except ValueError as err:
+            raise ConfigError(f"{key}={prefix!r}: {err}") from None
+
+
+def check_vocabulary(dataset: IndexedDataset, model: ModelConfig) -> None:
+    if dataset.vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"dataset {dataset.prefix} has vocabulary size {dataset.vocab_size} but model.vocab_size="
+            f"{model.vocab_size}; set model.vocab_size={dataset.vocab_size}"
+        )
 
 
 def stdlib_sources() -> list[Path]:
@@ -94,9 +136,5 @@ def load_datasets(cfg: DataConfig, model: ModelConfig, progress: bool) -> tuple[
     train_set = IndexedDataset(train_prefix, model.seq_len)
     valid_set = IndexedDataset(valid_prefix, model.seq_len) if valid_prefix else None
     for ds in filter(None, (train_set, valid_set)):
-        if ds.vocab_size > model.vocab_size:
-            raise ConfigError(
-                f"dataset {ds.prefix} has vocabulary size {ds.vocab_size} but model.vocab_size="
-                f"{model.vocab_size}; set model.vocab_size={ds.vocab_size}"
-            )
+        check_vocabulary(ds, model)
     return train_set, valid_set

@@ -20,7 +20,7 @@ from hpc_train.train.metrics import peak_memory_bytes
 from hpc_train.train.preemption import StopRequest, requeue_slurm_job
 from hpc_train.train.profiling import ProfileWindow, write_oom_report
 from hpc_train.train.report import TrainResult, announce, finish
-from hpc_train.train.step import evaluate, rank_micro_batches, train_step
+from hpc_train.train.step import NonFiniteStep, StepResult, evaluate, rank_micro_batches, train_step
 
 
 def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
@@ -49,12 +49,36 @@ def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
 
 
 def train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainResult:
+    """Claim the checkpoint directory, resume, train; the claim ends with the run, however it ends."""
+    run.checkpointer.claim()
+    try:
+        return _train(run, stop, last_memory)
+    finally:
+        run.checkpointer.release()
+
+
+def _nonfinite(run: Run, step: int, err: NonFiniteStep, skipped: int) -> StepResult:
+    """A non-finite step: skipped (its update dropped) while train.skip_nonfinite allows, else the end of the
+    run, before anything of it is checkpointed."""
+    allowed = run.cfg.train.skip_nonfinite
+    if skipped > allowed:
+        raise NonFiniteStep(
+            f"step {step}: {err}; stopping (no checkpoint of this state is written, the last one stays). Usual "
+            f"causes: a learning rate too high, bad data or numerics; train.skip_nonfinite={allowed} "
+            "allows that many such steps to be skipped"
+        ) from None
+    run.report(f"step {step}: {err}; step skipped ({skipped} of train.skip_nonfinite={allowed})")
+    return StepResult(float("nan"), float("nan"))
+
+
+def _train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainResult:
     cfg, t = run.cfg, run.cfg.train
     resumed = run.checkpointer.resume() if cfg.checkpoint.resume else None
     start_step = resumed.step if resumed else 0
     meter = announce(run, start_step)
     profile = ProfileWindow(cfg.logging.profile_steps, Path(cfg.run_dir), run.rank_env.rank, run.device)
     result = TrainResult()
+    nonfinite_steps = 0
     for step in range(start_step + 1, t.steps + 1):
         watchdog.record(step, 0)
         lr = lr_at(step - 1, cfg.optim, t.steps)
@@ -62,7 +86,12 @@ def train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainResu
         micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device)
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
-        stats = train_step(run.model, run.optimizer, micro_batches, lr, cfg.optim.grad_clip, run.scaler, step, timings)
+        try:
+            stats = train_step(run.model, run.optimizer, micro_batches, lr, cfg.optim.grad_clip, run.scaler, step,
+                               timings)  # fmt: skip
+        except NonFiniteStep as err:
+            nonfinite_steps += 1
+            stats, timings = _nonfinite(run, step, err, nonfinite_steps), None
         profile.after_step(step)
         last_memory.update(stats.memory)
         elapsed = time.perf_counter() - start

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,11 +14,17 @@ from hpc_train.data.indexed import IndexedDataset
 from hpc_train.distributed import watchdog
 from hpc_train.distributed.grads import clip_grad_norm, local
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
+from hpc_train.errors import UserError
 from hpc_train.faults import fault_point
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.protocol import Optimizer
 from hpc_train.train.memory import SavedActivations, tensor_bytes
 from hpc_train.train.profiling import timed
+
+
+class NonFiniteStep(UserError, RuntimeError):
+    """A step whose loss or gradients are not finite for a reason other than an fp16 overflow that the loss
+    scale absorbs. Every rank raises it at the same point (the values it checks are global)."""
 
 
 @dataclass
@@ -36,20 +43,29 @@ def apply_gradients(
     timings: dict[str, float] | None = None,
 ) -> float | None:
     """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step.
-    Returns the gradient norm, or None when the step was skipped for an overflow."""
+    Returns the gradient norm, or None when the step was skipped for an overflow; raises NonFiniteStep
+    (with the gradients dropped, nothing updated) for a non-finite norm, or an overflow at the smallest
+    loss scale."""
     device = local(model.parameters[0]).device
     with timed(timings, "grad_reduce", device):
         optimizer.reduce_gradients()
     grads = optimizer.grad_groups()
     if scaler is not None:
         overflow = scaler.found_inf(grads.all)
+        at_floor = scaler.scale <= scaler.min_scale
         scaler.update(overflow)
         if overflow:
             optimizer.zero_grad()
+            if at_floor:
+                floor = scaler.min_scale
+                raise NonFiniteStep(f"the gradients are not finite even at the smallest fp16 loss scale ({floor})")
             return None
         scaler.unscale(grads.all)
     with timed(timings, "optimizer", device):
         grad_norm = clip_grad_norm(grads, grad_clip, model.mesh)
+        if not math.isfinite(grad_norm):
+            optimizer.zero_grad()
+            raise NonFiniteStep(f"the gradient norm is {grad_norm}")
         optimizer.step(lr)
         optimizer.zero_grad()
     return grad_norm
@@ -82,7 +98,10 @@ def train_step(
     }
     grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler, timings)
     memory["optimizer"] = optimizer.state_bytes()
-    return StepResult(reduce_loss(model, loss), grad_norm if grad_norm is not None else float("nan"), memory)
+    mean_loss = reduce_loss(model, loss)
+    if grad_norm is not None and not math.isfinite(mean_loss):
+        raise NonFiniteStep(f"the loss is {mean_loss}")
+    return StepResult(mean_loss, grad_norm if grad_norm is not None else float("nan"), memory)
 
 
 def rank_micro_batches(dataset: IndexedDataset, indices: list[np.ndarray], device: torch.device) -> MicroBatches:

@@ -1,0 +1,148 @@
+"""Whose checkpoints these are: the run identity a checkpoint directory belongs to, and the lock that keeps
+a second live run from writing into it.
+
+The identity is read from the config every manifest already records (so checkpoints of earlier
+versions have one too): the run's name and the model's shape; manifests also record the size of the
+training data (tokens, documents), so that a moved dataset is the same data and another one is not. Resuming with a
+different one is refused with the differences named. The lock is an `flock` on `<dir>/.lock`, held by
+global rank 0 for as long as it trains; the kernel drops it when that process dies however it dies, so a
+lock left by a dead run is simply taken over (the file names the last holder, for the messages).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpc_train.checkpoint.safe_load import CheckpointError
+from hpc_train.checkpoint.store import CheckpointStore
+from hpc_train.config import JobConfig
+
+IDENTITY_KEYS = (
+    "name", "model.arch", "model.vocab_size", "model.n_layers", "model.n_heads",
+    "model.n_kv_heads", "model.d_model", "model.ffn_hidden", "model.ffn_multiple", "model.tie_embeddings",
+    "model.seq_len",
+)  # fmt: skip
+LOCK = ".lock"
+
+
+def _lookup(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else getattr(tree, part)
+    return tree
+
+
+# None means "the family's choice" for these: compared only when both sides name a value (the tensor
+# shapes, checked on resume, decide the rest)
+FAMILY_DEFAULTS = ("model.n_kv_heads", "model.ffn_hidden", "model.tie_embeddings")
+
+
+def identity_differences(saved_config: str, cfg: JobConfig) -> list[str]:
+    """`key: saved -> here` for every identity key on which a checkpoint's recorded config and `cfg` differ
+    (a key older versions did not record counts as its default)."""
+    saved = yaml.safe_load(saved_config)
+    if not isinstance(saved, dict):
+        return ["the checkpoint's recorded config is unreadable"]
+    defaults, out = JobConfig(), []
+    for key in IDENTITY_KEYS:
+        try:
+            old = _lookup(saved, key)
+        except AttributeError:
+            old = None
+        old, new = _lookup(defaults, key) if old is None else old, _lookup(cfg, key)
+        if old != new and not (key in FAMILY_DEFAULTS and None in (old, new)):
+            out.append(f"{key}: {old!r} in the checkpoint, {new!r} here")
+    return out
+
+
+def refuse_foreign(path: Path, manifest: dict, cfg: JobConfig, data: dict | None = None) -> None:
+    """Raise a CheckpointError naming the differences when a checkpoint is not this run's: its config's
+    identity keys, and the training data's size when both sides know it."""
+    differences = identity_differences(manifest["config"], cfg)
+    if data is not None and manifest.get("data") not in (None, data):
+        differences.append(f"training data: {manifest['data']} in the checkpoint, {data} here")
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to another run or model ({'; '.join(differences)}); resuming it would "
+            "mix two runs and then prune its checkpoints. Point checkpoint.dir at a directory of this run's own "
+            "(or set the keys back to the checkpoint's values to continue that run)"
+        )
+
+
+class DirectoryLock:
+    """An exclusive, process-lifetime claim on a checkpoint directory."""
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory) / LOCK
+        self.fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a note when it took over from a run that is gone. Raises CheckpointError
+        naming the holder when a live run holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096)
+            os.close(fd)
+            raise self._busy(holder) from None
+        previous = os.read(fd, 4096)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+              "since": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self.fd = fd
+        return f"took over the lock of {self.path.parent} from a run that is gone ({_describe(previous)})" if (
+            previous) else None  # fmt: skip
+
+    def check_free(self) -> None:
+        """Raise the same CheckpointError as `acquire` when a live run holds the lock; take nothing."""
+        if not self.path.is_file():
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self._busy(os.read(fd, 4096)) from None
+        finally:
+            os.close(fd)
+
+    def _busy(self, holder: bytes) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint.dir {self.path.parent} is in use by a live run ({_describe(holder)}); two runs must "
+            "never write one directory: wait for it to end or stop it, or give this run its own checkpoint.dir"
+        )
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # a clean end: the next run has nothing to take over
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
+def _describe(raw: bytes) -> str:
+    try:
+        h = json.loads(raw)
+        job = f", Slurm job {h['slurm_job_id']}" if h.get("slurm_job_id") else ""
+        return f"pid {h['pid']} on {h['host']}{job}, since {h['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+def check_checkpoint_dir(cfg: JobConfig, probe_lock: bool) -> None:
+    """Before any process starts: the newest checkpoint in checkpoint.dir is this run's and (`probe_lock`,
+    for a run about to start here) no live run holds the directory."""
+    store = CheckpointStore(cfg.checkpoint.dir)
+    newest = store.newest_valid(full=False, report=lambda message: None)
+    if newest is not None:
+        refuse_foreign(newest.path, newest.manifest, cfg)
+    if probe_lock:
+        DirectoryLock(store.root).check_free()
