@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -292,8 +294,13 @@ def to_yaml(cfg: JobConfig) -> str:
 
 
 def _get(cfg: JobConfig, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
+    """The value of a dotted key (`name`, `optim.lr`)."""
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def has_control_chars(value: str) -> bool:
+    """A newline (or any control character) would end the line of a script or log the value is written into."""
+    return any(unicodedata.category(c) == "Cc" for c in value)
 
 
 def derive_dp(cfg: JobConfig, world_size: int) -> int:
@@ -320,14 +327,13 @@ def _value_problems(cfg: JobConfig) -> list[str]:
                 for key, allowed in CHOICES.items() if _get(cfg, key) not in allowed]  # fmt: skip
     floats = [f"{section}.{k}" for section in ("model", "train", "optim", "slurm")
               for k, v in vars(getattr(cfg, section)).items() if isinstance(v, float)]  # fmt: skip
-    problems += [f"{key}={_get(cfg, key)} must be a finite number"
-                 for key in floats if not math.isfinite(_get(cfg, key))]  # fmt: skip
-    bad = set(problems)
+    nonfinite = {key for key in floats if not math.isfinite(_get(cfg, key))}
+    problems += [f"{key}={_get(cfg, key)} must be a finite number" for key in floats if key in nonfinite]
 
     def check(keys: tuple[str, ...], ok, rule: str, optional: bool = False) -> None:
         for key in keys:
             value = _get(cfg, key)
-            if (optional and value is None) or any(key in line for line in bad):
+            if (optional and value is None) or key in nonfinite:
                 continue
             if not ok(value):
                 problems.append(f"{key}={value} must be {rule}")
@@ -345,8 +351,8 @@ def _value_problems(cfg: JobConfig) -> list[str]:
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
     for key in ("name", "run_dir", "checkpoint.dir", "data.train_path", "data.valid_path", "data.cache_dir"):
-        value = cfg.name if key == "name" else cfg.run_dir if key == "run_dir" else _get(cfg, key)
-        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
+        value = _get(cfg, key)
+        if value is not None and has_control_chars(value):
             problems.append(f"{key}={value!r} holds a control character (a newline?); remove it")
     return problems
 

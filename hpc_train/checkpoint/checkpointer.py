@@ -86,14 +86,16 @@ class Checkpointer:
 
     # ---- ownership --------------------------------------------------------------------------------
     def claim(self) -> None:
-        """Lock the directory and check that its checkpoints are this run's, before anything is loaded
-        or written; every rank raises the same CheckpointError when either fails."""
+        """Lock the directory and, for a run that will not resume (`resume` checks what it loads), check
+        that its checkpoints are this run's, before anything is written; every rank raises the same
+        CheckpointError when either fails."""
         problem: list[str | None] = [None]
         if self.rank == 0:
             try:
                 if note := self.lock.acquire():
                     self.report(note)
-                newest = self.store.newest_valid(full=False, report=lambda message: None)
+                fresh = not self.cfg.checkpoint.resume
+                newest = self.store.newest_valid(full=False, report=lambda message: None) if fresh else None
                 if newest is not None:
                     refuse_foreign(newest.path, newest.manifest, self.cfg, self.data)
             except (CheckpointError, OSError) as err:

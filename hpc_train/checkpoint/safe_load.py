@@ -43,7 +43,7 @@ _ALLOWED = {
         "TensorStorageMetadata",
         "ChunkStorageMetadata",
         "_MEM_FORMAT_ENCODING",
-    )  # fmt: skip
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),

@@ -15,7 +15,6 @@ import re
 import shlex
 import sys
 import time
-import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import submitit
 
-from hpc_train.config import ConfigError, JobConfig, to_yaml
+from hpc_train.config import ConfigError, JobConfig, has_control_chars, to_yaml
 from hpc_train.launch.bootstrap import RankEnv, detect_rank_env
 
 # Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
@@ -62,14 +61,9 @@ MEM_PATTERN = re.compile(r"[0-9]+[KMGTkmgt]?")
 EXTRA_KEY_PATTERN = re.compile(r"[a-z][a-z0-9-]*")
 
 
-def control_chars(value: str) -> bool:
-    """A newline (or any control character) would end the script line the value is written into."""
-    return any(unicodedata.category(c) == "Cc" for c in value)
-
-
 def directive_problem(key: str, value: str) -> str | None:
     """Directive values are single sbatch words: no control characters, whitespace, quotes or backslashes."""
-    if control_chars(value) or any(c.isspace() or c in "'\"\\" for c in value):
+    if has_control_chars(value) or any(c.isspace() or c in "'\"\\" for c in value):
         return (f"{key}={value!r} must be a single word for its #SBATCH line: remove the newlines, other control "
                 f"characters, spaces, quotes and backslashes")  # fmt: skip
     return None
@@ -78,7 +72,7 @@ def directive_problem(key: str, value: str) -> str | None:
 def path_problem(key: str, value: str, in_log_paths: bool) -> str | None:
     """Paths are quoted by submitit, so spaces are fine; a newline is not, nor (in the log folder) Slurm's
     filename patterns: sbatch/srun expand % and drop backslashes, so the logs would land elsewhere."""
-    if control_chars(value):
+    if has_control_chars(value):
         return f"{key}={value!r} contains a newline or another control character; use a plain path"
     if in_log_paths and any(c in "%\\" for c in value):
         return (f"{key}={value!r} holds the Slurm log folder, where sbatch reads '%' as a filename pattern and "
@@ -116,7 +110,7 @@ def check_sbatch_fields(cfg: JobConfig) -> list[str]:
         f"slurm.setup[{i}]={line!r} contains a newline or another control character; give each shell line "
         f"as its own list entry"
         for i, line in enumerate(s.setup)
-        if control_chars(line)
+        if has_control_chars(line)
     ]
     problems += limit_problems(cfg)
     return [p for p in problems if p]
