@@ -116,8 +116,9 @@ class CheckpointConfig:
     keep_last: int = 3  # committed checkpoints kept (the newest complete one is never deleted)
     keep_every: int = 0  # also keep every K-th step forever; 0 = off
     async_save: bool = False  # write in the background while training continues
-    verify: str = "full"  # full (sizes + sha256) | sizes (for very large checkpoints)
+    verify: str = "full"  # full (sizes + checksums, every rank checking its share) | sizes
     resume: bool = True
+    io_threads: int = 1  # per rank: files written, read and checksummed in parallel (>1: see README)
 
 
 @dataclass
@@ -183,7 +184,7 @@ POSITIVE = (
     "model.init_std", "parallel.nproc", "parallel.tp", "parallel.pp", "parallel.virtual_stages",
     "parallel.timeout_s", "train.steps", "train.micro_batch_size", "train.grad_accum", "train.eval_batches",
     "train.initial_loss_scale", "train.loss_scale_window", "optim.eps", "slurm.nodes", "slurm.tasks_per_node",
-    "slurm.gpu_mem_gb", "logging.log_interval",
+    "slurm.gpu_mem_gb", "logging.log_interval", "checkpoint.io_threads",
 )  # fmt: skip
 NON_NEGATIVE = (
     "train.eval_interval", "train.skip_nonfinite", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay",

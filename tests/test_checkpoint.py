@@ -129,22 +129,31 @@ def uninterrupted(tmp_path_factory, small_corpus):
     return run
 
 
+ASYNC = ["checkpoint.async_save=true"]
+
+
 @pytest.mark.parametrize(
-    "fault, resumes_from, left_behind",
+    "fault, extra, resumes_from, latest, left_behind",
     [
-        ("mid_step@3", 2, []),  # killed inside step 3: nothing of it was saved
-        ("before_manifest@4", 2, ["step_0000004.tmp"]),  # shards written, never committed
-        ("before_latest@4", 4, ["step_0000004"]),  # committed, `latest` not yet moved: still complete
+        ("mid_step@3", [], 2, 2, []),  # killed inside step 3: nothing of it was saved
+        ("before_manifest@4", [], 2, 2, ["step_0000004.tmp"]),  # shards written, never committed
+        ("before_latest@4", [], 4, 2, ["step_0000004"]),  # committed, `latest` not yet moved: still complete
+        ("committed@4", [], 4, 4, ["step_0000004"]),  # committed, killed before step 4's metrics line
+        ("staged@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: copied to host memory, nothing written
+        ("mid_write@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed while writing in the background
+        ("before_manifest@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed in the background commit
+        ("committed@4", ASYNC, 4, 4, ["step_0000004"]),  # async: killed right after its background commit
     ],
 )
-def test_kill_9_resumes_from_the_last_committed_checkpoint(tmp_path, uninterrupted, small_corpus, fault,
-                                                           resumes_from, left_behind):  # fmt: skip
-    """2 ranks; rank 0 is killed with SIGKILL at a point of the step or of the commit protocol."""
-    crashed = hpc_train_train(tmp_path, small_corpus, 6, fault)
+def test_kill_9_resumes_from_the_last_committed_checkpoint(tmp_path, uninterrupted, small_corpus, fault, extra,
+                                                           resumes_from, latest, left_behind):  # fmt: skip
+    """2 ranks; rank 0 is killed with SIGKILL at a point of the step, of the write or of the commit protocol
+    (for an async save: in the training thread while staging, or in the background thread)."""
+    crashed = hpc_train_train(tmp_path, small_corpus, 6, fault, extra)
     assert crashed.returncode != 0
     names = {p.name for p in (tmp_path / "checkpoints").iterdir()}
     assert set(left_behind) <= names and "step_0000002" in names
-    assert (tmp_path / "checkpoints/latest").read_text().strip() == "step_0000002"
+    assert (tmp_path / "checkpoints/latest").read_text().strip() == f"step_{latest:07d}"
     resumed = hpc_train_train(tmp_path, small_corpus, 6)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {tmp_path}/checkpoints/step_{resumes_from:07d}" in resumed.stdout
@@ -181,7 +190,7 @@ def saved_run(tmp_path_factory, small_corpus):
     "how, named",
     [
         ("truncated shard", "(truncated?)"),
-        ("flipped bytes", "fails its sha256 checksum"),
+        ("flipped bytes", "fails its xxh3_128 checksum"),
         ("deleted .metadata", "missing file .metadata"),
         ("deleted manifest", "missing manifest.json"),
     ],
@@ -199,7 +208,7 @@ def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_co
     assert verify.returncode == 1 and named in verify.stdout
     if how == "flipped bytes":  # and training really continues from step 2, as if nothing happened
         resumed = hpc_train_train(run, small_corpus, 4)
-        assert "step_0000004 skipped: __0_" in resumed.stdout and "fails its sha256" in resumed.stdout
+        assert "step_0000004 skipped: __0_" in resumed.stdout and "fails its xxh3_128" in resumed.stdout
         assert [r["step"] for r in resumed_from(run)] == [2]
         assert losses(run) == losses(saved_run)
 
@@ -291,6 +300,10 @@ def test_checkpoint_written_by_08c1275_resumes_on_its_loss_curve(tmp_path):
     for m in metrics:
         assert m["loss"] == pytest.approx(expected["losses"][str(m["step"])], abs=1e-6), m["step"]
         assert m["grad_norm"] == pytest.approx(expected["grad_norms"][str(m["step"])], abs=1e-6), m["step"]
+    checkpoints = CheckpointStore(tmp_path / "run/checkpoints")
+    old, new = (checkpoints.verify(info) for info in checkpoints.scan()[-1::-2])  # step 2 (sha256), step 6
+    assert old.problem is None and "sha256" in old.manifest["files"][".metadata"]
+    assert new.problem is None and "xxh3_128" in new.manifest["files"][".metadata"]
 
 
 FROZEN = ("tok_embeddings.weight", "layers.1.attn_norm.weight")
@@ -358,9 +371,9 @@ def _rewrite_manifest(step_dir, edit):
 
 def _rehash(step_dir, name):
     """What an attacker does after replacing a file: the manifest is unsigned, so it is updated to match."""
-    from hpc_train.checkpoint.store import sha256_file
+    from hpc_train.checkpoint.integrity import file_digest
 
-    record = {"size": (step_dir / name).stat().st_size, "sha256": sha256_file(step_dir / name)}
+    record = {"size": (step_dir / name).stat().st_size, "xxh3_128": file_digest(step_dir / name, "xxh3_128")}
     _rewrite_manifest(step_dir, lambda m: m["files"].__setitem__(name, record))
 
 
@@ -510,14 +523,23 @@ def test_nonfinite_training_stops_and_keeps_the_finite_checkpoints(tmp_path, sma
 
 def test_async_save_in_flight_resumes_bit_exact(tmp_path, small_corpus):
     """Step 2's checkpoint is written in the background while step 3 trains (and changes the weights); a run
-    resumed from it retraces steps 3 and 4 exactly."""
-    async_save = ["checkpoint.async_save=true"]
-    assert hpc_train_train(tmp_path / "run", small_corpus, 4, extra=async_save).returncode == 0
+    resumed from it (saving synchronously) retraces steps 3 and 4 exactly."""
+    assert hpc_train_train(tmp_path / "run", small_corpus, 4, extra=ASYNC).returncode == 0
     shutil.copytree(tmp_path / "run/checkpoints/step_0000002", tmp_path / "resumed/checkpoints/step_0000002")
-    done = hpc_train_train(tmp_path / "resumed", small_corpus, 4, extra=async_save)
+    done = hpc_train_train(tmp_path / "resumed", small_corpus, 4)
     assert done.returncode == 0, done.stderr
     assert [r["step"] for r in resumed_from(tmp_path / "resumed")] == [2]
     assert losses(tmp_path / "resumed") == losses(tmp_path / "run")[2:]
+    # what each save cost, on the record of the step that started it; the background commit's figures on
+    # the record of the step it finished during (or, for the last one, only in the log)
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if "checkpoint" in r] == [2, 4]
+    assert all(r["checkpoint"]["blocked_s"] > 0 for r in records if "checkpoint" in r)
+    committed = [r["checkpoint_committed"] for r in records if "checkpoint_committed" in r]
+    assert [c["step"] for c in committed] == [2] and committed[0]["total_bytes"] > committed[0]["bytes"] > 0
+    sync = read_metrics(tmp_path / "resumed")[-1]["checkpoint"]
+    assert sync["write_s"] > 0 and sync["gb_per_s"] > 0
+    assert sync["total_bytes"] == pytest.approx(committed[0]["total_bytes"], rel=0.01)  # the same state
 
 
 def test_full_disk_names_the_path_and_the_reason(tmp_path, small_corpus):

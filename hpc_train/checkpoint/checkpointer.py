@@ -1,12 +1,15 @@
 """Save and resume during training. The checkpointer owns the save policy (every `checkpoint.interval`
 steps, at the end, on a stop signal) and the registered parts it saves (checkpoint/state.py): sharded
 parts through DCP, every rank writing its own shards, and small per-rank parts in each rank's own file.
-The store commits them (checksums, manifest, atomic rename, `latest`); on start the newest checkpoint
-that verifies is loaded, in whatever layout this run uses.
+Each rank writes `checkpoint.io_threads` files in parallel, checksummed as they are written
+(checkpoint/dcp_io.py); the store commits them (manifest, atomic rename, `latest`). On start the newest
+checkpoint that verifies (every rank checksumming its share of the files) is loaded, in parallel, in
+whatever layout this run uses.
 
-With `checkpoint.async_save`, DCP writes on a background thread over its own gloo group while training
-goes on; the next save (or the end of training) waits for it and only then commits it, so a crash
-during an async save leaves only a `.tmp` directory.
+With `checkpoint.async_save`, training waits only while the state is copied into host buffers that are
+allocated once and reused (DCP's DefaultStager; pinned memory on a GPU). A background thread then
+writes the copy and commits it as soon as every rank's files are durable, over a gloo group of its own;
+a crash before that leaves only a `.tmp` directory.
 
 Before the first save or load the run claims the directory (checkpoint/ownership.py): a lock no second
 live run can take, and a check that the checkpoints there are this run's. Nothing is unpickled from
@@ -18,7 +21,10 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +36,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import hpc_train
+from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader
+from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_digest
 from hpc_train.checkpoint.ownership import DirectoryLock, refuse_foreign
-from hpc_train.checkpoint.safe_load import SafeFileSystemReader, load_rank_file, read_dcp_metadata
+from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.state import ShardedPart, Stateful
-from hpc_train.checkpoint.store import CheckpointError, CheckpointStore, describe_files
+from hpc_train.checkpoint.store import CheckpointError, CheckpointStore
 from hpc_train.config import JobConfig, to_yaml
+from hpc_train.faults import fault_point
 
 # of the per-rank files; format 1 (hpc_train 08c1275) kept the sampler's count at top level, formats 1 and
 # 2 the numpy RNG key as a numpy array (3: a tensor, so the files load with weights_only=True alone)
@@ -79,10 +88,16 @@ class Checkpointer:
         self.sharded, self.shared, self.per_rank = sharded, shared, per_rank
         self.store = CheckpointStore(cfg.checkpoint.dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # DCP's background writes need a group of their own, created collectively up front
-        self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
-        self.pending: tuple[Any, int] | None = None
+        # async saves: host buffers reused across saves, and a group of their own for the background
+        # writes and commits, created collectively up front
+        self.stager, self.async_group = None, None
+        if cfg.checkpoint.async_save:
+            self.stager = host_stager()
+            self.async_group = dist.new_group(backend="gloo")
+        self.pending: tuple[int, Future] | None = None  # an async save in flight: its step, its end
+        self.finished: dict[str, Any] | None = None  # the figures of the last async save, until polled
         self.lock = DirectoryLock(self.store.root)
+        self.abandoned = threading.Event()
 
     # ---- ownership --------------------------------------------------------------------------------
     def claim(self) -> None:
@@ -106,6 +121,8 @@ class Checkpointer:
             raise CheckpointError(problem[0])
 
     def release(self) -> None:
+        """The end of the claim: an async save still in flight (the run failed) commits nothing after it."""
+        self.abandoned.set()
         self.lock.release()
 
     # ---- save -------------------------------------------------------------------------------------
@@ -113,7 +130,10 @@ class Checkpointer:
         interval = self.cfg.checkpoint.interval
         return stop_requested or bool(interval and (step % interval == 0 or step == self.cfg.train.steps))
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> dict[str, Any]:
+        """Save this step; returns what it cost this rank: `blocked_s` (the time training waited) and, once
+        committed (a synchronous save), the commit's figures (see `_commit`)."""
+        start = time.perf_counter()
         self.wait()
         tmp = self.store.tmp_dir(step)
         if self.rank == 0:
@@ -121,74 +141,119 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier()
         parts = {name: part.state_dict() for name, part in {**self.shared, **self.per_rank}.items()}
+        rank_state = io.BytesIO()
+        torch.save({"format": FORMAT, "step": step, **parts}, rank_state)
         state = {f"{name}.{key}": t for name, part in self.sharded.items() for key, t in part.tensors().items()}
+        if self.stager is None:
+            return {**self._write_and_commit(step, state, rank_state.getbuffer(), None),
+                    "blocked_s": time.perf_counter() - start}  # fmt: skip
+        staged = self.stager.stage(state)  # the weights may change once they are copied to host memory
+        fault_point("staged", step, self.rank)
+        write = in_background(self._write_and_commit, step, staged, rank_state.getbuffer(), self.async_group)
+        self.pending = (step, write)
+        return {"blocked_s": time.perf_counter() - start}
+
+    def _write_and_commit(self, step: int, state: dict, rank_state: memoryview, group: Any) -> dict[str, Any]:
+        """Every rank writes its files into the step's `.tmp` directory, checksummed as written; then commit.
+        Runs on the training thread, or for an async save on a background thread over its own group."""
+        start, tmp = time.perf_counter(), self.store.tmp_dir(step)
         doing = f"saving checkpoint of step {step} into {tmp}"
         problem = None
         try:  # serialized first, so a full disk is the OSError of a plain write
-            buffer = io.BytesIO()
-            torch.save({"format": FORMAT, "step": step, **parts}, buffer)
-            (tmp / rank_file(self.rank)).write_bytes(buffer.getbuffer())
+            with open(tmp / rank_file(self.rank), "wb") as f:
+                f.write(rank_state)
+                f.flush()
+                os.fsync(f.fileno())
         except OSError as err:
             problem = f"{doing} failed on rank {self.rank}: {err}"
         problems = [None] * self.world
-        dist.all_gather_object(problems, problem)  # every rank stops together, none waits inside DCP
+        dist.all_gather_object(problems, problem, group=group)  # every rank stops together, none waits in DCP
         if any(problems):
             raise CheckpointError(next(p for p in problems if p))
+        digest = new_digest()
+        digest.update(rank_state)
+        writer = ChecksummedWriter(tmp, self.cfg.checkpoint.io_threads, step, self.rank)
         with io_errors_named(doing, tmp):
-            if self.async_group is None:
-                dcp.save(state, checkpoint_id=tmp)
-            else:
-                response = dcp.async_save(state, checkpoint_id=tmp, process_group=self.async_group)
-        if self.async_group is None:
-            self._commit(step)
-            return
-        staged = getattr(response, "staging_completion", None)
-        if staged is not None:  # the weights may change only once they are staged to host memory
-            staged.result()
-        self.pending = (getattr(response, "upload_completion", response), step)
+            dcp.save(state, storage_writer=writer, process_group=group)
+        records = {**writer.records, rank_file(self.rank): file_record(len(rank_state), digest)}
+        return self._commit(step, records, group, time.perf_counter() - start)
 
     def wait(self) -> None:
-        """Finish and commit an async save in flight."""
-        if self.pending is not None:
-            future, step = self.pending
-            self.pending = None
-            with io_errors_named(f"writing checkpoint of step {step} in the background", self.store.tmp_dir(step)):
-                future.result()
-            self._commit(step)
+        """Finish an async save in flight (normally committed already); raises its error."""
+        if self.pending is None:
+            return
+        step, future = self.pending
+        self.pending = None
+        with io_errors_named(f"writing checkpoint of step {step} in the background", self.store.tmp_dir(step)):
+            self.finished = {"step": step, **future.result()}
 
-    def _commit(self, step: int) -> None:
-        tmp = self.store.tmp_dir(step)
-        mine = [f for f in os.listdir(tmp) if f.startswith(f"__{self.rank}_")] + [rank_file(self.rank)]
-        if self.rank == 0:
-            mine.append(".metadata")
+    def poll(self) -> dict[str, Any] | None:
+        """The figures of an async save committed since the last poll (without waiting for one in flight; a
+        failed one is raised by `wait`, at the next save or the end, a step every rank shares)."""
+        if self.pending is not None and self.pending[1].done() and self.pending[1].exception() is None:
+            self.wait()
+        finished, self.finished = self.finished, None
+        return finished
+
+    def _commit(self, step: int, records: dict[str, dict], group: Any, write_s: float) -> dict[str, Any]:
+        """Rank 0 gathers every rank's file records and commits (checkpoint/store.py). Figures: `bytes` this
+        rank wrote, `write_s` (its files written, checksummed and fsynced) and, on rank 0, `commit_s`,
+        `total_bytes` and the bandwidth of the whole save."""
+        start = time.perf_counter()
         described = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(describe_files(tmp, mine), described, dst=0)
+        dist.gather_object(records, described, dst=0, group=group)
+        figures = {"bytes": sum(r["size"] for r in records.values()), "write_s": write_s}
         if self.rank == 0:
             files = {name: record for part in described for name, record in part.items()}
             manifest = {"layout": self.layout, "config": to_yaml(self.cfg), "code_version": hpc_train.__version__,
                         "data": self.data}  # fmt: skip
+            if self.abandoned.is_set():
+                raise CheckpointError(f"checkpoint of step {step} abandoned: the run ended before its commit")
             final = self.store.commit(step, files, manifest)
             removed = self.store.prune(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, final)
-            self.report(f"checkpoint {final} committed ({len(files)} files)" + (
-                f"; removed {', '.join(p.name for p in removed)}" if removed else ""))  # fmt: skip
-        dist.barrier()
+            total, commit_s = sum(r["size"] for r in files.values()), time.perf_counter() - start
+            gb_per_s = total / (write_s + commit_s) / 1e9
+            figures.update(total_bytes=total, commit_s=commit_s, gb_per_s=gb_per_s)
+            self.report(f"checkpoint {final} committed: {total / 1e9:.2f} GB, {len(files)} files in "
+                        f"{write_s + commit_s:.2f}s ({gb_per_s:.2f} GB/s; commit {commit_s:.2f}s)" + (
+                        f"; removed {', '.join(p.name for p in removed)}" if removed else ""))  # fmt: skip
+            fault_point("committed", step, 0)
+        dist.barrier(group=group)
+        return figures
 
     # ---- resume -----------------------------------------------------------------------------------
-    def resume(self) -> Resumed | None:
-        """Load the newest checkpoint that verifies into every registered part; None when there is none."""
-        choice: list[Any] = [None, None, None]
-        if self.rank == 0:
-            info = self.store.newest_valid(full=self.cfg.checkpoint.verify == "full", report=self.report)
-            if info is not None:
+    def _choose(self) -> tuple[str | None, dict | None]:
+        """The newest checkpoint that verifies (its path and manifest), agreed by every rank. Rank 0 checks
+        manifests, file lists and sizes; with `checkpoint.verify=full` every rank then checksums its share
+        of the files, `io_threads` at a time, and a checkpoint that fails anywhere is skipped."""
+        candidates = self.store.candidates(self.report) if self.rank == 0 else iter(())
+        threads = self.cfg.checkpoint.io_threads
+        while True:
+            choice: list[Any] = [None, None, None]
+            if self.rank == 0 and (info := next(candidates, None)) is not None:
                 choice = [str(info.path), info.manifest, None]
                 try:
                     refuse_foreign(info.path, info.manifest, self.cfg, self.data)
                 except CheckpointError as err:
                     choice[2] = str(err)
-        dist.broadcast_object_list(choice, src=0)
-        path, manifest, refused = choice
-        if refused:
-            raise CheckpointError(refused)
+            dist.broadcast_object_list(choice, src=0)
+            path, manifest, refused = choice
+            if refused:
+                raise CheckpointError(refused)
+            if path is None or self.cfg.checkpoint.verify != "full":
+                return path, manifest
+            files = manifest["files"]
+            mine = sorted(files, key=lambda name: (-files[name]["size"], name))[self.rank :: self.world]
+            problems = [None] * self.world
+            dist.all_gather_object(problems, first_mismatch(Path(path), files, mine, threads))
+            if not any(problems):
+                return path, manifest
+            if self.rank == 0:
+                self.report(f"checkpoint {path} skipped: {next(p for p in problems if p)}")
+
+    def resume(self) -> Resumed | None:
+        """Load the newest checkpoint that verifies into every registered part; None when there is none."""
+        path, manifest = self._choose()
         if path is None:
             return None
         try:
@@ -199,7 +264,7 @@ class Checkpointer:
                 for name, part in self.sharded.items()
             }
             state = {f"{name}.{k}": t for name, ts in templates.items() for k, t in ts.items()}
-            dcp.load(state, storage_reader=SafeFileSystemReader(path))
+            dcp.load(state, storage_reader=ParallelReader(path, self.cfg.checkpoint.io_threads))
             shared = upgrade_rank_state(load_rank_file(Path(path) / rank_file(0)))
         except CheckpointError:
             raise
@@ -233,6 +298,33 @@ class Checkpointer:
         if problems:
             listed = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
             raise CheckpointError(f"checkpoint {path} holds a different model ({listed})")
+
+
+def host_stager() -> Any:
+    """DCP's stager: copies into host buffers it allocates on the first save and reuses (pinned on a GPU)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError as err:  # torch < 2.9
+        raise CheckpointError(f"checkpoint.async_save needs torch >= 2.9 (DCP's DefaultStager): {err}") from None
+    gpu = torch.cuda.is_available()
+    options = StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+                             use_non_blocking_copy=gpu)  # fmt: skip
+    return DefaultStager(options)
+
+
+def in_background(fn: Callable[..., Any], *args: Any) -> Future:
+    """`fn(*args)` on a daemon thread (a process that is failing is not held at exit by a save whose peers
+    are gone); its result or exception in the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # DCP's CheckpointException derives from BaseException
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="checkpoint-save", daemon=True).start()
+    return future
 
 
 @contextmanager

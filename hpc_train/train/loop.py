@@ -111,11 +111,15 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainRes
             record.update(loss_scale=run.scaler.scale, skipped_steps=run.scaler.skipped_steps)
         if resumed is not None and step == start_step + 1:  # where this run picked up, for the record
             record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout}
-        if run.metrics:
-            run.metrics.write(record, show=step % cfg.logging.log_interval == 0 or step == t.steps)
         watchdog.record(step, 2)
         if run.checkpointer.should_save(step, stop_requested):
-            run.checkpointer.save(step)
+            if run.metrics:
+                run.metrics.hold(record)
+            record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
+        if committed := run.checkpointer.poll():  # an async save committed during this step
+            record["checkpoint_committed"] = committed
+        if run.metrics:
+            run.metrics.write(record, show=step % cfg.logging.log_interval == 0 or step == t.steps)
         if stop_requested:
             run.checkpointer.wait()
             run.report(f"stop signal received: checkpoint of step {step} committed, stopping")

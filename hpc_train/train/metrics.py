@@ -57,31 +57,46 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, int]:
 
 class MetricsLog:
     """Appends one JSON object per step to metrics.jsonl and shows one progress line per step. Nothing is
-    opened before the first record. A checkpoint part: its state is the last step recorded, and on resume
-    the records of later steps (to be trained again) are dropped, as is a partial last line."""
+    opened before the first record. A checkpoint part: its state is the last step recorded (and the record
+    `held` for a step being saved, written only after its save), and on resume the records of later steps
+    (to be trained again) are dropped, as is a partial last line."""
 
     def __init__(self, run_dir: Path, total_steps: int, progress: str, tensorboard: bool = False):
         self.run_dir, self.total_steps, self.use_tensorboard = Path(run_dir), total_steps, tensorboard
         self.path = self.run_dir / "metrics.jsonl"
         self.progress = ("bar" if sys.stdout.isatty() else "lines") if progress == "auto" else progress
         self.step = 0  # the last step recorded
+        self.held: dict[str, Any] | None = None
         self.file = self.tensorboard = self.bar = None
 
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
+    def hold(self, record: dict[str, Any]) -> None:
+        """The record of a step being saved, whose line is written after the save: saved with it, so a
+        kill between the commit and the line loses nothing."""
+        self.held = record
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        held = self.held is not None and self.held["step"] > self.step
+        return {"step": self.held["step"], "record": dict(self.held)} if held else {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        if not self.path.is_file():
-            return
+        kept = self._lines_up_to(self.step) if self.path.is_file() else []
+        previous = json.loads(kept[-1])["step"] if kept else 0
+        if "record" in state and previous == self.step - 1:  # killed after the commit, before the line
+            kept.append(json.dumps(state["record"]) + "\n")
+        if kept or self.path.is_file():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("".join(kept))
+
+    def _lines_up_to(self, step: int) -> list[str]:
         kept = []
         for line in self.path.read_text().splitlines():
             try:
-                if json.loads(line)["step"] <= self.step:
+                if json.loads(line)["step"] <= step:
                     kept.append(line + "\n")
             except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill
                 break
-        self.path.write_text("".join(kept))
+        return kept
 
     def _open(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,268 @@
+"""DCP's file storage, made fast: each rank writes its shards as `threads` files in parallel, every file
+checksummed as its bytes go out (no read-back), and reads its shards back in parallel threads.
+
+The shard files stay DCP's own format (torch.save records in one file per thread); torch's per-record
+CRC-32, which costs as much as the write itself on one core, is switched off while a checkpoint is
+written: the manifest's xxh3 digest of the whole file is the integrity check.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import sys
+import threading
+import zipfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.serialization.config as serialization_config
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from hpc_train.checkpoint.integrity import file_record, new_digest
+from hpc_train.checkpoint.safe_load import SafeFileSystemReader
+from hpc_train.faults import fault_point
+
+
+class _HashingStream:
+    """A write stream that feeds every byte it writes to a digest."""
+
+    def __init__(self, raw: io.BufferedWriter):
+        self.raw, self.digest, self.size = raw, new_digest(), 0
+
+    def write(self, data: Any) -> int:
+        written = self.raw.write(data)
+        self.digest.update(memoryview(data).cast("B")[:written])
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:  # for an fsync: what is still in Python's buffer goes out first
+        self.raw.flush()
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def writable(self) -> bool:
+        return True
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording {file name: size and digest} of every file it writes, and every
+    error (DCP's writer threads other than the caller's drop theirs)."""
+
+    def __init__(self, step: int, rank: int):
+        super().__init__()
+        self.step, self.rank = step, rank
+        self.records: dict[str, dict] = {}
+        self.errors: list[BaseException] = []
+        self.lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        try:  # torch's config patch is per thread: entered on each writer thread
+            with serialization_config.patch({"save.compute_crc32": False}), super().create_stream(path, mode) as raw:
+                stream = _HashingStream(raw)
+                yield stream
+        except Exception as err:
+            with self.lock:
+                self.errors.append(err)
+            if str(path).endswith(".distcp"):  # a shard, in one of DCP's writer threads: write_data raises it
+                return
+            raise
+        with self.lock:
+            self.records[Path(path).name] = file_record(stream.size, stream.digest)
+        fault_point("mid_write", self.step, self.rank)  # one file complete, others maybe half written
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self.lock:
+            self.records[Path(new_path).name] = self.records.pop(Path(path).name)
+
+
+class ChecksummedWriter(FileSystemWriter):
+    """DCP's writer into `path`: `threads` files per rank, written in parallel and fsynced, each recorded
+    in `records` (name -> size and digest) once written."""
+
+    def __init__(self, path: Path, threads: int, step: int, rank: int):
+        super().__init__(path, thread_count=threads, sync_files=True, overwrite=False)
+        self.fs = _HashingFileSystem(step, rank)
+
+    @property
+    def records(self) -> dict[str, dict]:
+        return self.fs.records
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's write, failing when any of its threads failed (a thread's error would otherwise be lost
+        and the checkpoint's metadata silently lack that thread's tensors)."""
+        written = super().write_data(plan, planner)
+        if self.fs.errors:
+            raise self.fs.errors[0]
+        if len(written.value()) != len(plan.items):
+            raise OSError(f"{len(written.value())} of {len(plan.items)} tensors were written into {self.path}")
+        return written
+
+
+class ParallelReader(SafeFileSystemReader):
+    """DCP's reader (with the restricted metadata unpickler), reading its files `threads` at a time. A
+    tensor stored whole, in the dtype and shape of the tensor it loads into, is read straight from the file
+    into that tensor's memory (no intermediate copy or allocation); anything else (a reshard's slice, a
+    dtype change, a GPU tensor) goes through torch.load as in DCP's own reader."""
+
+    def __init__(self, path: str | os.PathLike, threads: int):
+        super().__init__(path)
+        self.threads = threads
+
+    def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+
+        def read_file(relative_path: str) -> None:
+            items = sorted(per_file[relative_path], key=lambda i: self.storage_data[i.storage_index].offset)
+            with open(Path(self.path) / relative_path, "rb", buffering=0) as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)  # the whole file read ahead, in order
+                for item in items:
+                    target = planner.resolve_tensor(item).detach()
+                    stored_dtype = planner.metadata.state_dict_metadata[item.storage_index.fqn].properties.dtype
+                    if not _read_in_place(f, self.storage_data[item.storage_index], item, target, stored_dtype):
+                        target.copy_(self._load_slice(f, relative_path, item, target))
+                    planner.commit_tensor(item, target)
+
+        with ThreadPoolExecutor(max(1, min(self.threads, len(per_file)))) as pool:
+            list(pool.map(read_file, per_file))
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _load_slice(self, f: Any, relative_path: str, item: Any, target: torch.Tensor) -> torch.Tensor:
+        info = self.storage_data[item.storage_index]
+        f.seek(info.offset)
+        record = bytearray(info.length)
+        _read_exactly(f, memoryview(record), item.storage_index.fqn)
+        stored = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+            stored = stored.narrow(dim, start, length)
+        if target.shape != stored.shape:
+            raise ValueError(f"{relative_path}: {item.storage_index.fqn} has shape {tuple(stored.shape)}, "
+                             f"{tuple(target.shape)} expected")  # fmt: skip
+        return stored
+
+
+class _RecordView(io.RawIOBase):
+    """The bytes [offset, offset + length) of an open file, as a file of their own (for zipfile)."""
+
+    def __init__(self, f: Any, offset: int, length: int):
+        self.f, self.offset, self.length, self.position = f, offset, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, position: int, whence: int = 0) -> int:
+        self.position = min(self.length, {0: 0, 1: self.position, 2: self.length}[whence] + position)
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        self.f.seek(self.offset + self.position)
+        n = self.f.readinto(memoryview(buffer)[: self.length - self.position])
+        self.position += n
+        return n
+
+
+def _read_in_place(f: Any, info: Any, item: Any, target: torch.Tensor, stored_dtype: torch.dtype) -> bool:
+    """Read a whole stored tensor straight into `target` when their bytes are the same (dtype, shape, row-major
+    layout, contiguous host memory); False when not, nothing read. A DCP record is a torch.save zip: the
+    tensor's layout is in the member `<archive>/data.pkl`, its bytes uncompressed in `<archive>/data/0`
+    (torch's per-member CRC is not checked: the file's checksum is)."""
+    nbytes = target.numel() * target.element_size()
+    if target.device.type != "cpu" or not target.is_contiguous() or target.dtype != stored_dtype or nbytes == 0:
+        return False
+    if sys.byteorder != "little":
+        return False
+    if any(item.storage_offsets):
+        return False
+    with zipfile.ZipFile(_RecordView(f, info.offset, info.length)) as record:
+        members = {m.filename.split("/", 1)[-1]: m for m in record.infolist()}  # without the archive's name
+    data, pickled, byteorder = members.get("data/0"), members.get("data.pkl"), members.get("byteorder")
+    if data is None or pickled is None or byteorder is None or data.file_size != nbytes:
+        return False
+    if {data.compress_type, pickled.compress_type, byteorder.compress_type} != {zipfile.ZIP_STORED}:
+        return False
+    f.seek(_member_data_at(f, info.offset + byteorder.header_offset))
+    if f.read(byteorder.file_size) != b"little":
+        return False
+    row_major = tuple(math.prod(target.shape[d + 1 :]) for d in range(target.dim()))
+    f.seek(_member_data_at(f, info.offset + pickled.header_offset))
+    if _stored_layout(f.read(pickled.file_size)) != (0, tuple(target.shape), row_major, False):
+        return False
+    data_at = _member_data_at(f, info.offset + data.header_offset)
+    if data_at + nbytes > info.offset + info.length:
+        return False
+    f.seek(data_at)
+    _read_exactly(f, memoryview(target.reshape(-1).view(torch.uint8).numpy()), item.storage_index.fqn)
+    return True
+
+
+def _read_exactly(f: Any, view: memoryview, name: str) -> None:
+    """Fill `view` from `f` (one read returns at most ~2 GiB)."""
+    while view:
+        n = f.readinto(view)
+        if not n:
+            raise ValueError(f"{name}: the file ends inside its data")
+        view = view[n:]
+
+
+def _member_data_at(f: Any, header_at: int) -> int:
+    """Where a zip member's data starts, from its local header."""
+    f.seek(header_at)
+    header = f.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError(f"no zip member header at byte {header_at}")
+    return header_at + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads (storage offset, size, stride) from a torch.save record of one tensor, building nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):  # (a conj or neg bit: extra metadata)
+            return lambda storage, offset, size, stride, grad=False, hooks=None, extra=None: (
+                offset, tuple(size), tuple(stride), bool(extra))  # fmt: skip
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor record")
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def _stored_layout(pickled: bytes) -> tuple | None:
+    try:
+        return _LayoutUnpickler(io.BytesIO(pickled)).load()
+    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError, IndexError):
+        return None
