@@ -73,7 +73,7 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
     for p in run.model.parameters:
         p.grad = None
     run.report = run.checkpointer.report = lambda message: None
-    state = {f"{name}.{key}": t for name, part in run.checkpointer.sharded.items() for key, t in part.tensors().items()}
+    state = run.checkpointer.sharded_tensors()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     n_params = sum(count_params(chunk) for chunk in run.model.chunks)
 

@@ -143,7 +143,7 @@ class Checkpointer:
         parts = {name: part.state_dict() for name, part in {**self.shared, **self.per_rank}.items()}
         rank_state = io.BytesIO()
         torch.save({"format": FORMAT, "step": step, **parts}, rank_state)
-        state = {f"{name}.{key}": t for name, part in self.sharded.items() for key, t in part.tensors().items()}
+        state = self.sharded_tensors()
         if self.stager is None:
             return {**self._write_and_commit(step, state, rank_state.getbuffer(), None),
                     "blocked_s": time.perf_counter() - start}  # fmt: skip
@@ -152,6 +152,10 @@ class Checkpointer:
         write = in_background(self._write_and_commit, step, staged, rank_state.getbuffer(), self.async_group)
         self.pending = (step, write)
         return {"blocked_s": time.perf_counter() - start}
+
+    def sharded_tensors(self) -> dict[str, torch.Tensor]:
+        """What DCP saves: every sharded part's tensors, under `<part>.<key>`."""
+        return {f"{name}.{key}": t for name, part in self.sharded.items() for key, t in part.tensors().items()}
 
     def _write_and_commit(self, step: int, state: dict, rank_state: memoryview, group: Any) -> dict[str, Any]:
         """Every rank writes its files into the step's `.tmp` directory, checksummed as written; then commit.
