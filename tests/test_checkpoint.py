@@ -19,7 +19,7 @@ from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.cli import main
 from hpc_train.config import load_config
 from hpc_train.distributed.grads import local
-from hpc_train.launch.bootstrap import init_distributed
+from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
@@ -313,8 +313,7 @@ def _frozen_checks(rank_env, cfg):
     """tp=2, ZeRO-1: frozen weights (set to values no init produces, as pretrained ones would be) are
     saved and restored bit-exact; they are never in the optimizer and never move while training."""
     cpu = torch.device("cpu")
-    init_distributed(rank_env, cpu, "gloo", 120)
-    try:
+    with distributed(rank_env, cpu, "gloo", 120):
         run = build_run(cfg, rank_env, cpu)
         params = dict(run.model.named_parameters)
         with torch.no_grad():
@@ -352,8 +351,6 @@ def _frozen_checks(rank_env, cfg):
             assert set(state) == {"master", "exp_avg", "exp_avg_sq"}, names[id(p)]
         thawed.checkpointer.save(2)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_frozen_parameters_survive_save_and_resume_bit_exact(cfg_for):

@@ -1,7 +1,9 @@
 """Looking inside a run: step-time breakdown, the planner's prediction beside the measurement, a profiler
 window, TensorBoard, the plot tool, and the report written when a step runs out of memory."""
 
+import gc
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,10 +38,23 @@ def test_breakdown_profile_tensorboard_and_plot(make_cfg, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_out_of_memory_writes_a_memory_report(make_cfg, monkeypatch):
+def test_out_of_memory_writes_a_memory_report_and_the_groups_are_freed(make_cfg, monkeypatch):
+    """Also: a run's process groups (their gloo worker threads) are freed when it ends, however it ends; one
+    left to interpreter exit aborts the process there (see bootstrap._free_groups)."""
+
+    def threads() -> int:  # but the rendezvous store's server, which launch_local's frame holds
+        names = [Path(f"/proc/self/task/{task}/comm").read_text() for task in os.listdir("/proc/self/task")]
+        return sum(name != "pt_tcpstore_uv\n" for name in names)
+
+    launch_local(run_training, 1, make_cfg("train.steps=1", run="warm"))  # torch's own thread pools start
+    gc.collect()
+    before = threads()
+    launch_local(run_training, 1, make_cfg("train.steps=1", run="fine"))
+    assert threads() == before
     monkeypatch.setenv("HPC_TRAIN_FAULT", "mid_step@2@0@oom")
     cfg = make_cfg("train.steps=3")
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(torch.OutOfMemoryError) as failed:
         launch_local(run_training, 1, cfg)
+    assert threads() == before and failed.value  # while the error and its traceback are still held
     report = (Path(cfg.run_dir) / "oom_rank00000.txt").read_text()
     assert "out of memory on rank 0 (cpu)" in report and "activations_per_microbatch" in report

@@ -11,7 +11,7 @@ from hpc_train.builder import build_run
 from hpc_train.config import load_config
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.distributed.parallelize import forward_backward
-from hpc_train.launch.bootstrap import init_distributed
+from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local
 from hpc_train.optim import build_optimizer
 from hpc_train.optim.loss_scale import LossScaler
@@ -28,8 +28,7 @@ def _local(t):
 def _zero_checks(rank_env, cfg):
     """tp=2 x dp=2 with sequence parallelism, ZeRO-1, fp16."""
     cpu = torch.device("cpu")
-    init_distributed(rank_env, cpu, "gloo", 120)
-    try:
+    with distributed(rank_env, cpu, "gloo", 120):
         run = build_run(cfg, rank_env, cpu, with_data=False)
         model, optimizer = run.model, run.optimizer
         assert isinstance(optimizer, ZeroOptimizer)
@@ -70,8 +69,6 @@ def _zero_checks(rank_env, cfg):
             assert math.isfinite(train_step(model, optimizer, batch, 1e-3, 1.0, scaler).grad_norm)
         assert (scaler.scale, scaler.skipped_steps) == (1024.0, 1)
         assert not all(torch.equal(b, _local(p)) for b, p in zip(before, model.parameters, strict=True))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_zero1_state_bytes_and_fp16_overflow_agreement(make_cfg):
@@ -84,8 +81,7 @@ def _overlap_checks(rank_env, cfg):
     """dp=2, both optimizers: with overlap_grad_reduce every bucket is launched from inside backward, the
     output head's first and the embedding's last, and only on the step's last micro-batch."""
     cpu = torch.device("cpu")
-    init_distributed(rank_env, cpu, "gloo", 120)
-    try:
+    with distributed(rank_env, cpu, "gloo", 120):
         model = build_run(cfg, rank_env, cpu, with_data=False).model
         data = IndexedDataset(cfg.data.train_path, cfg.model.seq_len)
         batch = [data.batch(np.arange(2 * i, 2 * i + 2) + 4 * dist.get_rank()) for i in range(2)]
@@ -104,8 +100,6 @@ def _overlap_checks(rank_env, cfg):
             optimizer.reduce_gradients()
             assert not reduction.completions
             optimizer.zero_grad()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_overlapped_reduction_launches_from_backward(make_cfg):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hpc_train.builder import build_run
 from hpc_train.config import load_config
-from hpc_train.launch.bootstrap import init_distributed
+from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local
 from hpc_train.models import get_spec
 from hpc_train.models.decoder import count_params
@@ -89,8 +89,7 @@ def deepspeed_variant(cfg, rank_env):
 
 
 def worker(rank_env, cfg, rounds: int, steps: int, with_deepspeed: bool):
-    init_distributed(rank_env, torch.device("cpu"), "gloo", 600)
-    try:
+    with distributed(rank_env, torch.device("cpu"), "gloo", 600):
         gen = torch.Generator().manual_seed(rank_env.rank)
         shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
         batch = (torch.randint(0, 256, shape, generator=gen), torch.randint(0, 256, shape, generator=gen))
@@ -128,8 +127,6 @@ def worker(rank_env, cfg, rounds: int, steps: int, with_deepspeed: bool):
                 exposed = f"{timings['grad_reduce'] / calls * 1e3:.1f}" if timings else "-"
                 row = f"{name:<20} {t * 1e3:>9.1f} {t / base:>9.2f} {exposed:>18}"
                 print(f"{row} {b / 2**20:>18.2f} {b / plain_bytes:>9.2f}")
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:

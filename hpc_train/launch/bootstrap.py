@@ -7,11 +7,14 @@ id, so every task of the job computes the same rendezvous without talking to the
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
 import socket
-from collections.abc import Mapping
+import traceback
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -118,8 +121,10 @@ def select_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(rank_env: RankEnv, device: torch.device, backend: str, timeout_s: int) -> None:
-    """Join the default process group: nccl on CUDA, gloo on CPU (or as configured)."""
+@contextmanager
+def distributed(rank_env: RankEnv, device: torch.device, backend: str, timeout_s: int) -> Iterator[None]:
+    """Join the default process group (nccl on CUDA, gloo on CPU, or as configured) for the block; leaving
+    it, however it ends, destroys every group and frees them before the interpreter exits (`_free_groups`)."""
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cpu":  # share the cores between the processes on this node
@@ -133,3 +138,23 @@ def init_distributed(rank_env: RankEnv, device: torch.device, backend: str, time
         backend=backend, rank=rank_env.rank, world_size=rank_env.world_size, timeout=timeout,
         device_id=device if device.type == "cuda" else None, **rendezvous,
     )  # fmt: skip
+    try:
+        yield
+    except BaseException as err:
+        _free_groups(err)
+        raise
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+
+
+def _free_groups(err: BaseException) -> None:
+    """Drop the variables of the frames an error unwound (and of the errors it chains). Those frames hold
+    the run, whose meshes and modules hold the process groups in reference cycles; a group still alive at
+    interpreter exit is destroyed there, where gloo's worker threads can no longer take the GIL and the
+    process aborts ("terminate called without an active exception") instead of exiting with its error."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__

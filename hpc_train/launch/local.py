@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from hpc_train.config import ConfigError, JobConfig
 from hpc_train.errors import RankFailed, UserError
-from hpc_train.launch.bootstrap import STOP_SIGNALS, RankEnv, init_distributed
+from hpc_train.launch.bootstrap import STOP_SIGNALS, RankEnv, distributed
 
 USER_ERROR_EXIT = 2
 
@@ -112,8 +112,5 @@ def single_process_group(timeout_s: int = 600) -> Iterator[RankEnv]:
     yields the rank's environment (for `builder.build_run`)."""
     store = serve_store()
     rank_env = local_rank_env(0, 1, store.port, "single")
-    init_distributed(rank_env, torch.device("cpu"), "gloo", timeout_s)
-    try:
+    with distributed(rank_env, torch.device("cpu"), "gloo", timeout_s):
         yield rank_env
-    finally:
-        dist.destroy_process_group()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hpc_train.builder import Run, build_run
 from hpc_train.config import JobConfig
 from hpc_train.distributed import watchdog
-from hpc_train.launch.bootstrap import RankEnv, init_distributed, select_device
+from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
 from hpc_train.optim.schedule import lr_at
 from hpc_train.train.metrics import peak_memory_bytes
 from hpc_train.train.preemption import StopRequest, requeue_slurm_job
@@ -27,25 +27,25 @@ def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
     """Train on this rank, resuming from the newest valid checkpoint. A stop signal ends training early
     with a committed checkpoint."""
     device = select_device(cfg.train.device, rank_env.local_rank)
-    init_distributed(rank_env, device, cfg.parallel.backend, cfg.parallel.timeout_s)
     stop = StopRequest().install()
     last_memory: dict[str, int] = {}  # the last step's measured bytes, for an out-of-memory report
     try:
-        return train(build_run(cfg, rank_env, device), stop, last_memory)
-    except torch.OutOfMemoryError:
-        path = write_oom_report(Path(cfg.run_dir), rank_env.rank, device, last_memory)
-        print(f"rank {rank_env.rank}: out of memory; memory summary in {path}", flush=True)
-        raise
-    except RuntimeError as err:
-        if not watchdog.is_timeout(err):
-            raise
-        raise RuntimeError(
-            f"rank {rank_env.rank}: a collective timed out after parallel.timeout_s={cfg.parallel.timeout_s}s: "
-            f"a peer stopped responding: {watchdog.stragglers(rank_env.world_size)}"
-        ) from err
+        with distributed(rank_env, device, cfg.parallel.backend, cfg.parallel.timeout_s):
+            try:
+                return train(build_run(cfg, rank_env, device), stop, last_memory)
+            except torch.OutOfMemoryError:
+                path = write_oom_report(Path(cfg.run_dir), rank_env.rank, device, last_memory)
+                print(f"rank {rank_env.rank}: out of memory; memory summary in {path}", flush=True)
+                raise
+            except RuntimeError as err:
+                if not watchdog.is_timeout(err):
+                    raise
+                raise RuntimeError(
+                    f"rank {rank_env.rank}: a collective timed out after parallel.timeout_s="
+                    f"{cfg.parallel.timeout_s}s: a peer stopped responding: {watchdog.stragglers(rank_env.world_size)}"
+                ) from err
     finally:
         stop.uninstall()
-        dist.destroy_process_group()
 
 
 def train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainResult:
