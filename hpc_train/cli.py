@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from hpc_train.config import ConfigError, JobConfig, check_values, load_config, to_yaml
@@ -33,6 +34,7 @@ def check_inputs(cfg: JobConfig, world: int, starts_here: bool) -> ParallelDims:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from hpc_train.launch.local import check_machine, launch_local
+    from hpc_train.launch.restart import run_task
     from hpc_train.train.loop import run_training
 
     cfg = _config_and_overrides(args)
@@ -41,9 +43,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         check_machine(cfg)
     check_inputs(cfg, rank_env.world_size if rank_env else cfg.parallel.nproc, starts_here=rank_env is None)
     if rank_env is not None:
-        run_training(rank_env, cfg)
+        run_task(run_training, rank_env, cfg)
     else:
-        launch_local(run_training, cfg.parallel.nproc, cfg)
+        launch_local(run_training, cfg.parallel.nproc, cfg, max_restarts=cfg.parallel.max_restarts)
 
 
 def cmd_config_show(args: argparse.Namespace) -> None:
@@ -114,11 +116,36 @@ def cmd_submit(args: argparse.Namespace) -> None:
     job = slurm.submit(cfg, run_training)
     print(slurm.submission_summary(cfg, job), flush=True)
     if args.wait:
-        state = slurm.follow(job)
-        print(f"job {job.job_id} finished: {state}")
-        if state != "COMPLETED":
-            print(slurm.failure_report(job, cfg.slurm.nodes * cfg.slurm.tasks_per_node), file=sys.stderr)
-            sys.exit(1)
+        _follow(cfg, job)
+
+
+def _follow(cfg: JobConfig, job) -> None:
+    """Stream rank 0's output to the job's end; a job that did not complete exits 1 with the failing log."""
+    from hpc_train.launch import slurm
+
+    state = slurm.follow(job)
+    print(f"job {job.job_id} finished: {state}")
+    if state != "COMPLETED":
+        print(slurm.failure_report(job, cfg.slurm.nodes * cfg.slurm.tasks_per_node), file=sys.stderr)
+        sys.exit(1)
+
+
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from hpc_train.launch import slurm
+    from hpc_train.launch.doctor import run_doctor
+    from hpc_train.launch.local import check_machine, launch_local
+
+    cfg = _config_and_overrides(args)  # a doctor job is never restarted: a failure is its finding
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, max_restarts=0))
+    if args.local:
+        check_machine(cfg)
+        check_run(cfg, cfg.parallel.nproc, check_paths=False)
+        launch_local(run_doctor, cfg.parallel.nproc, cfg)
+        return
+    check_run(cfg, slurm.slurm_world_size(cfg), check_paths=False)
+    job = slurm.submit(cfg, run_doctor)
+    print(slurm.submission_summary(cfg, job), flush=True)
+    _follow(cfg, job)
 
 
 def cmd_ckpt(args: argparse.Namespace) -> None:
@@ -175,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     with_config(sub.add_parser("train", help="train (joins Slurm/torchrun, else starts parallel.nproc ranks)"))
+    doctor = with_config(sub.add_parser("doctor", help="test an allocation: ranks join, one all-reduce per group"))
+    doctor.add_argument("--local", action="store_true", help="on parallel.nproc local processes, not a Slurm job")
     submit = with_config(sub.add_parser("submit", help="submit a Slurm job (sbatch through submitit)"))
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch script and config; submit nothing")
     submit.add_argument("--wait", action="store_true", help="follow the job to its end, streaming rank 0's output")
@@ -202,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {
     "train": cmd_train,
     "submit": cmd_submit,
+    "doctor": cmd_doctor,
     "plan": cmd_plan,
     "config": cmd_config_show,
     "ckpt": cmd_ckpt,

@@ -63,6 +63,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     timeout_s: int = 600  # collective timeout: a dead rank ends the job instead of hanging it
+    rendezvous_timeout_s: int = 300  # every rank must have joined by then; the error names who did not
+    hang_timeout_s: int = 300  # a step unfinished this long: every rank's stack to run_dir/hang, then stop; 0 = off
+    max_restarts: int = 0  # a rank process that dies: restart every rank in the job from the newest checkpoint
 
 
 @dataclass
@@ -118,7 +121,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background while training continues
     verify: str = "full"  # full (sizes + checksums, every rank checking its share) | sizes
     resume: bool = True
-    io_threads: int = 1  # per rank: files written, read and checksummed in parallel (>1: see README)
+    io_threads: int = 1  # per rank: files written, read and checksummed in parallel
 
 
 @dataclass
@@ -152,6 +155,9 @@ class LoggingConfig:
     breakdown: bool = False  # per-step time of forward+backward, gradient reduction, optimizer, bubble estimate
     profile_steps: list[int] = field(default_factory=list)  # [a, b]: torch.profiler trace of steps a..b
     tensorboard: bool = False  # also write the metrics to <run_dir>/tensorboard
+    straggler_interval: int = 50  # every N steps: name the ranks whose compute is slower than the median; 0 = off
+    straggler_threshold: float = 0.2  # ... by more than this fraction
+    straggler_blame: float = 0.0  # a straggler this many times the median has its node excluded next time; 0 = never
 
 
 @dataclass
@@ -184,12 +190,14 @@ POSITIVE = (
     "model.init_std", "parallel.nproc", "parallel.tp", "parallel.pp", "parallel.virtual_stages",
     "parallel.timeout_s", "train.steps", "train.micro_batch_size", "train.grad_accum", "train.eval_batches",
     "train.initial_loss_scale", "train.loss_scale_window", "optim.eps", "slurm.nodes", "slurm.tasks_per_node",
-    "slurm.gpu_mem_gb", "logging.log_interval", "checkpoint.io_threads",
+    "slurm.gpu_mem_gb", "logging.log_interval", "checkpoint.io_threads", "parallel.rendezvous_timeout_s",
 )  # fmt: skip
 NON_NEGATIVE = (
     "train.eval_interval", "train.skip_nonfinite", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay",
     "optim.lr", "optim.min_lr", "optim.bucket_mb", "checkpoint.interval", "checkpoint.keep_last",
     "checkpoint.keep_every", "slurm.gpus_per_node", "slurm.signal_delay_s", "slurm.max_requeues",
+    "parallel.hang_timeout_s", "parallel.max_restarts", "logging.straggler_interval", "logging.straggler_threshold",
+    "logging.straggler_blame",
 )  # fmt: skip
 POSITIVE_IF_SET = ("model.n_kv_heads", "model.ffn_hidden", "train.global_batch_size", "optim.decay_steps")
 NON_NEGATIVE_IF_SET = ("model.recompute_first",)
@@ -348,6 +356,10 @@ def _value_problems(cfg: JobConfig) -> list[str]:
         problems.append(f"name={cfg.name!r} may hold only letters, digits, '.', '_' and '-'")
     if not problems and cfg.optim.min_lr > cfg.optim.lr:
         problems.append(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
+    if cfg.parallel.max_restarts and not (cfg.checkpoint.interval and cfg.checkpoint.resume):
+        problems.append(f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the ranks from the newest "
+                        "checkpoint: set checkpoint.interval (e.g. 100) and checkpoint.resume=true, or "
+                        "parallel.max_restarts=0")  # fmt: skip
     steps = cfg.logging.profile_steps
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")

@@ -1,5 +1,6 @@
-"""Fault injection for the failure tests: real SIGKILLs, hangs and out-of-memory errors at named points of
-a step or of the checkpoint commit protocol, chosen by an environment variable (unset: nothing happens)."""
+"""Fault injection for the failure tests: real SIGKILLs, hangs, slow ranks and out-of-memory errors at
+named points of a step or of the checkpoint commit protocol, chosen by an environment variable (unset:
+nothing happens)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,35 @@ import os
 import signal
 import time
 
+SLOW_S = 0.2  # what a slow rank loses per step
+
 
 def fault_point(point: str, step: int, rank: int) -> None:
-    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang|@oom]] kills this process with
-    SIGKILL there (or makes it hang, as a stuck rank would, or raises an out-of-memory error)."""
+    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang|@stop|@oom|@slow]] kills this process
+    with SIGKILL there (or makes it hang, as a stuck rank would, or stops it with SIGSTOP, as a frozen node
+    would, or raises an out-of-memory error, or from that step on sleeps SLOW_S there, as a rank on a slow
+    node would). Only the first attempt of a run meets its
+    fault: ranks restarted in the job (HPC_TRAIN_RESTART > 0) run clean."""
     spec = os.environ.get("HPC_TRAIN_FAULT", "")
-    if not spec:
+    if not spec or os.environ.get("HPC_TRAIN_RESTART", "0") != "0":
         return
     name, at_step, *rest = spec.split("@")
-    if name == point and int(at_step) == step and int(rest[0] if rest else 0) == rank:
-        if rest[1:] == ["hang"]:
-            time.sleep(10**6)
-        if rest[1:] == ["oom"]:
-            import torch
+    kind = rest[1] if len(rest) > 1 else "kill"
+    if name != point or int(rest[0] if rest else 0) != rank:
+        return
+    if kind == "slow":
+        if step >= int(at_step):
+            time.sleep(SLOW_S)
+        return
+    if step != int(at_step):
+        return
+    if kind == "hang":
+        time.sleep(10**6)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if kind == "oom":
+        import torch
 
-            raise torch.OutOfMemoryError(f"injected by HPC_TRAIN_FAULT={spec}")
-        os.kill(os.getpid(), signal.SIGKILL)
+        raise torch.OutOfMemoryError(f"injected by HPC_TRAIN_FAULT={spec}")
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real Slurm cluster on this machine: two emulated nodes (n1, n2; 4 CPUs each) with accounting
+# A real Slurm cluster on this machine: three emulated nodes (n1-n3; 4 CPUs each) with accounting
 # (slurmdbd + a private MariaDB on a loopback port), for the tests, CI and trying hpc_train without a
 # cluster. Debian/Ubuntu, as root.
 #
@@ -14,7 +14,7 @@ set -euo pipefail
 STATE_DIR=${HPC_TRAIN_SLURM_STATE:-/var/lib/hpc-train-slurm}
 DB_PASSWORD_FILE=$STATE_DIR/db-password
 CLUSTER=hpctrain
-NODES=(n1 n2)
+NODES=(n1 n2 n3)
 CPUS_PER_NODE=4
 MEM_PER_NODE_MB=8000
 CTLD_PORT=16817

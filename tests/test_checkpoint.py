@@ -162,6 +162,22 @@ def test_kill_9_resumes_from_the_last_committed_checkpoint(tmp_path, uninterrupt
     assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 7))
 
 
+def test_killed_rank_restarts_in_the_job_on_the_same_loss_curve(tmp_path, uninterrupted, small_corpus):
+    """parallel.max_restarts=1: rank 1 is killed inside step 5; the launcher restarts both ranks in the same
+    run, they resume from step 4 and end on the uninterrupted run's losses; the time lost is logged."""
+    out = hpc_train_train(tmp_path, small_corpus, 6, "mid_step@5@1", ["parallel.max_restarts=1"])
+    assert out.returncode == 0, out.stderr
+    assert "restarting every rank from the newest checkpoint (in-job restart 1 of parallel.max_restarts=1)" in (
+        out.stderr)  # fmt: skip
+    assert "in-job restart 1: training again" in out.stdout
+    assert "trained after the checkpoint of step 4 are redone" in out.stdout
+    assert [r["step"] for r in resumed_from(tmp_path)] == [4]
+    (restart,) = [m["restart"] for m in read_metrics(tmp_path) if "restart" in m]
+    assert restart["attempt"] == 1 and restart["restart_s"] > 0 and restart["redone_s"] > 0
+    assert losses(tmp_path) == losses(uninterrupted)
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 7))
+
+
 def corrupt(step_dir, how):
     shard = next(step_dir.glob("__0_*.distcp"))
     if how == "truncated shard":
@@ -510,8 +526,9 @@ def test_nonfinite_training_stops_and_keeps_the_finite_checkpoints(tmp_path, sma
     non-finite state is committed and nothing good is pruned (keep_last=1)."""
     diverge = ["optim.lr=1e30", "optim.min_lr=0", "optim.warmup_steps=0", "optim.grad_clip=0",
                "checkpoint.interval=1", "checkpoint.keep_last=1"]  # fmt: skip
-    out = hpc_train_train(tmp_path, small_corpus, 6, extra=diverge)
+    out = hpc_train_train(tmp_path, small_corpus, 6, extra=[*diverge, "parallel.max_restarts=1"])
     assert out.returncode == 2 and "step 2: the gradient norm is nan; stopping" in out.stderr, out.stderr
+    assert "in-job restart" not in out.stderr  # it would stop again: not restarted
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step")) == ["step_0000001"]
     skipping = hpc_train_train(tmp_path / "skip", small_corpus, 6, extra=[*diverge, "train.skip_nonfinite=2"])
     assert "step 2: the gradient norm is nan; step skipped (1 of train.skip_nonfinite=2)" in skipping.stdout

@@ -303,3 +303,53 @@ def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
     uninterrupted = make_cfg("train.steps=150", "train.micro_batch_size=4", "parallel.nproc=2", run="straight")
     launch_local(run_training, 2, uninterrupted)
     assert [m["loss"] for m in read_metrics(run_dir)] == [m["loss"] for m in read_metrics(uninterrupted.run_dir)]
+
+
+@pytest.mark.usefixtures("cluster")
+def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypatch):
+    """parallel.max_restarts=1: the rank on the second node is killed in step 5; the tasks' supervisors start
+    both ranks again in the same job, which resumes from step 4, completes and ends on the uninterrupted
+    run's losses. The node is blamed, and a resubmission of the run excludes it."""
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "mid_step@5@1")  # sbatch passes the environment to the job
+    corpus = make_cfg().data.train_path
+    steps = ["train.steps=8", "train.micro_batch_size=4"]
+    run_dir = tmp_path / "restarted"
+    out = hpc_train("submit", *TINY_MODEL, f"data.train_path={corpus}", *steps, "checkpoint.interval=2",
+                    "slurm.nodes=2", "slurm.tasks_per_node=1", "parallel.max_restarts=1", f"run_dir={run_dir}",
+                    "--wait", timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    job_id = out.stdout.split("submitted job ")[1].split(":")[0]
+    assert sacct_state(job_id) == "COMPLETED"
+    log = (run_dir / "slurm" / f"{job_id}_0_log.err").read_text()
+    assert "restarting every rank from the newest checkpoint (in-job restart 1 of parallel.max_restarts=1)" in log
+    assert [r["resumed_from"]["step"] for r in read_metrics(run_dir) if "resumed_from" in r] == [4]
+    assert [r["restart"]["attempt"] for r in read_metrics(run_dir) if "restart" in r] == [1]
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 9))
+    monkeypatch.delenv("HPC_TRAIN_FAULT")
+    uninterrupted = make_cfg(*steps, "parallel.nproc=2", run="straight")
+    launch_local(run_training, 2, uninterrupted)
+    assert [m["loss"] for m in read_metrics(run_dir)] == [m["loss"] for m in read_metrics(uninterrupted.run_dir)]
+    # the killed rank's node is blamed, and the run's next job leaves it out (the cluster has n1, n2, n3)
+    (reason,) = json.loads((run_dir / "bad_nodes.json").read_text())["n2"]
+    assert reason["reason"] == "rank 1 was killed by SIGKILL" and reason["job"] == job_id
+    blamed = f"blamed in {run_dir}/bad_nodes.json: n2 (rank 1 was killed by SIGKILL, job {job_id})"
+    resubmit = [*TINY_MODEL, f"data.train_path={corpus}", "train.steps=10", "train.micro_batch_size=4",
+                "checkpoint.interval=2", "slurm.tasks_per_node=1", f"run_dir={run_dir}"]  # fmt: skip
+    three = hpc_train("submit", *resubmit, "slurm.nodes=3", "--dry-run")  # it would leave too few nodes
+    assert f"# not excluding the node(s) {blamed}; the job needs 3 node(s) and only 2 would remain" in three.stdout
+    again = hpc_train("submit", *resubmit, "slurm.nodes=2", "--wait", timeout=240)
+    assert again.returncode == 0 and f"excluding node(s) {blamed}" in again.stdout, again.stdout + again.stderr
+    second = again.stdout.split("submitted job ")[1].split(":")[0]
+    assert "#SBATCH --exclude=n2\n" in (run_dir / "slurm" / f"{second}_submission.sh").read_text()
+    placed = subprocess.run(["sacct", "-j", second, "-X", "-n", "-o", "NodeList%40"], capture_output=True, text=True)
+    assert placed.stdout.strip() == "n[1,3]"
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 11))
+
+
+@pytest.mark.usefixtures("cluster")
+def test_doctor_job_tests_the_allocation(tmp_path):
+    out = hpc_train("doctor", "configs/tiny.yaml", "slurm.nodes=2", "slurm.tasks_per_node=1", f"run_dir={tmp_path}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "doctor: 2 ranks (pp 1, dp 2, tp 1) joined through n1:" in out.stdout
+    assert "    0  n1 " in out.stdout and "    1  n2 " in out.stdout
+    assert "  world  (2 ranks per group): " in out.stdout and "finished: COMPLETED" in out.stdout

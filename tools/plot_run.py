@@ -1,4 +1,5 @@
-"""Plot loss (and eval loss), tokens/s and memory of one or more runs to a PNG.
+"""Plot loss (and eval loss), tokens/s and memory of one or more runs to a PNG, and for each run with a
+straggler report (logging.straggler_interval) a heat strip of every rank's compute time over the median.
 
 python tools/plot_run.py runs/tiny runs/other --out runs.png
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -20,9 +22,19 @@ def read(run_dir: Path) -> list[dict]:
 
 
 def plot(run_dirs: list[Path], out: Path) -> Path:
-    fig, (loss_ax, speed_ax, mem_ax) = plt.subplots(1, 3, figsize=(15, 4))
-    for i, run_dir in enumerate(run_dirs):
-        records, color = read(run_dir), f"C{i}"  # one colour per run in every panel
+    runs = {run_dir: read(run_dir) for run_dir in run_dirs}
+    strips = {d: [r for r in records if "rank_compute_s" in r] for d, records in runs.items()}
+    strips = {
+        d: [r for r in reports if len(r["rank_compute_s"]) == len(reports[-1]["rank_compute_s"])]
+        for d, reports in strips.items()
+        if reports
+    }  # the last layout's world size, if it changed
+    fig, axes = plt.subplots(1, 3 + len(strips), figsize=(15 + 5 * len(strips), 4))
+    loss_ax, speed_ax, mem_ax = axes[:3]
+    for ax, (run_dir, reports) in zip(axes[3:], strips.items(), strict=True):
+        heat_strip(fig, ax, run_dir.name, reports)
+    for i, (run_dir, records) in enumerate(runs.items()):
+        color = f"C{i}"  # one colour per run in every panel
         steps = [r["step"] for r in records]
         loss_ax.plot(steps, [r["loss"] for r in records], color=color, label=f"{run_dir.name} train")
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
@@ -39,6 +51,18 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def heat_strip(fig, ax, name: str, reports: list[dict]) -> None:
+    """Ranks down, reports across: each rank's compute time over the median of its report (1 = typical)."""
+    ratios = [[c / max(statistics.median(r["rank_compute_s"]), 1e-12) for c in r["rank_compute_s"]] for r in reports]
+    image = ax.imshow(list(zip(*ratios, strict=True)), aspect="auto", cmap="magma_r", vmin=1.0,
+                      vmax=max(1.5, max(map(max, ratios))), interpolation="nearest")  # fmt: skip
+    ax.set_xticks(range(len(reports)), [str(r["step"]) for r in reports])
+    ax.set_title(f"{name}: compute time / median, per rank")
+    ax.set_xlabel("step")
+    ax.set_ylabel("rank")
+    fig.colorbar(image, ax=ax)
 
 
 def main() -> None:

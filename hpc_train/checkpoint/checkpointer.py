@@ -41,7 +41,7 @@ from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_dige
 from hpc_train.checkpoint.ownership import DirectoryLock, refuse_foreign
 from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.state import ShardedPart, Stateful
-from hpc_train.checkpoint.store import CheckpointError, CheckpointStore
+from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from hpc_train.config import JobConfig, to_yaml
 from hpc_train.faults import fault_point
 
@@ -67,6 +67,7 @@ def upgrade_rank_state(state: dict[str, Any]) -> dict[str, Any]:
 class Resumed:
     step: int
     layout: dict[str, Any]  # the layout it was saved with
+    committed_at: float  # when it was committed (its manifest's time), to tell what a restart redoes
 
 
 class Checkpointer:
@@ -287,7 +288,7 @@ class Checkpointer:
                 part.load_state_dict(own[name])
         change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
         self.report(f"resumed from {path} (step {step}{change})")
-        return Resumed(step, manifest["layout"])
+        return Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime)
 
     def _check_shapes(self, path: str, stored: dict[str, tuple[int, ...]]) -> None:
         """Every tensor of a `strict` part (the model) must be in the checkpoint with its shape."""

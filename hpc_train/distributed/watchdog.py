@@ -1,16 +1,34 @@
-"""Naming the rank that stopped: every rank records where it is (step, and phase within the step) in the
-job's rendezvous store; when a collective times out (a peer hung or died), the error lists the ranks
-that are behind."""
+"""Naming the rank that stopped. Every rank records where it is (step, and phase within the step) in the
+job's rendezvous store. When a collective times out (a peer hung or died), the error lists the ranks that
+are behind; when a step does not finish within `parallel.hang_timeout_s` (far sooner than a collective
+times out), every rank writes its Python stacks to `run_dir/hang/` and one of them prints a summary: which
+rank is in which step and operation, which ranks never arrived."""
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from hpc_train.errors import HANG_EXIT
+from hpc_train.launch.bad_nodes import blame
+from hpc_train.launch.bootstrap import node_name
+
 KEY = "hpc_train/progress/{}"
+WHO = "hpc_train/who/{}"  # "<host> <pid> <Slurm node>" of each rank, for the hang summary
 PHASES = ("started", "finished the backward pass of", "finished")
+STACK = "rank{:05d}.txt"
 
 
 def _store():
@@ -26,18 +44,188 @@ def is_timeout(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
 
 
+def _read(keys: list[str]) -> list[str | None]:
+    """The store's values (None where unset), or an OSError-like failure when the store is gone."""
+    store = _store()
+    store.set_timeout(timedelta(seconds=5))
+    return [store.get(k).decode() if store.check([k]) else None for k in keys]
+
+
+def _describe(step: int, phase: int) -> str:
+    return f"{PHASES[phase]} step {step}" if step else "not started training"
+
+
+def _progress(values: list[str | None]) -> tuple[dict[int, tuple[int, int]], tuple[int, int], list[int]]:
+    """Each rank's (step, phase) from its record, the furthest one, and the ranks behind it."""
+    where = {r: tuple(map(int, v.split())) if v else (0, 0) for r, v in enumerate(values)}
+    front = max(where.values())
+    return where, front, [r for r, w in where.items() if w < front]
+
+
 def stragglers(world_size: int) -> str:
     """e.g. 'rank 1 started step 2 (the others finished backward of step 2)', or why it could not be read."""
     try:
-        store = _store()
-        store.set_timeout(timedelta(seconds=5))
-        keys = [KEY.format(r) for r in range(world_size)]
-        where = {r: tuple(map(int, store.get(k).split())) if store.check([k]) else (0, 0) for r, k in enumerate(keys)}
+        where, front, behind = _progress(_read([KEY.format(r) for r in range(world_size)]))
     except Exception as err:  # the store lives on rank 0's host: it may be gone too
         return f"could not read the other ranks' progress ({err})"
-    describe = lambda step, phase: f"{PHASES[phase]} step {step}" if step else "not started training"
-    front = max(where.values())
-    behind = [f"rank {r} {describe(*w)}" for r, w in where.items() if w < front]
     if not behind:
-        return f"every rank {describe(*front)}"
-    return ", ".join(behind) + f" (the others {describe(*front)})"
+        return f"every rank {_describe(*front)}"
+    return ", ".join(f"rank {r} {_describe(*where[r])}" for r in behind) + f" (the others {_describe(*front)})"
+
+
+class HangWatchdog:
+    """A thread that fires when an armed step has not finished within `timeout_s`: this rank writes the
+    stacks of all its threads to `run_dir/hang/rank<r>.txt` and waits `grace_s` for the others'; the
+    lowest rank with a stack writes and prints `summary.txt`; every rank exits with HANG_EXIT, which ends
+    the job (srun's --kill-on-bad-exit, the local launcher) instead of leaving it blocked until the
+    collective timeout. A stack is taken by the rank itself (faulthandler), so a rank blocked in C code
+    that holds the GIL, or a frozen process, has none: the summary names it by its place and state."""
+
+    def __init__(self, timeout_s: int, run_dir: str | Path, world_size: int, grace_s: float = 10.0):
+        self.timeout_s, self.grace_s, self.world = timeout_s, grace_s, world_size
+        self.run_dir, self.dir = run_dir, Path(run_dir) / "hang"
+        self.rank = dist.get_rank()
+        self.deadline: float | None = None
+        self.step = 0
+        self.done = threading.Event()
+        if not timeout_s:
+            return
+        if self.rank == 0 and self.dir.exists():  # an earlier hang's files, kept aside (no rank can fire yet)
+            self.dir.rename(
+                self.dir.with_name(time.strftime("hang-%Y%m%d-%H%M%S", time.localtime(self.dir.stat().st_mtime)))
+            )
+        _store().set(WHO.format(self.rank), f"{socket.gethostname()} {os.getpid()} {node_name()}")
+        threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
+
+    def arm(self, step: int) -> None:
+        self.step, self.deadline = step, time.monotonic() + self.timeout_s
+
+    def disarm(self) -> None:
+        self.deadline = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not timed: work of unbounded length inside a step (evaluation, a profiler trace's export)."""
+        deadline, self.deadline = self.deadline, None
+        try:
+            yield
+        finally:
+            if deadline is not None:
+                self.arm(self.step)
+
+    def close(self) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        while not self.done.wait(min(1.0, self.timeout_s / 4)):
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() > deadline:
+                try:
+                    self._fire()
+                finally:  # whatever failed while reporting, the run must not stay hung
+                    sys.stderr.flush()
+                    os._exit(HANG_EXIT)
+
+    def _fire(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / STACK.format(self.rank), "w") as f:
+            f.write(f"rank {self.rank} on {socket.gethostname()} (pid {os.getpid()}): step {self.step} unfinished "
+                    f"after parallel.hang_timeout_s={self.timeout_s}s; main thread "
+                    f"0x{threading.main_thread().ident:016x}\n")  # fmt: skip
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+        summary = self.dir / "summary.txt"
+        deadline = time.monotonic() + self.grace_s  # the others are blocked on this rank, or it on them
+        while time.monotonic() < deadline and len(self._stacks()) < self.world and not summary.exists():
+            time.sleep(0.2)
+        if not summary.exists() and self.rank == min(self._stacks()):
+            text = self._summary()
+            tmp = self.dir / f"summary.{self.rank}.tmp"
+            tmp.write_text(text)
+            try:
+                os.link(tmp, summary)  # exclusive: one rank's summary, printed once
+                print(text, file=sys.stderr, flush=True)
+            except FileExistsError:
+                pass
+            tmp.unlink()
+        deadline = time.monotonic() + 2 * self.grace_s
+        while time.monotonic() < deadline and not summary.exists():
+            time.sleep(0.2)
+
+    def _stacks(self) -> set[int]:
+        return {int(p.stem[4:]) for p in self.dir.glob("rank*.txt")}
+
+    def _summary(self) -> str:
+        try:
+            progress = _read([KEY.format(r) for r in range(self.world)])
+            who = _read([WHO.format(r) for r in range(self.world)])
+        except Exception as err:  # the store lives on rank 0's host, which may be the one that is stuck
+            progress, who = [None] * self.world, [None] * self.world
+            unread = f" (progress unknown: {err})"
+        else:
+            unread = ""
+        self._note_frozen(who)
+        where, front, behind = _progress(progress)
+        lines = [f"hang: a step did not finish within parallel.hang_timeout_s={self.timeout_s}s{unread}; stacks "
+                 f"in {self.dir}"]  # fmt: skip
+        if behind:
+            lines.append(f"ranks that never arrived: {', '.join(map(str, behind))} (the others {_describe(*front)})")
+        for node in sorted({who[r].split()[2] for r in behind if who[r]}):
+            blame(self.run_dir, node, f"a rank on it never arrived in step {front[0]} (hang)")
+        for r in range(self.world):
+            place = f" on {who[r].split()[0]} (pid {who[r].split()[1]})" if who[r] else ""
+            lines.append(f"  rank {r}{place}: {_describe(*where[r])}; {self._operation(r, who[r])}")
+        return "\n".join(lines) + "\n"
+
+    def _note_frozen(self, who: list[str | None]) -> None:
+        """A rank without a stack whose process is on this host and stopped (SIGSTOP, a debugger) or in
+        uninterruptible sleep cannot run code to write one: its file says so, with the kernel's view."""
+        states = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O, a driver)"}
+        for r in set(range(self.world)) - self._stacks():
+            if not who[r] or who[r].split()[0] != socket.gethostname():
+                continue
+            pid = int(who[r].split()[1])
+            state = _state(pid)
+            if state in states:
+                (self.dir / STACK.format(r)).write_text(
+                    f"rank {r} on {socket.gethostname()} (pid {pid}): no Python stack: the process is "
+                    f"{states[state]} (state {state}) and cannot write one\n"
+                )
+
+    def _operation(self, rank: int, who: str | None) -> str:
+        """Where the rank's main thread is, from its stack: the innermost frame, and the innermost of ours."""
+        path = self.dir / STACK.format(rank)
+        if not path.exists():
+            pid = who.split()[1] if who else "?"
+            return f"no stack (process {pid} is frozen or its node is gone)"
+        text = path.read_text(errors="replace")
+        main = re.search(r"main thread (0x[0-9a-f]+)", text)
+        block = text.split(f"Thread {main.group(1)}")[-1] if main else text
+        frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+        if not frames:
+            return text.split(": ", 1)[-1].strip()
+        inner = frames[0]
+        ours = next((f for f in frames if "hpc_train" in f[0]), None)
+        described = f"in {inner[2]} ({_short(inner[0])}:{inner[1]})"
+        if ours and ours != inner:
+            described += f" called from {ours[2]} ({_short(ours[0])}:{ours[1]})"
+        return described
+
+
+def _short(path: str) -> str:
+    """A frame's file from its package down (torch/..., hpc_train/...)."""
+    parts = Path(path).parts
+    for anchor in ("hpc_train", "torch"):
+        if anchor in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor) :])
+    return Path(path).name
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (R, S, D, T, ...); '' when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+    match = re.search(r"^State:\s+(\S)", status, flags=re.MULTILINE)
+    return match.group(1) if match else ""

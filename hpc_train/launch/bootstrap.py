@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hpc_train.errors import UserError
+
 # below Linux's ephemeral range (32768-60999), so no outgoing connection can be holding the derived port
 PORT_BASE, PORT_SPAN = 20000, 12000
 # Slurm's warning before the time limit (--signal=USR2@<delay>, submitit's choice) and its preemption/cancel
@@ -37,8 +39,8 @@ class RankEnv:
     master_addr: str
     master_port: int
     source: str  # slurm | torchrun | local
-    # set by the local launcher, which serves the rendezvous store itself: join it as a client under this
-    # prefix (one per run of a sequence) instead of having rank 0 bind master_port
+    # set where a launcher serves the rendezvous store (the local launcher, a restart supervisor, torchrun's
+    # agent): join it as a client under this prefix (one per start) instead of having rank 0 bind master_port
     store_prefix: str = ""
 
 
@@ -88,6 +90,9 @@ def detect_rank_env(env: Mapping[str, str] | None = None) -> RankEnv | None:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
             node_rank=int(env.get("GROUP_RANK", 0)), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)), source="torchrun",
+            # torchrun's agent serves the store on MASTER_PORT: join it, one prefix per torchrun restart
+            store_prefix=f"torchrun{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "",
         )  # fmt: skip
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:  # an srun step
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]
@@ -103,12 +108,16 @@ def detect_rank_env(env: Mapping[str, str] | None = None) -> RankEnv | None:
     return None
 
 
+def node_name() -> str:
+    """This process's node as Slurm knows it (several emulated nodes can share one host name)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def describe_rank(rank_env: RankEnv) -> dict[str, int | str]:
     """Where this rank runs, for the run's rank_layout.json (the node name as Slurm knows it)."""
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     return {
         "rank": rank_env.rank, "local_rank": rank_env.local_rank, "node_rank": rank_env.node_rank,
-        "node": node, "source": rank_env.source,
+        "node": node_name(), "source": rank_env.source,
     }  # fmt: skip
 
 
@@ -122,21 +131,21 @@ def select_device(requested: str, local_rank: int) -> torch.device:
 
 
 @contextmanager
-def distributed(rank_env: RankEnv, device: torch.device, backend: str, timeout_s: int) -> Iterator[None]:
-    """Join the default process group (nccl on CUDA, gloo on CPU, or as configured) for the block; leaving
-    it, however it ends, destroys every group and frees them before the interpreter exits (`_free_groups`)."""
+def distributed(
+    rank_env: RankEnv, device: torch.device, backend: str, timeout_s: int, rendezvous_timeout_s: int = 300
+) -> Iterator[None]:
+    """Join the default process group (nccl on CUDA, gloo on CPU, or as configured) for the block, once every
+    rank has arrived (`rendezvous`); leaving it, however it ends, destroys every group and frees them
+    before the interpreter exits (`_free_groups`)."""
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cpu":  # share the cores between the processes on this node
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rank_env.local_world_size))
-    timeout = timedelta(seconds=timeout_s)
-    rendezvous: dict = {"init_method": f"tcp://{rank_env.master_addr}:{rank_env.master_port}"}
-    if rank_env.store_prefix:
-        client = dist.TCPStore(rank_env.master_addr, rank_env.master_port, is_master=False, timeout=timeout)
-        rendezvous = {"store": dist.PrefixStore(rank_env.store_prefix, client)}
+    store = rendezvous(rank_env, rendezvous_timeout_s)
+    store.set_timeout(timedelta(seconds=timeout_s))
     dist.init_process_group(
-        backend=backend, rank=rank_env.rank, world_size=rank_env.world_size, timeout=timeout,
-        device_id=device if device.type == "cuda" else None, **rendezvous,
+        backend=backend, rank=rank_env.rank, world_size=rank_env.world_size, timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None, store=store,
     )  # fmt: skip
     try:
         yield
@@ -146,6 +155,55 @@ def distributed(rank_env: RankEnv, device: torch.device, backend: str, timeout_s
     finally:
         dist.destroy_process_group()
         gc.collect()
+
+
+class RendezvousError(UserError):
+    """The ranks could not all meet: the message names the address, who arrived and the usual causes."""
+
+
+RENDEZVOUS_CAUSES = (
+    "usual causes: the master's host name resolves differently (or not at all) on some node; a firewall "
+    "blocks the port between the nodes; the tasks disagree on the world size (another --ntasks, or a task "
+    "that failed before joining: see its log)"
+)
+
+
+def rendezvous(rank_env: RankEnv, timeout_s: int) -> dist.Store:
+    """The job's store, once every rank has marked its arrival in it: served by rank 0 on master_port (or by
+    the local launcher or a restart supervisor: `store_prefix`), joined by the others as clients. Waits at
+    most `timeout_s` (parallel.rendezvous_timeout_s), then names what failed instead of hanging."""
+    where = f"{rank_env.master_addr}:{rank_env.master_port}"
+    serves = rank_env.rank == 0 and not rank_env.store_prefix
+    try:
+        store: dist.Store = dist.TCPStore(rank_env.master_addr, rank_env.master_port, is_master=serves,
+                                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)  # fmt: skip
+    except Exception as err:  # DistNetworkError and friends: connection refused, timed out, name not resolved
+        doing = f"serve the rendezvous store on port {rank_env.master_port}" if serves else f"reach {where}"
+        raise RendezvousError(
+            f"rank {rank_env.rank}: could not {doing} within parallel.rendezvous_timeout_s={timeout_s}s "
+            f"({str(err).strip().splitlines()[0]}); {_resolves(rank_env.master_addr)}; {RENDEZVOUS_CAUSES}"
+        ) from None
+    if rank_env.store_prefix:
+        store = dist.PrefixStore(rank_env.store_prefix, store)
+    keys = [f"hpc_train/arrived/{r}" for r in range(rank_env.world_size)]
+    store.set(keys[rank_env.rank], socket.gethostname())
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception:  # DistStoreError: the wait timed out
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RendezvousError(
+            f"rank {rank_env.rank}: rendezvous at {where}: {rank_env.world_size - len(missing)} of "
+            f"{rank_env.world_size} ranks arrived within parallel.rendezvous_timeout_s={timeout_s}s; never "
+            f"arrived: rank(s) {', '.join(map(str, missing))}; {RENDEZVOUS_CAUSES}"
+        ) from None
+    return store
+
+
+def _resolves(host: str) -> str:
+    try:
+        return f"{host} resolves to {socket.gethostbyname(host)} here"
+    except OSError:
+        return f"{host} does not resolve here"
 
 
 def _free_groups(err: BaseException) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from hpc_train.config import ConfigError, JobConfig
-from hpc_train.errors import RankFailed, UserError
-from hpc_train.launch.bootstrap import STOP_SIGNALS, RankEnv, distributed
-
-USER_ERROR_EXIT = 2
+from hpc_train.errors import HANG_EXIT, USER_ERROR_EXIT, RankFailed
+from hpc_train.launch.bootstrap import RankEnv, distributed
+from hpc_train.launch.restart import Attempt, exit_description, forwarding_stop_signals, run_rank
 
 
 def serve_store() -> dist.TCPStore:
@@ -56,12 +56,8 @@ def local_rank_env(rank: int, nproc: int, port: int, prefix: str) -> RankEnv:
     return RankEnv(rank, nproc, rank, nproc, 0, "127.0.0.1", port, "local", store_prefix=prefix)
 
 
-def _spawned(rank: int, entry: Callable[..., Any], nproc: int, port: int, args: tuple) -> None:
-    try:
-        entry(local_rank_env(rank, nproc, port, "run0"), *args)
-    except UserError as err:  # a message, not a traceback; the launcher turns the exit code into RankFailed
-        print(f"hpc-train: error: rank {rank}: {err}", file=sys.stderr, flush=True)
-        sys.exit(USER_ERROR_EXIT)
+def _spawned(rank: int, entry: Callable[..., Any], nproc: int, port: int, attempt: Attempt, args: tuple) -> None:
+    run_rank(local_rank_env(rank, nproc, port, f"run0-{attempt.number}"), entry, attempt, args)
 
 
 def _sequence(rank_env: RankEnv, runs: list[tuple]) -> None:
@@ -75,35 +71,51 @@ def launch_sequence(entry: Callable[..., Any], nproc: int, arg_lists: list[tuple
     launch_local(_sequence, nproc, [(entry, tuple(args)) for args in arg_lists])
 
 
-def launch_local(entry: Callable[..., Any], nproc: int, *args: Any) -> Any:
-    """Run `entry(rank_env, *args)` on `nproc` ranks. One rank runs in this process and its result is
-    returned; several are spawned, and the first failing rank's traceback is raised here. SIGTERM and
-    SIGUSR2 sent to this launcher reach every rank, as Slurm signals every task of a job."""
+def launch_local(entry: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0) -> Any:
+    """Run `entry(rank_env, *args)` on `nproc` ranks. One rank without restarts runs in this process and its
+    result is returned; otherwise the ranks are spawned, and the first failing rank's error is raised here
+    once `max_restarts` in-job restarts are spent: a rank that dies, raises or hangs restarts every rank
+    (the run resumes from its newest checkpoint); one that stopped on a UserError does not, since bad input
+    stays bad. SIGTERM and SIGUSR2 sent to this launcher reach every rank, as Slurm signals every task."""
     store = serve_store()  # lives as long as this call: the ranks rendezvous through it
-    if nproc == 1:
-        return entry(local_rank_env(0, 1, store.port, "run0"), *args)
-    context = mp.start_processes(_spawned, args=(entry, nproc, store.port, args), nprocs=nproc,
+    if nproc == 1 and not max_restarts:
+        return entry(local_rank_env(0, 1, store.port, "run0-0"), *args)
+    attempt = Attempt(0)
+    while True:
+        try:
+            return _attempt(entry, nproc, store.port, attempt, args)
+        except ProcessException as err:
+            if attempt.number >= max_restarts:
+                if getattr(err, "exit_code", None) == HANG_EXIT:
+                    hung = f"rank {err.error_index} stopped a hung run: the summary is printed above"
+                    raise RankFailed(hung) from None
+                raise
+            attempt = Attempt(attempt.number + 1, time.time())
+            print(f"hpc-train: rank {err.error_index} {_how(err)}; restarting every rank from the newest checkpoint "
+                  f"(in-job restart {attempt.number} of parallel.max_restarts={max_restarts})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _how(err: ProcessException) -> str:
+    """What happened to the rank, for the restart's log line."""
+    if isinstance(err, mp.ProcessExitedException):
+        return exit_description(err.exit_code)
+    return "failed: " + str(err).strip().splitlines()[-1]
+
+
+def _attempt(entry: Callable[..., Any], nproc: int, port: int, attempt: Attempt, args: tuple) -> None:
+    context = mp.start_processes(_spawned, args=(entry, nproc, port, attempt, args), nprocs=nproc,
                                  start_method="spawn", join=False)  # fmt: skip
-
-    def forward(signum, frame):
-        for process in context.processes:
-            if process.is_alive():
-                os.kill(process.pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-    try:
-        # once a rank has failed the others cannot finish a step: 5 s to exit, then SIGKILL (a hung rank
-        # keeps ignoring SIGTERM, which it treats as a request to stop after its current step)
-        while not context.join(grace_period=5):
-            pass
-    except mp.ProcessExitedException as err:
-        if err.exit_code != USER_ERROR_EXIT:
+    with forwarding_stop_signals(context.processes):
+        try:
+            # once a rank has failed the others cannot finish a step: 5 s to exit, then SIGKILL (a hung rank
+            # keeps ignoring SIGTERM, which it treats as a request to stop after its current step)
+            while not context.join(grace_period=5):
+                pass
+        except mp.ProcessExitedException as err:
+            if err.exit_code == USER_ERROR_EXIT:
+                raise RankFailed(f"rank {err.error_index} stopped on the error printed above") from None
             raise
-        raise RankFailed(f"rank {err.error_index} stopped on the error printed above") from None
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return None
 
 
 @contextmanager

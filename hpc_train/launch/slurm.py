@@ -23,7 +23,9 @@ from typing import Any
 import submitit
 
 from hpc_train.config import ConfigError, JobConfig, has_control_chars, to_yaml
+from hpc_train.launch.bad_nodes import exclusion
 from hpc_train.launch.bootstrap import RankEnv, detect_rank_env
+from hpc_train.launch.restart import run_task
 
 # Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 TIME_FORMATS = (
@@ -172,6 +174,7 @@ def executor_parameters(cfg: JobConfig) -> dict[str, Any]:
         "exclusive": s.exclusive or None,
         "setup": list(s.setup) or None,
         "additional_parameters": dict(s.extra) or None,
+        "exclude": ",".join(exclusion(cfg.run_dir, s.nodes)[0]) or None,  # launch/bad_nodes.py
     }
     params.update({k: v for k, v in optional.items() if v is not None})
     return params
@@ -203,7 +206,7 @@ class SlurmTask:
         rank_env = detect_rank_env()
         if rank_env is None:
             raise RuntimeError("SlurmTask runs inside an srun step; no SLURM_PROCID/SLURM_STEP_ID found")
-        self.entry(rank_env, self.cfg)
+        run_task(self.entry, rank_env, self.cfg)
 
 
 def sbatch_script(cfg: JobConfig) -> str:
@@ -212,11 +215,18 @@ def sbatch_script(cfg: JobConfig) -> str:
     return executor._make_submission_file_text(executor._submitit_command_str, uid="dry-run")
 
 
+def excluded_nodes(cfg: JobConfig) -> str:
+    """The line saying which blamed nodes the job leaves out, and why (or why not); '' when none."""
+    line = exclusion(cfg.run_dir, cfg.slurm.nodes)[1]
+    return f"{line}\n" if line else ""
+
+
 def dry_run(cfg: JobConfig, layout: str) -> str:
     """The exact job, for a config already checked; `layout` describes the ranks' mesh."""
+    excluded = f"# {excluded}" if (excluded := excluded_nodes(cfg)) else ""
     return (
         f"# hpc_train dry run: nothing submitted. {cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node} task(s) "
-        f"= {cfg.slurm.nodes * cfg.slurm.tasks_per_node} ranks as ({layout})\n"
+        f"= {cfg.slurm.nodes * cfg.slurm.tasks_per_node} ranks as ({layout})\n{excluded}"
         f"# ---- sbatch script ----\n{sbatch_script(cfg)}\n# ---- resolved config ----\n{to_yaml(cfg)}"
     )
 
@@ -278,7 +288,7 @@ def follow(job, poll_s: float = 1.0, out=sys.stdout) -> str:
 
 def submission_summary(cfg: JobConfig, job) -> str:
     stdout, stderr = task_logs(job, 0)
-    return (
+    return excluded_nodes(cfg) + (
         f"submitted job {job.job_id}: {cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node} task(s), run dir "
         f"{cfg.run_dir}\n  rank 0 logs: {stdout}\n              {stderr}\n"
         f"  follow: tail -f {shlex.quote(str(stdout))}   |   squeue -j {job.job_id}   |   "

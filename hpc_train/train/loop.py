@@ -5,6 +5,7 @@ backward -> reduce, clip, update (train/step.py) -> eval -> metrics -> checkpoin
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -12,8 +13,11 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.builder import Run, build_run
+from hpc_train.checkpoint.checkpointer import Resumed
 from hpc_train.config import JobConfig
 from hpc_train.distributed import watchdog
+from hpc_train.distributed.watchdog import HangWatchdog
+from hpc_train.launch.bad_nodes import blame
 from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
 from hpc_train.optim.schedule import lr_at
 from hpc_train.train.metrics import peak_memory_bytes
@@ -21,6 +25,7 @@ from hpc_train.train.preemption import StopRequest, requeue_slurm_job
 from hpc_train.train.profiling import ProfileWindow, write_oom_report
 from hpc_train.train.report import TrainResult, announce, finish
 from hpc_train.train.step import NonFiniteStep, StepResult, evaluate, rank_micro_batches, train_step
+from hpc_train.train.stragglers import StragglerMonitor, describe_stragglers
 
 
 def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
@@ -30,7 +35,8 @@ def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
     stop = StopRequest().install()
     last_memory: dict[str, int] = {}  # the last step's measured bytes, for an out-of-memory report
     try:
-        with distributed(rank_env, device, cfg.parallel.backend, cfg.parallel.timeout_s):
+        p = cfg.parallel
+        with distributed(rank_env, device, p.backend, p.timeout_s, p.rendezvous_timeout_s):
             try:
                 return train(build_run(cfg, rank_env, device), stop, last_memory)
             except torch.OutOfMemoryError:
@@ -51,9 +57,11 @@ def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
 def train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainResult:
     """Claim the checkpoint directory, resume, train; the claim ends with the run, however it ends."""
     run.checkpointer.claim()
+    hang = HangWatchdog(run.cfg.parallel.hang_timeout_s, run.cfg.run_dir, run.rank_env.world_size)
     try:
-        return _train(run, stop, last_memory)
+        return _train(run, stop, last_memory, hang)
     finally:
+        hang.close()
         run.checkpointer.release()
 
 
@@ -71,16 +79,47 @@ def _nonfinite(run: Run, step: int, err: NonFiniteStep, skipped: int) -> StepRes
     return StepResult(float("nan"), float("nan"))
 
 
-def _train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainResult:
+def _restart_figures(run: Run, resumed: Resumed | None) -> dict[str, float] | None:
+    """After an in-job restart (the launcher sets HPC_TRAIN_RESTART and HPC_TRAIN_FAILED_AT): the time from
+    the failure until training again, and the training since the resumed checkpoint that is done again."""
+    attempt = int(os.environ.get("HPC_TRAIN_RESTART", "0"))
+    if not attempt:
+        return None
+    failed_at = float(os.environ.get("HPC_TRAIN_FAILED_AT", "0"))
+    figures = {"attempt": attempt, "restart_s": round(time.time() - failed_at, 3)}
+    lost = f"in-job restart {attempt}: training again {figures['restart_s']:.1f}s after the failure"
+    if resumed is not None:
+        figures["redone_s"] = round(failed_at - resumed.committed_at, 3)
+        lost += f"; the {figures['redone_s']:.1f}s trained after the checkpoint of step {resumed.step} are redone"
+    run.report(lost)
+    return figures
+
+
+def _report_stragglers(run: Run, stragglers: list[dict], step: int) -> None:
+    """Rank 0: the slow ranks in the log; the nodes of those past logging.straggler_blame are blamed."""
+    log = run.cfg.logging
+    if not stragglers or run.metrics is None:
+        return
+    run.report(describe_stragglers(stragglers, step, log.straggler_interval))
+    for slow in stragglers:
+        if log.straggler_blame and slow["slower"] >= log.straggler_blame:
+            blame(run.cfg.run_dir, slow["host"], f"rank {slow['rank']} computed {slow['slower']:.2f}x the median")
+
+
+def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangWatchdog) -> TrainResult:
     cfg, t = run.cfg, run.cfg.train
     resumed = run.checkpointer.resume() if cfg.checkpoint.resume else None
     start_step = resumed.step if resumed else 0
     meter = announce(run, start_step)
+    restart = _restart_figures(run, resumed)
     profile = ProfileWindow(cfg.logging.profile_steps, Path(cfg.run_dir), run.rank_env.rank, run.device)
     result = TrainResult()
     nonfinite_steps = 0
+    monitor = StragglerMonitor(cfg.logging, run.device, (run.mesh.rank("pp"), run.mesh.rank("tp")))
     for step in range(start_step + 1, t.steps + 1):
         watchdog.record(step, 0)
+        if step > start_step + 1:  # the first step of a process sets up communicators and compiles: untimed
+            hang.arm(step)
         lr = lr_at(step - 1, cfg.optim, t.steps)
         start = time.perf_counter()
         micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device)
@@ -88,30 +127,39 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainRes
         timings = {} if cfg.logging.breakdown else None
         try:
             stats = train_step(run.model, run.optimizer, micro_batches, lr, cfg.optim.grad_clip, run.scaler, step,
-                               timings)  # fmt: skip
+                               timings, monitor.clock)  # fmt: skip
         except NonFiniteStep as err:
             nonfinite_steps += 1
             stats, timings = _nonfinite(run, step, err, nonfinite_steps), None
-        profile.after_step(step)
+        with hang.paused():
+            profile.after_step(step)
         last_memory.update(stats.memory)
         elapsed = time.perf_counter() - start
         result.losses.append(stats.loss)
 
         record = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm}
         if run.valid_set is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
-            record["eval_loss"] = result.eval_losses[step] = evaluate(run.model, run.valid_set, cfg)
+            with hang.paused():
+                record["eval_loss"] = result.eval_losses[step] = evaluate(run.model, run.valid_set, cfg)
         # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
         agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None)],
                               device=run.device)  # fmt: skip
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         stop_requested = bool(agreed[2].item())
+        monitor.add(elapsed)  # after the all-reduce: the step is done on the device
+        if slow := monitor.report(step):
+            record.update(slow)
+            _report_stragglers(run, slow["stragglers"], step)
         record.update(meter.fields(step, elapsed, stats.memory, (agreed[0].item(), agreed[1].item()), timings))
         record["consumed_samples"] = run.sampler.consumed_samples
         if run.scaler:
             record.update(loss_scale=run.scaler.scale, skipped_steps=run.scaler.skipped_steps)
         if resumed is not None and step == start_step + 1:  # where this run picked up, for the record
             record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout}
+        if restart and step == start_step + 1:
+            record["restart"] = restart
         watchdog.record(step, 2)
+        hang.disarm()
         if run.checkpointer.should_save(step, stop_requested):
             if run.metrics:
                 run.metrics.hold(record)
@@ -124,7 +172,7 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainRes
             run.checkpointer.wait()
             run.report(f"stop signal received: checkpoint of step {step} committed, stopping")
             if run.metrics:
-                result.requeued = requeue_slurm_job(cfg.slurm.max_requeues, run.report)
+                result.requeued = requeue_slurm_job(cfg.slurm.max_requeues, run.report, cfg.run_dir)
                 run.metrics.close()
             dist.barrier()
             return result

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 
+from hpc_train.launch.bad_nodes import exclusion
 from hpc_train.launch.bootstrap import STOP_SIGNALS
 
 
@@ -32,8 +33,9 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def requeue_slurm_job(max_requeues: int, report) -> bool:
-    """Rank 0: put this Slurm job back in the queue (it resumes from `latest`), up to max_requeues times."""
+def requeue_slurm_job(max_requeues: int, report, run_dir: str) -> bool:
+    """Rank 0: put this Slurm job back in the queue (it resumes from `latest`), up to max_requeues times,
+    held while the nodes blamed in run_dir (launch/bad_nodes.py) are excluded from its next allocation."""
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id is None:
         return False
@@ -41,6 +43,14 @@ def requeue_slurm_job(max_requeues: int, report) -> bool:
     if restarts >= max_requeues:
         report(f"not requeueing job {job_id}: it was already requeued {restarts} times (slurm.max_requeues)")
         return False
-    subprocess.run(["scontrol", "requeue", job_id], check=True)
-    report(f"requeued job {job_id} (restart {restarts + 1} of at most {max_requeues})")
+    nodes, excluded = exclusion(run_dir, int(os.environ.get("SLURM_JOB_NUM_NODES", "1")))
+    if nodes:  # held while its next allocation is narrowed, so it cannot start before
+        subprocess.run(["scontrol", "requeuehold", job_id], check=True)
+        try:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"], check=True)
+        finally:
+            subprocess.run(["scontrol", "release", job_id], check=True)
+    else:
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+    report(f"requeued job {job_id} (restart {restarts + 1} of at most {max_requeues})" + (excluded and f"; {excluded}"))
     return True

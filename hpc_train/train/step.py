@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,7 @@ from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.protocol import Optimizer
 from hpc_train.train.memory import SavedActivations, tensor_bytes
 from hpc_train.train.profiling import timed
+from hpc_train.train.stragglers import ComputeClock
 
 
 class NonFiniteStep(UserError, RuntimeError):
@@ -80,14 +82,17 @@ def train_step(
     scaler: LossScaler | None = None,
     step: int = 0,
     timings: dict[str, float] | None = None,
+    clock: ComputeClock | None = None,
 ) -> StepResult:
     """One optimizer step on this rank's micro-batches; the loss is the global-batch mean. With
-    `timings`, the seconds of each phase are added to it."""
+    `timings`, the seconds of each phase are added to it; `clock` times the compute (straggler report)."""
     model.loss_scale = scaler.scale if scaler else 1.0
     params = model.parameters
     optimizer.begin_step(len(micro_batches))
-    with SavedActivations(params) as saved, timed(timings, "forward_backward", micro_batches[0][0].device):
+    device = micro_batches[0][0].device
+    with SavedActivations(params) as saved, timed(timings, "forward_backward", device), clock or nullcontext():
         loss = forward_backward(model, micro_batches)
+        fault_point("compute", step, dist.get_rank())
     fault_point("mid_step", step, dist.get_rank())
     watchdog.record(step, 1)
     memory = {

@@ -1,0 +1,159 @@
+"""In-job restart: a rank process that dies, raises or hangs restarts every rank of the run from its newest
+checkpoint, up to `parallel.max_restarts` times, without going back to the queue (torchrun's
+--max-restarts, for Slurm's one-task-per-rank jobs). The local launcher restarts its own children; under
+Slurm every srun task runs `supervise`, which starts its rank as a child process and restarts it together
+with the others'. The supervisors agree through a store that rank 0's supervisor serves on the job's
+port and that outlives every rank process; each start of the ranks rendezvouses under a prefix of its own.
+A rank that stopped on a UserError (bad input, a non-finite loss) is not restarted: it would stop again."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from hpc_train.errors import USER_ERROR_EXIT, RankFailed, UserError
+from hpc_train.launch.bad_nodes import blame
+from hpc_train.launch.bootstrap import STOP_SIGNALS, RankEnv, node_name, rendezvous
+
+KEY = "hpc_train/restart/{}/{}"  # attempt, what
+NODE_SIGNALS = (signal.SIGKILL, signal.SIGBUS)  # a rank killed by these blames its node (the OOM killer, hardware)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Which start of the ranks this is (0, then one per in-job restart), and when the previous one failed:
+    exported to the ranks as HPC_TRAIN_RESTART and HPC_TRAIN_FAILED_AT (train/loop.py logs the time lost,
+    faults.py injects faults into the first start only)."""
+
+    number: int
+    failed_at: float = 0.0
+
+    def export(self) -> None:
+        os.environ.update(HPC_TRAIN_RESTART=str(self.number), HPC_TRAIN_FAILED_AT=repr(self.failed_at))
+
+
+def run_rank(rank_env: RankEnv, entry: Callable[..., Any], attempt: Attempt, args: tuple) -> None:
+    """The body of a rank process that its launcher may restart: a UserError is printed as a message and
+    becomes exit status USER_ERROR_EXIT, which the launcher does not restart."""
+    attempt.export()
+    try:
+        entry(rank_env, *args)
+    except UserError as err:
+        print(f"hpc-train: error: rank {rank_env.rank}: {err}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT)
+
+
+def exit_description(exitcode: int) -> str:
+    """A rank process's end in words: 'was killed by SIGKILL', 'exited with status 1'."""
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with status {exitcode}"
+
+
+def run_task(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any) -> None:
+    """A rank started by srun or torchrun: supervised under Slurm when in-job restarts are allowed (torchrun
+    has its own --max-restarts), else `entry(rank_env, cfg)` in this process."""
+    if rank_env.source == "slurm" and cfg.parallel.max_restarts:
+        supervise(entry, rank_env, cfg)
+    else:
+        entry(rank_env, cfg)
+
+
+def supervise(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any) -> None:
+    """One srun task of a job with `parallel.max_restarts` > 0: run rank `rank_env.rank` as a child process,
+    and start every rank again when any of them fails, up to max_restarts times."""
+    store = rendezvous(rank_env, cfg.parallel.rendezvous_timeout_s)  # every supervisor is here
+    store.set_timeout(timedelta(seconds=cfg.parallel.timeout_s))
+    attempt = Attempt(0)
+    try:
+        while (failure := _attempt(entry, rank_env, cfg, attempt, store)) is not None:
+            failed_at, user_error, what = failure
+            if user_error:
+                raise RankFailed(f"{what} on the error printed in its log")
+            if attempt.number >= cfg.parallel.max_restarts:
+                raise RuntimeError(f"{what}; the parallel.max_restarts={cfg.parallel.max_restarts} in-job restarts "
+                                   f"are spent")  # fmt: skip
+            attempt = Attempt(attempt.number + 1, failed_at)
+            if rank_env.rank == 0:
+                print(f"hpc-train: {what}; restarting every rank from the newest checkpoint (in-job restart "
+                      f"{attempt.number} of parallel.max_restarts={cfg.parallel.max_restarts})",
+                      file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        _leave(store, rank_env)
+
+
+def _attempt(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any, attempt: Attempt, store: dist.Store):
+    """Start this rank and watch it and the others. None when every rank finished (or was stopped by a
+    signal forwarded to it); else (when, whether a user error, what) of the first failure, as every
+    supervisor agreed on it through the store."""
+    failed = KEY.format(attempt.number, "failed")
+    done = KEY.format(attempt.number, "done")
+    rank = dataclasses.replace(rank_env, store_prefix=f"attempt{attempt.number}")
+    child = mp.get_context("spawn").Process(target=run_rank, args=(rank, entry, attempt, (cfg,)))
+    child.start()
+    with forwarding_stop_signals([child]) as forwarded:
+        try:
+            while child.exitcode is None and not store.check([failed]):
+                child.join(0.5)
+            code = child.exitcode
+            if code == 0 or (code is not None and -code in forwarded):  # finished, or stopped before it could save
+                store.add(done, 1)
+                while store.add(done, 0) < rank_env.world_size and not store.check([failed]):
+                    time.sleep(0.5)
+                if not store.check([failed]):
+                    return None
+            elif code is not None:
+                what = f"rank {rank_env.rank} {exit_description(code)}"
+                mine = f"{time.time()!r} {'user' if code == USER_ERROR_EXIT else 'crash'} {what}"
+                if store.compare_set(failed, "", mine).decode() == mine and -code in NODE_SIGNALS:
+                    blame(cfg.run_dir, node_name(), what)
+            failed_at, kind, what = store.get(failed).decode().split(" ", 2)
+            return float(failed_at), kind == "user", what
+        finally:
+            if child.is_alive():  # another rank failed: this one cannot finish its step
+                child.kill()
+                child.join()
+
+
+@contextmanager
+def forwarding_stop_signals(processes: list) -> Iterator[list[int]]:
+    """Within the block, SIGTERM and SIGUSR2 sent to this launcher reach each of `processes` still running,
+    as Slurm signals every task; yields the signals forwarded so far."""
+    forwarded: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        forwarded.append(signum)
+        for process in processes:
+            if process.exitcode is None:
+                with suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        yield forwarded
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _leave(store: dist.Store, rank_env: RankEnv, wait_s: float = 30.0) -> None:
+    """Rank 0's supervisor serves the store: it leaves last, once the others have read what they need (or
+    after wait_s: a supervisor that is gone never says so)."""
+    with suppress(Exception):  # the store may be gone with rank 0's node: leaving must not hide the error
+        store.add("hpc_train/restart/left", 1)
+        deadline = time.monotonic() + wait_s
+        while rank_env.rank == 0 and time.monotonic() < deadline:
+            if store.add("hpc_train/restart/left", 0) >= rank_env.world_size:
+                return
+            time.sleep(0.2)

@@ -1,0 +1,114 @@
+"""Operating at scale: the slow rank is named, a hung rank is located with the stacks of every rank, the
+doctor tests an allocation, a rendezvous that cannot complete says why (the in-job restart after a rank
+dies is in test_checkpoint, next to the other resume tests; under Slurm in test_slurm)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from hpc_train.launch.local import launch_local
+from hpc_train.train.loop import run_training
+from tests.conftest import ROOT, TINY_MODEL, read_metrics
+
+
+def test_slow_rank_is_named_and_plotted(make_cfg, monkeypatch, capfd, tmp_path):
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "compute@2@1@slow")  # rank 1 computes 0.2 s longer from step 2 on
+    cfg = make_cfg("parallel.nproc=3", "train.steps=6", "train.micro_batch_size=2", "logging.straggler_interval=3")
+    launch_local(run_training, 3, cfg)
+    reports = [r for r in read_metrics(cfg.run_dir) if "stragglers" in r]
+    assert [r["step"] for r in reports] == [3, 6]
+    for report in reports:
+        assert [s["rank"] for s in report["stragglers"]] == [1], report
+        assert report["stragglers"][0]["slower"] > 1.5 and report["stragglers"][0]["device"] == "cpu"
+        assert len(report["rank_compute_s"]) == len(report["rank_step_s"]) == 3
+        # its peers wait for it, so their steps are as slow as rank 1's: only compute tells them apart
+        assert min(report["rank_step_s"]) > max(report["rank_compute_s"])
+    assert "stragglers over steps 4-6: rank 1 (host " in capfd.readouterr().out
+    png = tmp_path / "run.png"
+    subprocess.run([sys.executable, "tools/plot_run.py", cfg.run_dir, "--out", png], cwd=ROOT, check=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stopped_rank_is_located_with_every_stack(tmp_path, small_corpus):
+    """Rank 1 freezes (SIGSTOP) in step 3: within hang_timeout_s the run ends, every rank has a file in
+    run_dir/hang (rank 0's Python stack, rank 1's state) and the summary names rank 1 and where rank 0 waits."""
+    run = tmp_path / "run"
+    env = {**os.environ, "HPC_TRAIN_FAULT": "mid_step@3@1@stop"}
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "hpc_train.cli", "train", *TINY_MODEL, f"data.train_path={small_corpus}",
+         f"run_dir={run}", "parallel.nproc=2", "train.steps=6", "parallel.hang_timeout_s=5"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert time.monotonic() - start < 5 + 60
+    assert out.returncode == 2 and "rank 0 stopped a hung run" in out.stderr, out.stderr
+    summary = (run / "hang/summary.txt").read_text()
+    assert summary in out.stderr
+    assert "ranks that never arrived: 1 (the others finished the backward pass of step 3)" in summary
+    rank0 = next(line for line in summary.splitlines() if line.strip().startswith("rank 0 "))
+    rank1 = next(line for line in summary.splitlines() if line.strip().startswith("rank 1 "))
+    assert "finished the backward pass of step 3" in rank0 and "hpc_train/" in rank0, rank0
+    assert "started step 3" in rank1 and "stopped (state T)" in rank1, rank1
+    assert 'File "' in (run / "hang/rank00000.txt").read_text()
+    assert "no Python stack" in (run / "hang/rank00001.txt").read_text()
+
+
+def test_hung_rank_is_located_and_the_run_restarts(tmp_path, small_corpus):
+    """Rank 1 hangs inside step 3 (in Python: its watchdog still runs): both ranks write their stacks, the
+    summary names where each one waits, and with parallel.max_restarts=1 the run restarts from step 2 and
+    completes."""
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "hpc_train.cli", "train", *TINY_MODEL, f"data.train_path={small_corpus}",
+         f"run_dir={run}", "parallel.nproc=2", "train.steps=4", "checkpoint.interval=2", "parallel.hang_timeout_s=5",
+         "parallel.max_restarts=1"],
+        cwd=ROOT, env={**os.environ, "HPC_TRAIN_FAULT": "mid_step@3@1@hang"}, capture_output=True, text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "rank 0 exited with status 3" in out.stderr or "rank 1 exited with status 3" in out.stderr
+    assert "(in-job restart 1 of parallel.max_restarts=1)" in out.stderr
+    (kept,) = run.glob("hang-*/summary.txt")  # moved aside by the restarted run
+    summary = kept.read_text()
+    rank1 = next(line for line in summary.splitlines() if line.strip().startswith("rank 1 "))
+    assert "in fault_point (hpc_train/faults.py:" in rank1, summary
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
+
+
+def test_doctor_reports_every_rank_and_every_group(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "hpc_train.cli", "doctor", "configs/tiny.yaml", "parallel.nproc=4", "parallel.tp=2",
+         f"run_dir={tmp_path}", "--local"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "doctor: 4 ranks (pp 1, dp 2, tp 2) joined through 127.0.0.1:" in out.stdout
+    assert all(f"    {r}  " in out.stdout for r in range(4))
+    for role, size in (("world", 4), ("dp", 2), ("tp", 2)):
+        assert f"  {role:<6} ({size} ranks per group): " in out.stdout
+    assert "doctor: every rank joined and every group reduced" in out.stdout
+
+
+def test_rendezvous_names_the_missing_rank_and_the_unreachable_master(make_cfg):
+    """A task alone in a world of 2 (torchrun's variables): rank 0 waits parallel.rendezvous_timeout_s and
+    names rank 1; rank 1 without a master names the address it could not reach. Both with the usual causes."""
+    cfg = make_cfg()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for rank, expected in (
+        (0, f"rank 0: rendezvous at 127.0.0.1:{port}: 1 of 2 ranks arrived within parallel.rendezvous_timeout_s=3s; "
+            "never arrived: rank(s) 1"),
+        (1, f"rank 1: could not reach 127.0.0.1:{port} within parallel.rendezvous_timeout_s=3s"),
+    ):  # fmt: skip
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        out = subprocess.run(
+            [sys.executable, "-m", "hpc_train.cli", "train", *TINY_MODEL, f"data.train_path={cfg.data.train_path}",
+             f"run_dir={cfg.run_dir}", "parallel.rendezvous_timeout_s=3"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 2 and expected in out.stderr, out.stderr
+        assert "usual causes: the master's host name resolves differently" in out.stderr
+        assert "Traceback" not in out.stderr
