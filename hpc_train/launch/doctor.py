@@ -23,13 +23,13 @@ def run_doctor(rank_env: RankEnv, cfg: JobConfig) -> None:
     p = cfg.parallel
     with distributed(rank_env, device, p.backend, p.timeout_s, p.rendezvous_timeout_s):
         joined_s = time.monotonic() - start
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        name = f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
         dims = check_run(cfg, rank_env.world_size, check_paths=False)
         mesh = Mesh(dims, device.type)
         nbytes = (256 if device.type == "cuda" else 8) * 2**20
         groups = {"world": dist.group.WORLD, **{role: mesh.group(role) for role in ROLES if mesh.size(role) > 1}}
         seconds = {role: _all_reduce_seconds(group, nbytes, device) for role, group in groups.items()}
-        mine = {"rank": rank_env.rank, "node": node_name(), "device": f"{device} {name}", "joined_s": joined_s,
+        mine = {"rank": rank_env.rank, "node": node_name(), "device": name, "joined_s": joined_s,
                 "seconds": seconds}  # fmt: skip
         everyone: list = [None] * rank_env.world_size
         dist.all_gather_object(everyone, mine)
