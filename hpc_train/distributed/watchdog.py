@@ -158,7 +158,7 @@ class HangWatchdog:
     def _summary(self) -> str:
         try:
             progress = _read([KEY.format(r) for r in range(self.world)])
-            who = _read([WHO.format(r) for r in range(self.world)])
+            who = [v.split() if v else None for v in _read([WHO.format(r) for r in range(self.world)])]
         except Exception as err:  # the store lives on rank 0's host, which may be the one that is stuck
             progress, who = [None] * self.world, [None] * self.world
             unread = f" (progress unknown: {err})"
@@ -170,21 +170,21 @@ class HangWatchdog:
                  f"in {self.dir}"]  # fmt: skip
         if behind:
             lines.append(f"ranks that never arrived: {', '.join(map(str, behind))} (the others {_describe(*front)})")
-        for node in sorted({who[r].split()[2] for r in behind if who[r]}):
+        for node in sorted({who[r][2] for r in behind if who[r]}):
             blame(self.run_dir, node, f"a rank on it never arrived in step {front[0]} (hang)")
         for r in range(self.world):
-            place = f" on {who[r].split()[0]} (pid {who[r].split()[1]})" if who[r] else ""
+            place = f" on {who[r][0]} (pid {who[r][1]})" if who[r] else ""
             lines.append(f"  rank {r}{place}: {_describe(*where[r])}; {self._operation(r, who[r])}")
         return "\n".join(lines) + "\n"
 
-    def _note_frozen(self, who: list[str | None]) -> None:
+    def _note_frozen(self, who: list[list[str] | None]) -> None:
         """A rank without a stack whose process is on this host and stopped (SIGSTOP, a debugger) or in
         uninterruptible sleep cannot run code to write one: its file says so, with the kernel's view."""
         states = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O, a driver)"}
         for r in set(range(self.world)) - self._stacks():
-            if not who[r] or who[r].split()[0] != socket.gethostname():
+            if not who[r] or who[r][0] != socket.gethostname():
                 continue
-            pid = int(who[r].split()[1])
+            pid = int(who[r][1])
             state = _state(pid)
             if state in states:
                 (self.dir / STACK.format(r)).write_text(
@@ -192,11 +192,11 @@ class HangWatchdog:
                     f"{states[state]} (state {state}) and cannot write one\n"
                 )
 
-    def _operation(self, rank: int, who: str | None) -> str:
+    def _operation(self, rank: int, who: list[str] | None) -> str:
         """Where the rank's main thread is, from its stack: the innermost frame, and the innermost of ours."""
         path = self.dir / STACK.format(rank)
         if not path.exists():
-            pid = who.split()[1] if who else "?"
+            pid = who[1] if who else "?"
             return f"no stack (process {pid} is frozen or its node is gone)"
         text = path.read_text(errors="replace")
         main = re.search(r"main thread (0x[0-9a-f]+)", text)

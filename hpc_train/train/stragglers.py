@@ -22,25 +22,22 @@ class ComputeClock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.start: Any = None
         self.spans: list[tuple[Any, Any]] = []
 
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def __enter__(self) -> ComputeClock:
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            start = time.perf_counter()
-        self.spans.append((start, None))
+        self.start = self._now()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        start, _ = self.spans[-1]
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        else:
-            end = time.perf_counter()
-        self.spans[-1] = (start, end)
+        self.spans.append((self.start, self._now()))
 
     def take(self) -> float:
         """The seconds of the spans since the last take (the step must have finished on the device)."""
@@ -81,11 +78,16 @@ class StragglerMonitor:
         gathered = [torch.empty_like(means) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, means)
         self.sums, self.count = [0.0, 0.0], 0
-        step_s = [round(t[0].item(), 6) for t in gathered]
-        compute_s = [round(t[1].item(), 6) for t in gathered]
+        table = torch.stack(gathered).tolist()  # one copy to the host, not one per value
+        step_s = [round(row[0], 6) for row in table]
+        compute_s = [round(row[1], 6) for row in table]
+        by_peers: dict[tuple[int, ...], list[float]] = {}
+        for c, (_, _, peers) in zip(compute_s, self.where, strict=True):
+            by_peers.setdefault(peers, []).append(c)
+        medians = {peers: statistics.median(values) for peers, values in by_peers.items()}
         stragglers = []
         for rank, (node, device, peers) in enumerate(self.where):
-            median = statistics.median(c for c, w in zip(compute_s, self.where, strict=True) if w[2] == peers)
+            median = medians[peers]
             if median > 0 and compute_s[rank] > median * (1 + self.threshold):
                 stragglers.append({"rank": rank, "host": node, "device": device, "compute_s": compute_s[rank],
                                    "median_s": median, "slower": round(compute_s[rank] / median, 3)})  # fmt: skip
