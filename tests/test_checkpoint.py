@@ -545,12 +545,14 @@ def test_async_save_in_flight_resumes_bit_exact(tmp_path, small_corpus):
     assert [r["step"] for r in resumed_from(tmp_path / "resumed")] == [2]
     assert losses(tmp_path / "resumed") == losses(tmp_path / "run")[2:]
     # what each save cost, on the record of the step that started it; the background commit's figures on
-    # the record of the step it finished during (or, for the last one, only in the log)
+    # the record of the step it finished during (the last one, waited for, on its own step's record)
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records if "checkpoint" in r] == [2, 4]
     assert all(r["checkpoint"]["blocked_s"] > 0 for r in records if "checkpoint" in r)
     committed = [r["checkpoint_committed"] for r in records if "checkpoint_committed" in r]
     assert [c["step"] for c in committed] == [2] and committed[0]["total_bytes"] > committed[0]["bytes"] > 0
+    last = records[-1]["checkpoint"]
+    assert last["step"] == 4 and last["blocked_s"] > 0 and last["write_s"] > 0 and last["commit_s"] > 0
     sync = read_metrics(tmp_path / "resumed")[-1]["checkpoint"]
     assert sync["write_s"] > 0 and sync["gb_per_s"] > 0
     assert sync["total_bytes"] == pytest.approx(committed[0]["total_bytes"], rel=0.01)  # the same state

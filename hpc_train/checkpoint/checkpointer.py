@@ -6,8 +6,9 @@ Each rank writes `checkpoint.io_threads` files in parallel, checksummed as they 
 checkpoint that verifies (every rank checksumming its share of the files) is loaded, in parallel, in
 whatever layout this run uses.
 
-With `checkpoint.async_save`, training waits only while the state is copied into host buffers that are
-allocated once and reused (DCP's DefaultStager; pinned memory on a GPU). A background thread then
+With `checkpoint.async_save`, the state is copied into host buffers that are allocated once and reused
+(DCP's DefaultStager; pinned memory on a GPU) while the next step's forward and backward run; training
+waits for the copy, if at all, only before its optimizer update (`staged`). A background thread then
 writes the copy and commits it as soon as every rank's files are durable, over a gloo group of its own;
 a crash before that leaves only a `.tmp` directory.
 
@@ -95,6 +96,8 @@ class Checkpointer:
         if cfg.checkpoint.async_save:
             self.stager = host_stager()
             self.async_group = dist.new_group(backend="gloo")
+        self.staging: Future | None = None  # an async save's copy to host memory, until it is done
+        self.staging_wait_s = 0.0  # how long the training waited for it
         self.pending: tuple[int, Future] | None = None  # an async save in flight: its step, its end
         self.finished: dict[str, Any] | None = None  # the figures of the last async save, until polled
         self.lock = DirectoryLock(self.store.root)
@@ -135,7 +138,7 @@ class Checkpointer:
         """Save this step; returns what it cost this rank: `blocked_s` (the time training waited) and, once
         committed (a synchronous save), the commit's figures (see `_commit`)."""
         start = time.perf_counter()
-        self.wait()
+        self.finished = self.wait() or self.finished
         tmp = self.store.tmp_dir(step)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a stale partial save of this step
@@ -148,11 +151,27 @@ class Checkpointer:
         if self.stager is None:
             return {**self._write_and_commit(step, state, rank_state.getbuffer(), None),
                     "blocked_s": time.perf_counter() - start}  # fmt: skip
-        staged = self.stager.stage(state)  # the weights may change once they are copied to host memory
-        fault_point("staged", step, self.rank)
-        write = in_background(self._write_and_commit, step, staged, rank_state.getbuffer(), self.async_group)
-        self.pending = (step, write)
+        self.staging = self.stager.stage(state)  # copied on the stager's thread while the next step computes
+        self.staging_wait_s = 0.0
+
+        def write(staging: Future) -> dict[str, Any]:
+            staged = staging.result()
+            fault_point("staged", step, self.rank)
+            return self._write_and_commit(step, staged, rank_state.getbuffer(), self.async_group)
+
+        self.pending = (step, in_background(write, self.staging))
         return {"blocked_s": time.perf_counter() - start}
+
+    def staged(self) -> None:
+        """Wait until an async save's copy is in host memory: before the weights or the optimizer state
+        change (the optimizer update). The time waited is in the save's figures (`staging_wait_s`)."""
+        if self.staging is None:
+            return
+        start = time.perf_counter()
+        staging, self.staging = self.staging, None
+        with io_errors_named("copying the checkpoint to host memory", self.store.root):
+            staging.result()
+        self.staging_wait_s += time.perf_counter() - start
 
     def sharded_tensors(self) -> dict[str, torch.Tensor]:
         """What DCP saves: every sharded part's tensors, under `<part>.<key>`."""
@@ -183,20 +202,21 @@ class Checkpointer:
         records = {**writer.records, rank_file(self.rank): file_record(len(rank_state), digest)}
         return self._commit(step, records, group, time.perf_counter() - start)
 
-    def wait(self) -> None:
-        """Finish an async save in flight (normally committed already); raises its error."""
+    def wait(self) -> dict[str, Any] | None:
+        """Finish an async save in flight (normally committed already): its figures (see `_commit`), `step`
+        and `staging_wait_s`; raises its error."""
         if self.pending is None:
-            return
+            return None
         step, future = self.pending
-        self.pending = None
+        self.pending = self.staging = None
         with io_errors_named(f"writing checkpoint of step {step} in the background", self.store.tmp_dir(step)):
-            self.finished = {"step": step, **future.result()}
+            return {"step": step, **future.result(), "staging_wait_s": self.staging_wait_s}
 
     def poll(self) -> dict[str, Any] | None:
         """The figures of an async save committed since the last poll (without waiting for one in flight; a
         failed one is raised by `wait`, at the next save or the end, a step every rank shares)."""
         if self.pending is not None and self.pending[1].done() and self.pending[1].exception() is None:
-            self.wait()
+            self.finished = self.wait()
         finished, self.finished = self.finished, None
         return finished
 
@@ -306,13 +326,14 @@ class Checkpointer:
 
 
 def host_stager() -> Any:
-    """DCP's stager: copies into host buffers it allocates on the first save and reuses (pinned on a GPU)."""
+    """DCP's stager: copies into host buffers it allocates on the first save and reuses (pinned on a GPU),
+    on a thread (and a CUDA stream) of its own, so the copy overlaps the next forward and backward."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError as err:  # torch < 2.9
         raise CheckpointError(f"checkpoint.async_save needs torch >= 2.9 (DCP's DefaultStager): {err}") from None
     gpu = torch.cuda.is_available()
-    options = StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+    options = StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True,
                              use_non_blocking_copy=gpu)  # fmt: skip
     return DefaultStager(options)
 

@@ -51,10 +51,11 @@ def _repad_like(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _template_like(model: ParallelModel, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Where DCP loads `name`: a whole unpadded tensor for vocabulary rows, else a tensor laid out like `t`."""
+    """Where DCP loads `name`: a whole unpadded tensor for vocabulary rows, else a tensor laid out like `t`
+    (uninitialised: DCP fills every element of a key it loads, or fails)."""
     if name in model.spec.vocab_params:
         return torch.empty((model.cfg.model.vocab_size, *t.shape[1:]), dtype=dtype, device=local(t).device)
-    return torch.zeros_like(t, dtype=dtype)
+    return torch.empty_like(t, dtype=dtype)
 
 
 class ModelState:

@@ -73,8 +73,9 @@ class DataParallelOptimizer:
         return [{k: t for k, t in self.optimizer.state.get(p, {}).items() if k in MOMENTS} for p in self.params]
 
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
+        """Takes the loaded tensors as the moments themselves (they are the load's own: no copy)."""
         for p, state in zip(self.params, states, strict=True):
             if not all(k in state for k in MOMENTS):  # not saved (e.g. frozen then): fresh moments
                 continue
-            moments = {k: state[k].to(p.dtype).clone() for k in MOMENTS}
+            moments = {k: state[k].to(p.dtype) for k in MOMENTS}
             self.optimizer.state[p] = {"step": adam_step_tensor(step, self.optimizer, p), **moments}

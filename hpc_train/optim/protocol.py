@@ -53,4 +53,5 @@ class Optimizer(Protocol):
         ...
 
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
-        """The inverse of `param_states` (an empty dict: no saved state for that parameter)."""
+        """The inverse of `param_states` (an empty dict: no saved state for that parameter). The tensors
+        are the caller's to give away: the optimizer may keep them as its state."""

@@ -127,7 +127,7 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         timings = {} if cfg.logging.breakdown else None
         try:
             stats = train_step(run.model, run.optimizer, micro_batches, lr, cfg.optim.grad_clip, run.scaler, step,
-                               timings, monitor.clock)  # fmt: skip
+                               timings, monitor.clock, run.checkpointer.staged)  # fmt: skip
         except NonFiniteStep as err:
             nonfinite_steps += 1
             stats, timings = _nonfinite(run, step, err, nonfinite_steps), None
@@ -164,6 +164,8 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
             if run.metrics:
                 run.metrics.hold(record)
             record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
+            if stop_requested or step == t.steps:  # the last save: nothing to overlap, its commit on this record
+                record["checkpoint"].update(run.checkpointer.wait() or {})
         if committed := run.checkpointer.poll():  # an async save committed during this step
             record["checkpoint_committed"] = committed
         if run.metrics:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -43,11 +44,12 @@ def apply_gradients(
     grad_clip: float,
     scaler: LossScaler | None = None,
     timings: dict[str, float] | None = None,
+    before_update: Callable[[], None] | None = None,
 ) -> float | None:
-    """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step.
-    Returns the gradient norm, or None when the step was skipped for an overflow; raises NonFiniteStep
-    (with the gradients dropped, nothing updated) for a non-finite norm, or an overflow at the smallest
-    loss scale."""
+    """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step
+    (`before_update` first: an async checkpoint's copy must be done). Returns the gradient norm, or None
+    when the step was skipped for an overflow; raises NonFiniteStep (with the gradients dropped, nothing
+    updated) for a non-finite norm, or an overflow at the smallest loss scale."""
     device = local(model.parameters[0]).device
     with timed(timings, "grad_reduce", device):
         optimizer.reduce_gradients()
@@ -68,6 +70,8 @@ def apply_gradients(
         if not math.isfinite(grad_norm):
             optimizer.zero_grad()
             raise NonFiniteStep(f"the gradient norm is {grad_norm}")
+        if before_update is not None:
+            before_update()
         optimizer.step(lr)
         optimizer.zero_grad()
     return grad_norm
@@ -83,9 +87,11 @@ def train_step(
     step: int = 0,
     timings: dict[str, float] | None = None,
     clock: ComputeClock | None = None,
+    before_update: Callable[[], None] | None = None,
 ) -> StepResult:
     """One optimizer step on this rank's micro-batches; the loss is the global-batch mean. With
-    `timings`, the seconds of each phase are added to it; `clock` times the compute (straggler report)."""
+    `timings`, the seconds of each phase are added to it; `clock` times the compute (straggler report);
+    `before_update` runs before the weights change."""
     model.loss_scale = scaler.scale if scaler else 1.0
     params = model.parameters
     optimizer.begin_step(len(micro_batches))
@@ -101,7 +107,7 @@ def train_step(
         "activations_per_microbatch": saved.bytes // len(micro_batches),
         "activations_peak": saved.peak_bytes,
     }
-    grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler, timings)
+    grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler, timings, before_update)
     memory["optimizer"] = optimizer.state_bytes()
     mean_loss = reduce_loss(model, loss)
     if grad_norm is not None and not math.isfinite(mean_loss):
