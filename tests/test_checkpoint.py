@@ -535,12 +535,14 @@ def test_nonfinite_training_stops_and_keeps_the_finite_checkpoints(tmp_path, sma
     assert "step 4: the gradient norm is nan; stopping" in skipping.stderr
 
 
-def test_async_save_in_flight_resumes_bit_exact(tmp_path, small_corpus):
-    """Step 2's checkpoint is written in the background while step 3 trains (and changes the weights); a run
-    resumed from it (saving synchronously) retraces steps 3 and 4 exactly."""
-    assert hpc_train_train(tmp_path / "run", small_corpus, 4, extra=ASYNC).returncode == 0
+@pytest.mark.parametrize("zero", [[], ["optim.zero_stage=1"]], ids=["dp", "zero1"])
+def test_async_save_in_flight_resumes_bit_exact(tmp_path, small_corpus, zero):
+    """Step 2's checkpoint is copied and written in the background while step 3 trains (and changes the
+    weights; ZeRO's gathered state is copied at the save); a run resumed from it (saving synchronously)
+    retraces steps 3 and 4 exactly."""
+    assert hpc_train_train(tmp_path / "run", small_corpus, 4, extra=ASYNC + zero).returncode == 0
     shutil.copytree(tmp_path / "run/checkpoints/step_0000002", tmp_path / "resumed/checkpoints/step_0000002")
-    done = hpc_train_train(tmp_path / "resumed", small_corpus, 4)
+    done = hpc_train_train(tmp_path / "resumed", small_corpus, 4, extra=zero)
     assert done.returncode == 0, done.stderr
     assert [r["step"] for r in resumed_from(tmp_path / "resumed")] == [2]
     assert losses(tmp_path / "resumed") == losses(tmp_path / "run")[2:]

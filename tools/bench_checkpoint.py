@@ -4,7 +4,8 @@ same run, then hpc_train's sync save, the blocking part and the total of an asyn
 (checksums), a cold load and a cold resume (verify + load) into a new run (as a restarted job: its
 optimizer state allocated by the load), each with its ratio to the raw figure. An async save's copy
 overlaps the next training step: "blocking" is the time training waited (at the save and before the
-next update), "time lost" that plus how much longer the overlapped step took than a step alone.
+next update), "time lost" that plus how much longer the steps trained meanwhile took than the fastest
+step alone; "total" is from the save to its commit, with training going on.
 DCP's own defaults (`dcp.save`: one writer thread, torch's per-record CRC) are the reference row.
 "Cold": the files are evicted from the page cache first (posix_fadvise), so reads come from the disk.
 
@@ -119,12 +120,15 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
         train_step(fresh.model, fresh.optimizer, batch, 1e-4, 1.0, before_update=background.staged)
 
     t_step = min(timed(step)[0] for _ in range(3))
-    t_async_total, blocked = timed(lambda: background.save(3))
-    t_next, _ = timed(step)  # the step the copy overlaps
-    t_wait, figures = timed(background.wait)
-    t_async_total += t_next + t_wait
+    start = time.perf_counter()
+    blocked = background.save(3)
+    overlapped = []  # the steps trained while the save is copied, written and committed
+    while not background.pending[1].done():
+        overlapped.append(timed(step)[0])
+    figures = background.wait()
+    t_async_total = time.perf_counter() - start
     t_async_block = blocked["blocked_s"] + figures["staging_wait_s"]
-    t_async_lost = blocked["blocked_s"] + max(0.0, t_next - t_step)
+    t_async_lost = blocked["blocked_s"] + sum(max(0.0, t - t_step) for t in overlapped)
 
     gb = nbytes / 1e9
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

@@ -8,7 +8,9 @@ whatever layout this run uses.
 
 With `checkpoint.async_save`, the state is copied into host buffers that are allocated once and reused
 (DCP's DefaultStager; pinned memory on a GPU) while the next step's forward and backward run; training
-waits for the copy, if at all, only before its optimizer update (`staged`). A background thread then
+waits for the copy, if at all, only before its optimizer update (`staged`). (ZeRO's state, gathered for
+the save, is copied at once instead; vocabulary rows, gathered whole, stay alive until the copy is done.)
+A background thread then
 writes the copy and commits it as soon as every rank's files are durable, over a gloo group of its own;
 a crash before that leaves only a `.tmp` directory.
 
@@ -151,15 +153,19 @@ class Checkpointer:
         if self.stager is None:
             return {**self._write_and_commit(step, state, rank_state.getbuffer(), None),
                     "blocked_s": time.perf_counter() - start}  # fmt: skip
-        self.staging = self.stager.stage(state)  # copied on the stager's thread while the next step computes
-        self.staging_wait_s = 0.0
+        if torch.cuda.is_available():  # the stager's stream does not wait for this one: gathers, clones
+            torch.cuda.current_stream().synchronize()
+        staging = self.staging = self.stager.stage(state)  # copied on the stager's thread during the next step
+        if self.cfg.optim.zero_stage > 0:  # the state is a gathered copy (~12 bytes a parameter): not kept
+            self.staged()  # alive through the next step, so copied now
+        self.staging_wait_s = 0.0  # the next update's wait (this one's is in blocked_s)
 
         def write(staging: Future) -> dict[str, Any]:
             staged = staging.result()
             fault_point("staged", step, self.rank)
             return self._write_and_commit(step, staged, rank_state.getbuffer(), self.async_group)
 
-        self.pending = (step, in_background(write, self.staging))
+        self.pending = (step, in_background(write, staging))
         return {"blocked_s": time.perf_counter() - start}
 
     def staged(self) -> None:
@@ -215,7 +221,8 @@ class Checkpointer:
     def poll(self) -> dict[str, Any] | None:
         """The figures of an async save committed since the last poll (without waiting for one in flight; a
         failed one is raised by `wait`, at the next save or the end, a step every rank shares)."""
-        if self.pending is not None and self.pending[1].done() and self.pending[1].exception() is None:
+        done = self.pending is not None and self.pending[1].done() and self.pending[1].exception() is None
+        if done and self.finished is None:  # else at the next poll: one save's figures per step
             self.finished = self.wait()
         finished, self.finished = self.finished, None
         return finished
