@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from torch.multiprocessing.spawn import ProcessException
 from hpc_train.config import ConfigError, JobConfig
 from hpc_train.errors import HANG_EXIT, USER_ERROR_EXIT, RankFailed
 from hpc_train.launch.bootstrap import RankEnv, distributed
-from hpc_train.launch.restart import Attempt, exit_description, forwarding_stop_signals, run_rank
+from hpc_train.launch.restart import Attempt, announce_restart, exit_description, forwarding_stop_signals, run_rank
 
 
 def serve_store() -> dist.TCPStore:
@@ -91,9 +90,7 @@ def launch_local(entry: Callable[..., Any], nproc: int, *args: Any, max_restarts
                     raise RankFailed(hung) from None
                 raise
             attempt = Attempt(attempt.number + 1, time.time())
-            print(f"hpc-train: rank {err.error_index} {_how(err)}; restarting every rank from the newest checkpoint "
-                  f"(in-job restart {attempt.number} of parallel.max_restarts={max_restarts})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            announce_restart(f"rank {err.error_index} {_how(err)}", attempt, max_restarts)
 
 
 def _how(err: ProcessException) -> str:

@@ -54,6 +54,11 @@ def run_rank(rank_env: RankEnv, entry: Callable[..., Any], attempt: Attempt, arg
         sys.exit(USER_ERROR_EXIT)
 
 
+def announce_restart(what: str, attempt: Attempt, max_restarts: int) -> None:
+    print(f"hpc-train: {what}; restarting every rank from the newest checkpoint (in-job restart "
+          f"{attempt.number} of parallel.max_restarts={max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def exit_description(exitcode: int) -> str:
     """A rank process's end in words: 'was killed by SIGKILL', 'exited with status 1'."""
     if exitcode < 0:
@@ -86,9 +91,7 @@ def supervise(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any) -> None:
                                    f"are spent")  # fmt: skip
             attempt = Attempt(attempt.number + 1, failed_at)
             if rank_env.rank == 0:
-                print(f"hpc-train: {what}; restarting every rank from the newest checkpoint (in-job restart "
-                      f"{attempt.number} of parallel.max_restarts={cfg.parallel.max_restarts})",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                announce_restart(what, attempt, cfg.parallel.max_restarts)
     finally:
         _leave(store, rank_env)
 

@@ -170,14 +170,12 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
             record["checkpoint_committed"] = committed
         if run.metrics:
             run.metrics.write(record, show=step % cfg.logging.log_interval == 0 or step == t.steps)
-        if stop_requested:
-            run.checkpointer.wait()
+        if stop_requested:  # its save was waited for above
             run.report(f"stop signal received: checkpoint of step {step} committed, stopping")
             if run.metrics:
                 result.requeued = requeue_slurm_job(cfg.slurm.max_requeues, run.report, cfg.run_dir)
                 run.metrics.close()
             dist.barrier()
             return result
-    run.checkpointer.wait()
-    finish(run, result, start_step)
+    finish(run, result, start_step)  # the last step's save was waited for above
     return result
