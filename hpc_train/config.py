@@ -97,9 +97,15 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = no clipping
-    zero_stage: int = 0  # 0 = plain data parallelism; 1 = optimizer state sharded over dp (hpc_train/optim)
-    bucket_mb: float = 25.0  # gradient reduction bucket size
-    offload: str = "none"  # none | cpu
+    # 0 = plain data parallelism; sharded over dp: 1 = optimizer state, 2 = + gradients, 3 = + parameters (FSDP2)
+    zero_stage: int = 0
+    bucket_mb: float = 25.0  # gradient reduction bucket size (stages 0-2)
+    offload: str = "none"  # none | cpu: the sharded optimizer state (stage 3: also the parameters) in host memory
+    # stage 3: free each block's gathered parameters after its forward (and all-gather them again for its
+    # backward); None = true without pipeline parallelism, false with it (torchtitan's default: a pipeline
+    # stage runs several forwards per step, and torch's schedules keep its parameters gathered until the
+    # step's last backward anyway)
+    reshard_after_forward: bool | None = None
     overlap_grad_reduce: bool = False  # start each bucket's dp reduction from backward, as soon as it is ready
 
 

@@ -18,10 +18,33 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
     """Raise a ConfigError naming the problem and the fix; return the mesh's dimensions."""
     dp = validate(cfg, world_size, check_paths)
     spec = get_spec(cfg.model.arch)
-    raise_all([lambda: spec.validate(cfg.model, cfg.parallel.tp), lambda: optimizer_class(cfg.optim)])
+    raise_all([lambda: spec.validate(cfg.model, cfg.parallel.tp), lambda: optimizer_class(cfg.optim),
+               lambda: _check_zero(cfg, dp)])  # fmt: skip
     if cfg.train.freeze:
         _check_freeze(cfg, spec)
     return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)
+
+
+def _check_zero(cfg: JobConfig, dp: int) -> None:
+    """Options that only one side of ZeRO-3 (FSDP2) has, and what it cannot do yet."""
+    o = cfg.optim
+    if o.zero_stage == 3:
+        if dp == 1:
+            raise ConfigError(
+                "optim.zero_stage=3 shards over dp, and dp=1 here: use optim.zero_stage=1 (or more ranks)"
+            )
+        if o.overlap_grad_reduce:
+            raise ConfigError("optim.overlap_grad_reduce is for zero stages 0-2 (FSDP2 always reduces in backward): "
+                              "drop it with optim.zero_stage=3")  # fmt: skip
+        gpu = cfg.train.device == "cuda" or (
+            cfg.train.device == "auto" and (torch.cuda.is_available() or bool(cfg.slurm.gpus_per_node))
+        )
+        if o.offload == "cpu" and gpu:
+            raise ConfigError("optim.offload=cpu with optim.zero_stage=3 runs on CPU only for now (its gradient "
+                              "norm and loss-scale checks would meet NCCL with host tensors): use "
+                              "optim.zero_stage=2 with offload")  # fmt: skip
+    elif o.reshard_after_forward is not None:
+        raise ConfigError("optim.reshard_after_forward is for optim.zero_stage=3 (FSDP2): drop it")
 
 
 def _check_freeze(cfg: JobConfig, spec: ModelSpec) -> None:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hpc_train.config import ConfigError, JobConfig, ModelConfig
+from hpc_train.distributed.fsdp import reshards_after_forward
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import bubble_fraction, stage_ids
 from hpc_train.distributed.tensor_parallel import sharded_parameter_names
@@ -44,7 +45,7 @@ class MemoryEstimate:
     microbatches_in_flight: int
     activations: int
     comm_buffers: int
-    host_optimizer: int
+    host: int  # parameters, gradients and optimizer state offloaded to host memory (not in the device total)
     total: int
 
     def as_dict(self) -> dict[str, int]:
@@ -55,38 +56,60 @@ class MemoryEstimate:
 class LocalParams:
     total: int  # parameter elements on the rank (its tp shards)
     trainable: int
+    shard_total: int  # of those, the ZeRO-3 (FSDP) dim-0 shard of dp rank 0 (the largest)
+    shard_trainable: int
+    largest_block: int  # elements of the largest FSDP unit besides the root (one transformer block)
+    root: int  # elements outside the blocks (embeddings, final norm, head): FSDP's root unit
     # under tp the vocab-parallel embedding's gradient arrives full-size and Replicate (a DTensor behaviour)
     # before it is cut to its shard at the reduction; not when a head tied to it is on the same rank
     # (the head's sharded gradient accumulates into it)
     full_size_embedding_grad: bool
 
 
-def local_param_count(cfg: JobConfig, pp_rank: int = 0) -> LocalParams:
-    """Exact parameter elements held by a rank of pipeline rank `pp_rank`."""
+def local_param_count(cfg: JobConfig, pp_rank: int = 0, dp: int = 1) -> LocalParams:
+    """Exact parameter elements held by a rank of pipeline rank `pp_rank` (ZeRO-3 shards over `dp`)."""
     p = cfg.parallel
     return _param_count(tuple(asdict(cfg.model).items()), p.tp, p.pp, p.virtual_stages, pp_rank,
-                        tuple(cfg.train.freeze))  # fmt: skip
+                        tuple(cfg.train.freeze), dp)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
-def _param_count(model: tuple, tp: int, pp: int, virtual_stages: int, pp_rank: int, freeze: tuple) -> LocalParams:
+def _param_count(
+    model: tuple, tp: int, pp: int, virtual_stages: int, pp_rank: int, freeze: tuple, dp: int
+) -> LocalParams:
     """Counted on the meta device (nothing allocated); cached because --search asks for many layouts."""
     model_cfg = ModelConfig(**dict(model))
     spec = get_spec(model_cfg.arch)
-    total = trainable = 0
+    total = trainable = shard_total = shard_trainable = 0
     full_grad = False
+    units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
     for stage in stage_ids(pp_rank, pp, virtual_stages):
         with torch.device("meta"):
             chunk = spec.build_stage(model_cfg, stage, pp * virtual_stages, tp)
         sharded = sharded_parameter_names(chunk, spec.tp_plan(chunk, False)) if tp > 1 else set()
         for name, param in chunk.named_parameters():
             count = param.numel() // tp if name in sharded else param.numel()
-            total += count
+            row = param.shape[-1] if param.ndim > 1 else 1  # FSDP shards dim 0: whole rows
+            shard = math.ceil(count // row / dp) * row
             frozen = is_frozen(chunk.canonical_name(name), list(freeze))
-            trainable += 0 if frozen else count
+            total, shard_total = total + count, shard_total + shard
+            if not frozen:
+                trainable, shard_trainable = trainable + count, shard_trainable + shard
+            unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
+            units[unit] = units.get(unit, 0) + count
             if name == "tok_embeddings.weight" and tp > 1 and not frozen:
                 full_grad = not (chunk.tied and chunk.output is not None)
-    return LocalParams(total, trainable, full_grad)
+    root = units.pop("", 0)
+    return LocalParams(total, trainable, shard_total, shard_trainable, max(units.values(), default=0), root,
+                       full_grad)  # fmt: skip
+
+
+def compute_bytes(cfg: JobConfig) -> int:
+    """Element size of the weights the model computes with: the weights' own dtype, or with ZeRO-3 the
+    dtype FSDP gathers its fp32 shards in (the compute dtype)."""
+    if optimizer_class(cfg.optim).shards_params and cfg.train.precision != "fp32":
+        return 2
+    return precision_policy(cfg).param_bytes
 
 
 def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
@@ -94,7 +117,7 @@ def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
     m, p = cfg.model, cfg.parallel
     shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len, tp=p.tp,
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
-                            element_bytes=precision_policy(cfg).param_bytes)  # fmt: skip
+                            element_bytes=compute_bytes(cfg))  # fmt: skip
     parts = get_spec(m.arch).activations(m, shape)
     num_stages = p.pp * p.virtual_stages
     total = 0
@@ -118,24 +141,44 @@ def in_flight(cfg: JobConfig) -> int:
 
 
 def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
+    """Bytes per rank by category. Stages 1-2 shard the optimizer state (and stage 2 the gradients) in
+    the optimizer; stage 3 shards the parameters too (FSDP2), so it counts its dim-0 shards exactly and
+    adds, as communication buffers, the root unit gathered through the step, the running and the
+    prefetched block gathered in the compute dtype and one block's gradients before their reduce-scatter
+    (compute dtype and the fp32 copy FSDP reduces). Every category is device memory: offload moves the
+    sharded optimizer state (stage 3: also the parameter and gradient shards) to `host`."""
     o, tp = cfg.optim, dims.tp
-    local = local_param_count(cfg)
-    element = precision_policy(cfg).param_bytes
-    param_bytes = local.total * element
-    grads, optimizer = optimizer_class(o).planned_bytes(local.trainable, dims.dp, element, o.overlap_grad_reduce)
-    if local.full_size_embedding_grad and not o.overlap_grad_reduce:  # with overlap it is cut inside backward
+    cls = optimizer_class(o)
+    local = local_param_count(cfg, dp=dims.dp if cls.shards_params else 1)
+    element, compute = precision_policy(cfg).param_bytes, compute_bytes(cfg)
+    if cls.shards_params:  # the fp32 shards are the master weights
+        param_bytes = 4 * local.shard_total
+        grads, optimizer = cls.planned_bytes(local.shard_trainable, 1, element, o.overlap_grad_reduce)
+        if dims.pp > 1:  # torch's schedules keep the stage gathered, its fp32 gradients whole, to the last backward
+            comm = (compute + 4) * local.total
+        elif reshards_after_forward(cfg):
+            comm = compute * (local.root + 2 * local.largest_block) + (compute + 4) * local.largest_block
+        else:  # every block stays gathered from its forward to its backward
+            comm = compute * local.total + (compute + 4) * local.largest_block
+    else:
+        param_bytes = local.total * element
+        grads, optimizer = cls.planned_bytes(local.trainable, dims.dp, element, o.overlap_grad_reduce)
+        comm = int(2 * o.bucket_mb * 2**20)  # a flat bucket being reduced and its gathered copy
+        if o.overlap_grad_reduce and not cls.shards_state:  # every bucket's flat copy stays in flight to the end
+            comm = max(comm, 4 * local.trainable)
+    if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.shards_params):  # cut in backward
         vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, tp)
         grads += vocab_rows * cfg.model.d_model * 4 * (tp - 1) // tp
-    host = optimizer if o.offload == "cpu" else 0
+    host = 0
+    if o.offload == "cpu":
+        host, optimizer = host + optimizer, 0
+        if cls.shards_params:
+            host, param_bytes, grads = host + param_bytes + grads, 0, 0
     per_micro = activation_bytes(cfg)
     flight = in_flight(cfg)
     activations = int(per_micro * flight)
-    comm = int(2 * o.bucket_mb * 2**20)  # a flat bucket being reduced and its gathered copy
-    if o.overlap_grad_reduce and not optimizer_class(o).shards_state:  # every bucket's flat copy stays in
-        comm = max(comm, 4 * local.trainable)  # flight to the step's end
-    device_optimizer = optimizer - host
-    total = param_bytes + grads + device_optimizer + activations + comm
-    return MemoryEstimate(param_bytes, grads, device_optimizer, per_micro, math.ceil(flight), activations, comm,
+    total = param_bytes + grads + optimizer + activations + comm
+    return MemoryEstimate(param_bytes, grads, optimizer, per_micro, math.ceil(flight), activations, comm,
                           host, total)  # fmt: skip
 
 
@@ -182,12 +225,39 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
     return sorted(rows, key=lambda r: (not r["fits"], r["step_s"], r["total_gib"]))
 
 
+def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int) -> float:
+    """Bytes a rank sends over dp per step for `params` local elements (ring collectives: (dp-1)/dp of the
+    buffer each). Stage 0: an fp32 all-reduce (reduce-scatter + all-gather). Stages 1-2: an fp32
+    reduce-scatter (stage 2 with overlap: one per micro-batch) and an all-gather of the weights in their
+    dtype. Stage 3: per micro-batch, an all-gather in the compute dtype for forward and one for backward
+    (one per step without reshard_after_forward under pipeline parallelism, where torch's schedules keep
+    the stage gathered) and an fp32 reduce-scatter (once per step under pipeline parallelism): three
+    collectives where stage 0 has two, 1.5x its elements."""
+    t, o, dp = cfg.train, cfg.optim, dims.dp
+    if dp == 1:
+        return 0.0
+    ring = params * (dp - 1) / dp
+    compute, weights = compute_bytes(cfg), precision_policy(cfg).param_bytes
+    if o.zero_stage == 3:
+        pp = cfg.parallel.pp > 1
+        all_gathers = 2 * t.grad_accum if reshards_after_forward(cfg) else (1 if pp else t.grad_accum)
+        return ring * (compute * all_gathers + 4 * (1 if pp else t.grad_accum))
+    if o.zero_stage == 0:
+        return ring * 4 * 2
+    reduce_scatters = t.grad_accum if o.zero_stage == 2 and o.overlap_grad_reduce else 1
+    return ring * (4 * reduce_scatters + weights)
+
+
 def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mfu: float = 0.4,
-                       nvlink_gbps: float = 300.0, ib_gbps: float = 25.0) -> float:  # fmt: skip
+                       nvlink_gbps: float = 300.0, ib_gbps: float = 25.0, pcie_gbps: float = 25.0,
+                       host_adam_elements_per_s: float = 1e9) -> float:  # fmt: skip
     """A simple model to rank layouts: compute at `mfu` of peak (x4/3 with full recompute), the pipeline
-    bubble (pp-1)/(m v), tp communication over NVLink and dp gradient reduction over InfiniBand (GB/s),
-    less what overlap_grad_reduce hides behind backward."""
-    m, p, t, dp = cfg.model, cfg.parallel, cfg.train, dims.dp
+    bubble (pp-1)/(m v), tp communication over NVLink, dp traffic over InfiniBand (GB/s; `dp_traffic_bytes`)
+    less what overlaps backward (overlap_grad_reduce: the last micro-batch's backward, 2/3 of its compute;
+    stage 3 prefetches, so up to all of the compute), and offload's real cost: the owned gradients to the
+    host and the updated weights back over PCIe (stage 3: the parameter shards for every all-gather and
+    the gradient shards of every reduce-scatter) and AdamW on the host cores of each rank."""
+    m, p, t, o, dp = cfg.model, cfg.parallel, cfg.train, cfg.optim, dims.dp
     tokens = t.micro_batch_size * t.grad_accum * m.seq_len  # per dp rank
     compute = tokens * dp * get_spec(m.arch).flops_per_token(m) / (dims.world_size * peak_flops * mfu)
     if m.recompute == "full":
@@ -196,10 +266,17 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
     elt = 2 if t.precision != "fp32" else 4
     tp_bytes = 0 if p.tp == 1 else 4 * m.n_layers / p.pp * tokens * m.d_model * elt * (p.tp - 1) / p.tp
     n = local_param_count(cfg).trainable
-    dp_time = (0 if dp == 1 else 2 * n * 4 * (dp - 1) / dp) / (ib_gbps * 1e9)
-    if cfg.optim.overlap_grad_reduce:  # hidden behind the last micro-batch's backward (2/3 of its compute)
+    dp_time = dp_traffic_bytes(cfg, dims, n) / (ib_gbps * 1e9)
+    if o.zero_stage == 3:
+        dp_time = max(0.0, dp_time - compute)
+    elif o.overlap_grad_reduce:
         dp_time = max(0.0, dp_time - 2 / 3 * compute / t.grad_accum)
-    return compute + bubble + tp_bytes / (nvlink_gbps * 1e9) + dp_time
+    offload = 0.0
+    if o.offload == "cpu":
+        owned = math.ceil(n / dp)
+        transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
+        offload = transfers / (pcie_gbps * 1e9) + owned / host_adam_elements_per_s
+    return compute + bubble + tp_bytes / (nvlink_gbps * 1e9) + dp_time + offload
 
 
 def plan_world(cfg: JobConfig) -> int:
@@ -219,8 +296,9 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
             f"zero={cfg.optim.zero_stage}, offload={cfg.optim.offload}, {cfg.train.precision}")  # fmt: skip
     lines = [head, "per rank (first pipeline stage):"]
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]
-    if plan.host_optimizer:
-        lines.append(f"  {'optimizer state in host memory':<44} {plan.host_optimizer / GiB:10.3f} GiB")
+    if plan.host:
+        what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state"
+        lines.append(f"  {f'in host memory ({what})':<44} {plan.host / GiB:10.3f} GiB")
     verdict = "fits" if plan.total <= gpu_mem_bytes else "DOES NOT FIT"
     lines.append(f"  {verdict} in {gpu_mem_bytes / GiB:.0f} GiB per GPU ({100 * plan.total / gpu_mem_bytes:.0f}%)")
     return "\n".join(lines)

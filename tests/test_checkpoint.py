@@ -71,14 +71,20 @@ def test_single_process_resume_is_bit_exact(cfg_for, reference):
 
 
 @pytest.fixture(scope="module")
-def world4_runs(cfg_for):
-    """4 ranks: tp2 x dp2 ZeRO-1 uninterrupted, stopped at 2 and resumed, and two sources for resharding."""
+def world4_runs(cfg_for, small_corpus):
+    """4 ranks: tp2 x dp2 ZeRO-1 uninterrupted, stopped at 2 and resumed, and sources for resharding (the
+    ZeRO-3 ones evaluate just before their save: FSDP's units gathered by a forward alone are freed)."""
     full = cfg_for("tp2dp2_full", *TP2_DP2_ZERO1, "train.steps=4", "parallel.nproc=4")
     first = cfg_for("tp2dp2_split", *TP2_DP2_ZERO1, "train.steps=2", "parallel.nproc=4")
     resumed = cfg_for("tp2dp2_split", *TP2_DP2_ZERO1, "train.steps=4", "parallel.nproc=4")
     to_tp1 = cfg_for("reshard_tp", *TP2_DP2_ZERO1, "train.steps=2", "parallel.nproc=4")
     dp4 = cfg_for("reshard_dp", "train.micro_batch_size=2", "optim.zero_stage=1", "train.steps=2", "parallel.nproc=4")
-    launch(4, full, first, resumed, to_tp1, dp4)
+    evaluate = ["train.eval_interval=2", f"data.valid_path={small_corpus}_valid"]
+    dp4_stage = lambda run, stage: cfg_for(run, "train.micro_batch_size=2", f"optim.zero_stage={stage}",
+                                           "optim.bucket_mb=0.05", "train.steps=2", "parallel.nproc=4",
+                                           *(evaluate if stage == 3 else []))  # fmt: skip
+    launch(4, full, first, resumed, to_tp1, dp4, dp4_stage("reshard_zero3_zero1", 3),
+           dp4_stage("reshard_zero3_tp", 3), dp4_stage("reshard_zero2_zero3", 2))  # fmt: skip
     return full.run_dir, resumed.run_dir
 
 
@@ -95,6 +101,13 @@ def test_tp2_dp2_zero1_resume_is_bit_exact(world4_runs):
         ("reshard_tp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # tp2 x dp2 ZeRO-1 -> 1 process
         ("reshard_dp", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),  # dp4 -> dp2
         ("reshard_pp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # pp2 -> pp1
+        # across ZeRO stages: 3 dp4 -> 1 dp2, 3 dp4 -> 0 tp2, 2 dp4 -> 3 tp2 x dp2
+        ("reshard_zero3_zero1", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),
+        ("reshard_zero3_tp", ["parallel.tp=2", "train.micro_batch_size=8", "parallel.nproc=2"]),
+        (
+            "reshard_zero2_zero3",
+            ["optim.zero_stage=3", "parallel.tp=2", "train.micro_batch_size=4", "parallel.nproc=4"],
+        ),  # fmt: skip
     ],
 )
 def test_resharded_resume_continues_the_same_run(cfg_for, reference, world4_runs, source, target):

@@ -46,7 +46,7 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
             ["train.freeze holds every parameter of pipeline rank 0 fixed", "smaller parallel.pp"],
         ),
         (["optim.offload=cpu"], 2, ["optim.offload=cpu offloads the sharded optimizer state", "zero_stage=1"]),
-        (["optim.zero_stage=2"], 2, ["optim.zero_stage=2 is not supported; use 0 or 1"]),
+        (["optim.zero_stage=4"], 2, ["optim.zero_stage=4 is not supported; use 0, 1, 2 or 3"]),
         (["steps"], 1, ["override 'steps' is not of the form key=value"]),
     ],
 )

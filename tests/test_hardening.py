@@ -104,7 +104,7 @@ SHOW_BAD = [
     ("optim.warmup_steps=-1", "optim.warmup_steps=-1 must be >= 0"),
     ("optim.decay_steps=-3", "optim.decay_steps=-3 must be > 0 (or left out)"),
     ("optim.decay_steps=0", "optim.decay_steps=0 must be > 0 (or left out)"),
-    ("optim.zero_stage=2", "optim.zero_stage=2 is not supported"),
+    ("optim.zero_stage=4", "optim.zero_stage=4 is not supported"),
     ("optim.offload=gpu", "optim.offload='gpu' is not one of"),
     ("optim.bucket_mb=-1", "optim.bucket_mb=-1.0 must be >= 0"),
     ("model.n_layers=0", "model.n_layers=0 must be > 0"),

@@ -46,18 +46,26 @@ def _derive(variants: dict[str, str], extra: list[str]) -> None:
         LAYOUTS[name] = (LAYOUTS[base][0], [*LAYOUTS[base][1], *extra])
 
 
-# ZeRO-1 (small buckets: several buckets, shard boundaries inside parameters) against the same layout
-# with plain data parallelism
-ZERO1 = ["optim.zero_stage=1", "optim.bucket_mb=0.05"]
+# ZeRO stages 1-3 (small buckets: several buckets, shard boundaries inside parameters; stage 3: FSDP2)
+# against the same layout with plain data parallelism
 ZERO_LAYOUTS = {
     "dp2_zero1": "dp2",
     "dp2_zero1_offload": "dp2",
     "dp4_zero1": "dp4",
     "tp2_dp2_zero1": "tp2_dp2",
     "pp2_dp2_zero1": "pp2_dp2",
+    "dp2_zero2": "dp2",
+    "tp2_dp2_zero2_overlap": "tp2_dp2",
+    "pp2_dp2_zero2_overlap": "pp2_dp2",
+    "dp4_zero3": "dp4",
+    "dp2_zero3_offload": "dp2",
+    "tp2_dp2_zero3": "tp2_dp2",
+    "pp2_dp2_zero3": "pp2_dp2",
 }
-_derive({n: b for n, b in ZERO_LAYOUTS.items() if "offload" not in n}, ZERO1)
-_derive({n: b for n, b in ZERO_LAYOUTS.items() if "offload" in n}, [*ZERO1, "optim.offload=cpu"])
+SUFFIXES = {"offload": ["optim.offload=cpu"], "overlap": ["optim.overlap_grad_reduce=true"]}
+for name, base in ZERO_LAYOUTS.items():
+    stage, extra = name.split("zero")[1][0], SUFFIXES.get(name.split("_")[-1], [])
+    _derive({name: base}, [f"optim.zero_stage={stage}", "optim.bucket_mb=0.05", *extra])
 # dp reductions launched from inside backward (several micro-batches, SP placement fixes, pipeline stages)
 # against the same layout reducing after backward: the same numbers exactly
 OVERLAP_LAYOUTS = {
@@ -100,7 +108,7 @@ def test_layout_matches_single_process(runs, arch, layout):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", list(ZERO_LAYOUTS))
-def test_zero1_matches_plain_data_parallel(runs, arch, layout):
+def test_zero_matches_plain_data_parallel(runs, arch, layout):
     runs = runs[arch]
     zero, plain = read_final_model(runs / layout), read_final_model(runs / ZERO_LAYOUTS[layout])
     assert max_param_diff(zero, plain) <= 1e-6

@@ -54,6 +54,14 @@ LAYOUTS = {  # name -> (world size, overrides)
     ),  # fmt: skip
     "gpt2_tp2_sp_selective": (2, ["model.arch=gpt2", "parallel.tp=2", SP, "model.recompute=selective"]),
     "gpt2_pp2_zero1_bf16": (2, ["model.arch=gpt2", "parallel.pp=2", "train.grad_accum=4", *ZERO1_BF16]),
+    # ZeRO-2 and ZeRO-3 (FSDP2): sharded gradients, and sharded parameters
+    "dp2_zero2_bf16_overlap": (
+        2,
+        ["optim.zero_stage=2", "train.precision=bf16", "optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05"],
+    ),  # fmt: skip
+    "dp2_zero3_bf16": (2, ["optim.zero_stage=3", "train.precision=bf16"]),
+    "tp2_dp2_sp_zero3": (4, ["parallel.tp=2", SP, "optim.zero_stage=3"]),
+    "gpt2_pp2_dp2_zero3": (4, ["model.arch=gpt2", "parallel.pp=2", "train.grad_accum=4", "optim.zero_stage=3"]),
 }
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
 RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",

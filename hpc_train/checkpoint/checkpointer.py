@@ -156,7 +156,7 @@ class Checkpointer:
         if torch.cuda.is_available():  # the stager's stream does not wait for this one: gathers, clones
             torch.cuda.current_stream().synchronize()
         staging = self.staging = self.stager.stage(state)  # copied on the stager's thread during the next step
-        if self.cfg.optim.zero_stage > 0:  # the state is a gathered copy (~12 bytes a parameter): not kept
+        if self.cfg.optim.zero_stage in (1, 2):  # the state is a gathered copy (~12 bytes a parameter): not kept
             self.staged()  # alive through the next step, so copied now
         self.staging_wait_s = 0.0  # the next update's wait (this one's is in blocked_s)
 

@@ -1,9 +1,10 @@
 """The parts a checkpoint is made of, laid out so that any (tp, pp, dp, zero) layout can load them.
 
 Sharded through DCP, under `<part>.<key>`: the model (every parameter, frozen or not, and every
-persistent buffer; DTensor shards under tp) and the optimizer state *per parameter* (exp_avg,
-exp_avg_sq and, with ZeRO-1, the fp32 master weights) in its parameter's placement, so DCP reshards
-both on load. Vocabulary-padded tensors are stored unpadded and whole: their padding depends on tp.
+persistent buffer; DTensor shards under tp, and dp under ZeRO-3) and the optimizer state *per
+parameter* (exp_avg, exp_avg_sq and, with ZeRO-1 and -2, the fp32 master weights; ZeRO-3's parameters
+are fp32 themselves) in its parameter's placement, so DCP reshards both on load. Vocabulary-padded
+tensors are stored unpadded and whole: their padding depends on tp.
 Everything else is a small `state_dict` per part in each rank's own file (sampler, loss scaler, metrics
 position, RNG).
 """

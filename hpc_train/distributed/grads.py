@@ -30,7 +30,11 @@ def fix_grad_placements(params: list[torch.nn.Parameter]) -> None:
 
 
 def is_tp_sharded(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and any(not isinstance(pl, Replicate) for pl in t.placements)
+    """Sharded over the tensor-parallel dimension (a ZeRO-3 parameter is also sharded over dp: not counted)."""
+    if not isinstance(t, DTensor):
+        return False
+    names = t.device_mesh.mesh_dim_names or ("tp",) * t.device_mesh.ndim
+    return any(not isinstance(pl, Replicate) for name, pl in zip(names, t.placements, strict=True) if name == "tp")
 
 
 @dataclass

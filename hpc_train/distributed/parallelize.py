@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import JobConfig
+from hpc_train.distributed.fsdp import apply_fsdp, reshard, reshards_after_forward
 from hpc_train.distributed.grads import fix_grad_placements, local
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
@@ -117,9 +118,10 @@ def _tied_pipeline_copy(chunks: list[StageModule], mesh: Mesh) -> tuple[nn.Param
 def parallelize(
     cfg: JobConfig, spec: ModelSpec, mesh: Mesh, device: torch.device, autocast_dtype: torch.dtype | None = None
 ) -> ParallelModel:
-    """Build this rank's stages on the meta device, shard them over tp, then allocate only the local shards
-    on `device` and initialize them (identically to the single-process model): no rank ever holds more
-    than its own part of the model, plus one full parameter at a time during init."""
+    """Build this rank's stages on the meta device, shard them over tp (and over dp with ZeRO-3), then
+    allocate only the local shards on `device` and initialize them (identically to the single-process
+    model): no rank ever holds more than its own part of the model, plus one full parameter at a time
+    during init."""
     p = cfg.parallel
     pp, tp = mesh.size("pp"), mesh.size("tp")
     num_stages = pp * p.virtual_stages
@@ -130,6 +132,9 @@ def parallelize(
             chunk = spec.build_stage(cfg.model, stage, num_stages, tp)
         if tp > 1:
             apply_tensor_parallel(chunk, spec, mesh.sub("tp"), p.sequence_parallel)
+        if cfg.optim.zero_stage == 3:
+            offload = cfg.optim.offload == "cpu"
+            apply_fsdp(chunk, mesh.sub("dp"), autocast_dtype, reshards_after_forward(cfg), offload, device)
         chunk.to_empty(device=device)
         spec.init_weights(chunk, cfg.train.seed)
         chunks.append(chunk)
@@ -182,7 +187,9 @@ def forward_backward(model: ParallelModel, micro_batches: MicroBatches) -> torch
 
 @torch.no_grad()
 def forward_only(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
-    return _run(model, micro_batches, backward=False)
+    loss = _run(model, micro_batches, backward=False)
+    reshard(model.chunks)  # ZeRO-3: no backward frees what forward gathered
+    return loss
 
 
 def reduce_loss(model: ParallelModel, loss: torch.Tensor) -> float:

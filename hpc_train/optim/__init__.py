@@ -10,19 +10,24 @@ from __future__ import annotations
 from hpc_train.config import ConfigError, JobConfig, OptimConfig
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.data_parallel import DataParallelOptimizer
+from hpc_train.optim.fsdp import FullyShardedOptimizer
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
-from hpc_train.optim.zero import ZeroOptimizer
+from hpc_train.optim.zero import Zero2Optimizer, ZeroOptimizer
 
-OPTIMIZERS: dict[int, type[Optimizer]] = {0: DataParallelOptimizer, 1: ZeroOptimizer}
+OPTIMIZERS: dict[int, type[Optimizer]] = {
+    0: DataParallelOptimizer,
+    1: ZeroOptimizer,
+    2: Zero2Optimizer,
+    3: FullyShardedOptimizer,
+}
 
 
 def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
     """The class for `optim.zero_stage`, checked against what it supports."""
     if cfg.zero_stage not in OPTIMIZERS:
-        raise ConfigError(
-            f"optim.zero_stage={cfg.zero_stage} is not supported; use {' or '.join(map(str, OPTIMIZERS))}"
-        )
+        *most, last = map(str, OPTIMIZERS)
+        raise ConfigError(f"optim.zero_stage={cfg.zero_stage} is not supported; use {', '.join(most)} or {last}")
     cls = OPTIMIZERS[cfg.zero_stage]
     if cfg.offload != "none" and not cls.shards_state:
         stage = next(stage for stage, c in OPTIMIZERS.items() if c.shards_state)

@@ -33,7 +33,10 @@ class BucketedReduction:
     received the gradient of the step's last micro-batch (a post-accumulate-grad hook counts arrivals), so
     its communication runs while backward goes on through earlier layers; `finish` launches whatever
     backward did not (and the buckets `deferred` names: their launch talks to another pipeline stage) and
-    completes every bucket."""
+    completes every bucket. With `every_micro_batch` (ZeRO-2) a bucket is launched as soon as each of its
+    parameters has one more gradient, i.e. once per micro-batch: the launch consumes (and frees) what the
+    parameters hold, so a reduction may take any number of launches; at most `max_in_flight` collectives are
+    left outstanding, so the full-size buffers they reduce are freed as backward goes on."""
 
     def __init__(
         self,
@@ -41,18 +44,35 @@ class BucketedReduction:
         launch: Callable[[int], Callable[[], None]],
         overlap: bool,
         deferred: Callable[[list[nn.Parameter]], bool] = lambda bucket: False,
+        every_micro_batch: bool = False,
+        max_in_flight: int = 2,
     ):
         self.buckets, self.launch, self.overlap = buckets, launch, overlap
+        self.every_micro_batch, self.max_in_flight = every_micro_batch, max_in_flight
         self.deferred = {i for i, bucket in enumerate(buckets) if deferred(bucket)}
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
-        self.completions: dict[int, Callable[[], None]] = {}
+        self.completions: list[tuple[int, Callable[[], None]]] = []  # (bucket, completion), in launch order
         self.hooked = False
         self._reset()
 
     def _reset(self) -> None:
         self.micro_batches = 0  # 0 until begin_step: no launch from backward
         self.arrivals: dict[int, int] = {}  # backward passes seen per parameter this step
-        self.missing = [len(b) for b in self.buckets]  # parameters of each bucket not final yet
+        self.launches = [0] * len(self.buckets)  # launches of each bucket this step
+        self.missing = [len(b) for b in self.buckets]  # parameters of each bucket short of its next launch
+
+    def _threshold(self, i: int) -> int:
+        """The arrivals every parameter of bucket i needs before its next launch."""
+        return self.launches[i] + 1 if self.every_micro_batch else self.micro_batches
+
+    def _start(self, i: int) -> None:
+        while self.every_micro_batch and len(self.completions) >= self.max_in_flight:
+            self.completions.pop(0)[1]()  # before the launch: at most max_in_flight buffers at once
+        self.completions.append((i, self.launch(i)))
+        self.launches[i] += 1
+        if self.every_micro_batch:
+            threshold = self._threshold(i)
+            self.missing[i] = sum(self.arrivals.get(id(p), 0) < threshold for p in self.buckets[i])
 
     def begin_step(self, micro_batches: int) -> None:
         """Expect `micro_batches` backward passes through every parameter before the next `finish`."""
@@ -65,15 +85,21 @@ class BucketedReduction:
 
     def _arrived(self, p: nn.Parameter) -> None:
         count = self.arrivals[id(p)] = self.arrivals.get(id(p), 0) + 1
-        if count == self.micro_batches:
-            i = self.bucket_of[id(p)]
+        i = self.bucket_of[id(p)]
+        if self.micro_batches and count == self._threshold(i) and self.launches[i] < self.micro_batches:
             self.missing[i] -= 1
             if self.missing[i] == 0 and i not in self.deferred:
-                self.completions[i] = self.launch(i)
+                self._start(i)
 
     def finish(self) -> None:
-        for i in range(len(self.buckets)):  # one bucket at a time for those backward did not launch
-            (self.completions.pop(i, None) or self.launch(i))()
+        """Complete what is in flight, then launch and complete, one bucket at a time, every bucket whose
+        step's gradients have not all been launched."""
+        for _, complete in self.completions:
+            complete()
+        self.completions = []
+        for i, launches in enumerate(self.launches):
+            if launches == 0 or (self.every_micro_batch and launches < self.micro_batches):
+                self.launch(i)()
         self._reset()
 
 

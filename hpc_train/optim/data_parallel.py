@@ -18,6 +18,7 @@ from hpc_train.optim.buckets import BucketedReduction, bucketize, flat_allreduce
 class DataParallelOptimizer:
     master_weights = False  # the model's own fp32 weights are updated (autocast for bf16/fp16)
     shards_state = False
+    shards_params = False
     state_keys = MOMENTS
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):
@@ -51,7 +52,7 @@ class DataParallelOptimizer:
     def grad_groups(self) -> GradGroups:
         grads = [(local(p.grad), is_tp_sharded(p.grad), self.model.counted_in_norm(p))
                  for p in self.params if p.grad is not None]  # fmt: skip
-        return GradGroups.of(grads, dp_sharded=False)
+        return GradGroups.of(grads, dp_sharded=self.shards_params)  # FSDP's are shards of the dp mean
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

@@ -21,7 +21,7 @@ class PrecisionPolicy:
 
     @classmethod
     def decide(cls, precision: str, optimizer_keeps_master_weights: bool) -> PrecisionPolicy:
-        """bf16/fp16 weights when the optimizer holds an fp32 master copy (ZeRO-1); otherwise fp32 weights
+        """bf16/fp16 weights when the optimizer holds an fp32 master copy (ZeRO-1, -2); otherwise fp32 weights
         under autocast."""
         low = None if precision == "fp32" else DTYPES[precision]
         weights = low if low is not None and optimizer_keeps_master_weights else torch.float32

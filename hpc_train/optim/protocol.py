@@ -15,6 +15,7 @@ from hpc_train.distributed.parallelize import ParallelModel
 class Optimizer(Protocol):
     master_weights: ClassVar[bool]  # keeps fp32 master weights, so the model may hold bf16/fp16 ones
     shards_state: ClassVar[bool]  # state split over dp (and so it can be offloaded to the host)
+    shards_params: ClassVar[bool]  # parameters split over dp (the model is parallelized for it: FSDP2)
     state_keys: ClassVar[tuple[str, ...]]  # what `param_states` holds per parameter
     params: list[nn.Parameter]  # the trainable parameters, in the order of `param_states`
 

@@ -1,13 +1,17 @@
 """zero_stage 1: ZeRO-1, Megatron's distributed optimizer.
 
-Local gradients (each already in its parameter's tensor-parallel placement) are copied into
-contiguous fp32 buckets; each bucket is reduce-scattered over dp so rank r receives the averaged
-gradients of its contiguous 1/dp slice. Rank r keeps fp32 master weights and AdamW moments for that
-slice only (12 bytes per owned element, nothing more), updates it with torch's AdamW (the same
-arithmetic as zero_stage 0), casts it to the parameters' dtype and all-gathers each bucket back into
-the model. With `offload="cpu"` the master weights and moments live in host memory and the update runs
-there (ZeRO-Offload). Stage 2 would keep only the owned slice of the gradient buckets after the
-reduce-scatter; the bucket layout here is the seam for it.
+Local gradients (each already in its parameter's tensor-parallel placement) are copied, bucket by
+bucket, into a contiguous fp32 buffer (and freed); each bucket is reduce-scattered over dp so rank r
+receives the averaged gradients of its contiguous 1/dp slice, and the buffer is freed when the
+collective completes: between steps only the reduced slices are kept. Rank r keeps fp32 master
+weights and AdamW moments for that slice only (12 bytes per owned element, nothing more), updates it
+with torch's AdamW (the same arithmetic as zero_stage 0), casts it to the parameters' dtype and
+all-gathers each bucket back into the model. With `offload="cpu"` the master weights and moments live
+in host memory and the update runs there (ZeRO-Offload).
+
+zero_stage 2 (`Zero2Optimizer`): with overlap_grad_reduce each bucket is reduce-scattered once per
+micro-batch, as soon as backward has produced it, at most two at a time, and rank r accumulates only its
+slice (DeepSpeed's stage 2).
 """
 
 from __future__ import annotations
@@ -41,13 +45,10 @@ class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]  # where each parameter's local elements start in the bucket
     numel: int  # padded to a multiple of dp
-    grad: torch.Tensor  # fp32, the whole bucket (this rank's local gradients, then reduce-scattered)
-    grad_shard: torch.Tensor  # fp32, this rank's 1/dp slice after the reduce-scatter
+    grad: torch.Tensor | None  # fp32, the whole bucket while its reduce-scatter is in flight (stage 1)
+    grad_shard: torch.Tensor  # fp32, this rank's reduced 1/dp slice: from begin_step to zero_grad
+    shard_numel: int
     runs: list[_Run] = field(default_factory=list)
-
-    @property
-    def shard_numel(self) -> int:
-        return self.grad_shard.numel()
 
 
 @dataclass
@@ -69,7 +70,9 @@ class ZeroOptimizer:
 
     master_weights = True  # fp32 master slices: the model may hold bf16/fp16 weights
     shards_state = True  # so it can also live in host memory (optim.offload=cpu)
+    shards_params = False
     state_keys = (*MOMENTS, "master")
+    every_micro_batch = False  # reduce once per step, after the last micro-batch
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):
         self.model, self.params = model, model.trainable_parameters
@@ -79,7 +82,8 @@ class ZeroOptimizer:
         self.state_device = torch.device("cpu") if cfg.offload == "cpu" else self.device
         self.buckets = self._make_buckets(self.params, int(cfg.bucket_mb * 2**20))
         buckets = [b.params for b in self.buckets]
-        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy)
+        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy,
+                                           every_micro_batch=self.every_micro_batch)  # fmt: skip
         self.master = self._make_runs()
         decay = [r.master for b in self.buckets for r in b.runs if r.decay]
         no_decay = [r.master for b in self.buckets for r in b.runs if not r.decay]
@@ -87,12 +91,12 @@ class ZeroOptimizer:
 
     @staticmethod
     def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
-        """(gradient, optimizer-state) bytes for `params` local elements: the fp32 buckets and the reduced
-        slice; 12 bytes (master + moments) per owned element. Without overlap the parameters' own
-        gradients are still there at the end of backward; with it each bucket has taken (and freed) them."""
+        """(gradient, optimizer-state) bytes for `params` local elements: the reduced fp32 slice and, at
+        the end of backward, the parameters' own gradients (without overlap: one bucket's fp32 copy at a
+        time follows, a communication buffer) or every bucket's fp32 copy in flight (with overlap: each
+        took and freed its parameters' gradients); 12 bytes (master + moments) per owned element."""
         shard = math.ceil(params / dp)
-        grads = 4 * params + 4 * shard + (0 if overlap else params * param_bytes)
-        return grads, 12 * shard
+        return 4 * shard + (4 * params if overlap else params * param_bytes), 12 * shard
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
         buckets = []
@@ -102,9 +106,8 @@ class ZeroOptimizer:
             for p in group:
                 offsets.append(offsets[-1] + local(p).numel())
             numel = math.ceil(offsets[-1] / self.dp) * self.dp
-            grad = torch.zeros(numel, dtype=torch.float32, device=self.device)
-            shard = torch.zeros(numel // self.dp, dtype=torch.float32, device=self.device)
-            buckets.append(_Bucket(group, offsets[:-1], numel, grad, shard))
+            none_yet = torch.empty(0, dtype=torch.float32, device=self.device)
+            buckets.append(_Bucket(group, offsets[:-1], numel, None, none_yet, numel // self.dp))
         return buckets
 
     def _make_runs(self) -> torch.Tensor:
@@ -130,23 +133,40 @@ class ZeroOptimizer:
             offset += end - begin
         return master
 
-    def _launch(self, index: int) -> Callable[[], None]:
-        """Copy a bucket's local gradients into its fp32 buffer and start the reduce-scatter: mean over dp."""
-        bucket = self.buckets[index]
+    def _take_grads(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's local gradients in a new fp32 buffer of the bucket's size; the parameters' freed."""
         self.model.finalize_grads(bucket.params)
+        full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+        full[bucket.offsets[-1] + local(bucket.params[-1]).numel() :].zero_()  # the dp padding
         for p, start in zip(bucket.params, bucket.offsets, strict=True):
-            target = bucket.grad[start : start + local(p).numel()]
+            target = full[start : start + local(p).numel()]
             target.copy_(local(p.grad).reshape(-1)) if p.grad is not None else target.zero_()
-            p.grad = None  # the fp32 bucket holds it now (Megatron's main-grad buffer): free the copy
+            p.grad = None  # the fp32 buffer holds it now: free the copy
+        return full
+
+    def _owned_slice(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's reduced slice for this step, allocated when the step begins (zeros: stage 2 adds)."""
+        if bucket.grad_shard.numel() == 0:
+            bucket.grad_shard = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=self.device)
+        return bucket.grad_shard
+
+    def _launch(self, index: int) -> Callable[[], None]:
+        """Copy a bucket's local gradients into an fp32 buffer and start the reduce-scatter: mean over dp."""
+        bucket = self.buckets[index]
+        self._owned_slice(bucket)
+        bucket.grad = self._take_grads(bucket)
         work = _reduce_scatter(bucket.grad_shard, bucket.grad, group=self.dp_group, async_op=True)
 
         def complete() -> None:
             work.wait()
             bucket.grad_shard.div_(self.dp)
+            bucket.grad = None
 
         return complete
 
     def begin_step(self, micro_batches: int) -> None:
+        for bucket in self.buckets:
+            self._owned_slice(bucket)  # held through the step, as it is at the step's peak
         self.reduction.begin_step(micro_batches)
 
     def reduce_gradients(self) -> None:
@@ -175,15 +195,17 @@ class ZeroOptimizer:
                 tensor.copy_(full[start : start + tensor.numel()].view_as(tensor))
 
     def zero_grad(self) -> None:
+        """Frees the parameters' gradients and the reduced slices: nothing gradient-sized between steps."""
         for p in self.params:
             p.grad = None
         for bucket in self.buckets:
+            bucket.grad_shard = bucket.grad_shard.new_empty(0)
             for run in bucket.runs:
                 run.master.grad = None
 
     def grad_buffer_bytes(self) -> int:
-        """The fp32 reduction buckets and this rank's reduce-scattered slices."""
-        return sum(b.grad.nbytes + b.grad_shard.nbytes for b in self.buckets)
+        """This rank's reduce-scattered slices and the fp32 buckets whose reduction is in flight."""
+        return sum((b.grad.nbytes if b.grad is not None else 0) + b.grad_shard.nbytes for b in self.buckets)
 
     def _gather_bucket(
         self, bucket: _Bucket, owned: list[torch.Tensor], dtype: torch.dtype = torch.float32
@@ -240,3 +262,32 @@ class ZeroOptimizer:
     def state_bytes(self) -> int:
         """Exact bytes of optimizer state on this rank: fp32 master weights + the two AdamW moments."""
         return self.master.nbytes + moment_bytes(self.optimizer)
+
+
+class Zero2Optimizer(ZeroOptimizer):
+    """zero_stage 2: ZeRO-1 plus gradients sharded over dp (see the module docstring). Needs
+    optim.overlap_grad_reduce to free gradients during backward; without it the parameters' own gradients
+    live until the step's end, as with stage 1."""
+
+    every_micro_batch = True
+
+    @staticmethod
+    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
+        """The fp32 owned gradient slice, plus the parameters' own gradients without overlap (with it, two
+        buckets' fp32 copies at a time: communication buffers); 12 bytes per owned element."""
+        shard = math.ceil(params / dp)
+        return 4 * shard + (0 if overlap else params * param_bytes), 12 * shard
+
+    def _launch(self, index: int) -> Callable[[], None]:
+        """Reduce-scatter the gradients the bucket's parameters hold now from a temporary fp32 copy, and add
+        the mean of this rank's slice to its accumulated slice (allocated at the step's first launch)."""
+        bucket = self.buckets[index]
+        part = torch.empty_like(self._owned_slice(bucket))
+        full = self._take_grads(bucket)
+        work = _reduce_scatter(part, full, group=self.dp_group, async_op=True)
+
+        def complete() -> None:
+            work.wait()
+            bucket.grad_shard.add_(part.div_(self.dp))
+
+        return complete

@@ -145,12 +145,12 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None)],
                               device=run.device)  # fmt: skip
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        stop_requested = bool(agreed[2].item())
+        stop_requested = bool(agreed[3].item())
         monitor.add(elapsed)  # after the all-reduce: the step is done on the device
         if slow := monitor.report(step):
             record.update(slow)
             _report_stragglers(run, slow["stragglers"], step)
-        record.update(meter.fields(step, elapsed, stats.memory, (agreed[0].item(), agreed[1].item()), timings))
+        record.update(meter.fields(step, elapsed, stats.memory, tuple(agreed[:3].tolist()), timings))
         record["consumed_samples"] = run.sampler.consumed_samples
         if run.scaler:
             record.update(loss_scale=run.scaler.scale, skipped_steps=run.scaler.skipped_steps)

@@ -24,7 +24,8 @@ def storage_key_and_bytes(t: torch.Tensor) -> tuple[int, int]:
 
 
 def tensor_bytes(tensors) -> int:
-    return sum(storage_key_and_bytes(t)[1] for t in tensors if t is not None)
+    """Bytes of the memory behind `tensors`, each storage once (FSDP's gradients are views of one buffer)."""
+    return sum(dict(storage_key_and_bytes(t) for t in tensors if t is not None).values())
 
 
 class SavedActivations:
@@ -41,7 +42,8 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key, nbytes = storage_key_and_bytes(t)
-        if key in self.param_storages:
+        # a parameter or a view of one (also FSDP's gathered parameters, whose memory is freed and reused)
+        if key in self.param_storages or isinstance(t._base if t._base is not None else t, torch.nn.Parameter):
             return t
         entry = self.live.setdefault(key, [0, nbytes])
         if entry[0] == 0:

@@ -46,13 +46,14 @@ def device_peak_flops(device: torch.device) -> float:
     return measured_cpu_peak_flops()
 
 
-def peak_memory_bytes(device: torch.device) -> tuple[int, int]:
-    """(allocated, reserved) peaks. CUDA: PyTorch's max allocated and max reserved (the caching
-    allocator's pool, fragmentation included). CPU: the process's peak resident set size, twice."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+def peak_memory_bytes(device: torch.device) -> tuple[int, int, int]:
+    """(allocated, reserved, host) peaks. CUDA: PyTorch's max allocated and max reserved (the caching
+    allocator's pool, fragmentation included). CPU: the process's peak resident set size, twice. Host:
+    the process's peak resident set size (where offloaded optimizer state and parameters live)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return rss, rss
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), rss
+    return rss, rss, rss
 
 
 class MetricsLog:
@@ -177,7 +178,7 @@ class StepMeter:
         step: int,
         elapsed: float,
         memory: dict[str, int],
-        peak_memory: tuple[float, float],
+        peak_memory: tuple[float, float, float],
         timings: dict[str, float] | None,
     ) -> dict[str, Any]:
         tokens_per_s = self.tokens_per_step / elapsed
@@ -187,6 +188,7 @@ class StepMeter:
             "mfu": tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops),
             "memory_gb": peak_memory[0] / 1e9,  # max over ranks
             "memory_reserved_gb": peak_memory[1] / 1e9,
+            "host_memory_gb": peak_memory[2] / 1e9,  # max over ranks
             "step_time_s": elapsed,
             "memory_bytes": memory,  # rank 0's, by category
         }

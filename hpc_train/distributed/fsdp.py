@@ -1,0 +1,62 @@
+"""ZeRO-3: parameters sharded over the data-parallel group with PyTorch FSDP2 (`fully_shard`).
+
+Each transformer block is its own FSDP unit (all-gathered just before it runs, freed after it unless
+`reshard_after_forward` is off), the stage's embeddings, final norm and head the root unit. Applied on the
+meta device after tensor parallelism, so a tp-sharded parameter becomes a 2D (dp, tp) DTensor and no rank
+ever allocates more than its shard. The sharded fp32 parameters are the master weights; the mixed-precision
+policy all-gathers them in the compute dtype and reduce-scatters gradients in fp32. With `offload` the
+sharded parameters, their gradients and so the optimizer state live in host memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from hpc_train.config import JobConfig
+from hpc_train.models.spec import StageModule
+
+
+def reshards_after_forward(cfg: JobConfig) -> bool:
+    """optim.reshard_after_forward, its default resolved: on without pipeline parallelism, off with it
+    (torchtitan's choice: a stage runs a forward per micro-batch, and torch's schedules keep its
+    parameters gathered until the step's last backward anyway)."""
+    configured = cfg.optim.reshard_after_forward
+    return cfg.parallel.pp == 1 if configured is None else configured
+
+
+def apply_fsdp(
+    chunk: StageModule,
+    dp_mesh: DeviceMesh,
+    compute_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+    offload: bool,
+    device: torch.device,
+) -> None:
+    """Shard `chunk` (a pipeline stage, on the meta device) over `dp_mesh`, block by block, in place."""
+    # the blocks' fp32 inputs (the RoPE tables) stay fp32: autocast decides each op's dtype, as in stages 0-2
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    options = {"mesh": dp_mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward,
+               "offload_policy": offload_policy}  # fmt: skip
+    blocks = list(chunk.layers.values())
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(chunk, **{**options, "reshard_after_forward": False})  # the root runs first and last anyway
+    for previous, block in zip(blocks, blocks[1:], strict=False):  # all-gather the next block while one runs
+        previous.set_modules_to_forward_prefetch([block])
+        block.set_modules_to_backward_prefetch([previous])
+    if device.type != "cuda":  # gloo has neither AVG nor PREMUL_SUM: sum, then divide
+        for unit in (*blocks, chunk):
+            unit.set_force_sum_reduction_for_comms(True)
+
+
+def reshard(chunks: list[nn.Module]) -> None:
+    """Free every gathered parameter of FSDP units (a forward without backward leaves the units that do not
+    reshard after forward gathered, and a checkpoint must read the shards)."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
