@@ -145,9 +145,11 @@ class ZeroOptimizer:
         return full
 
     def _owned_slice(self, bucket: _Bucket) -> torch.Tensor:
-        """The bucket's reduced slice for this step, allocated when the step begins (zeros: stage 2 adds)."""
+        """The bucket's reduced slice for this step, allocated when the step begins (or at its first launch
+        when no step began): zeros where stage 2 adds to it, uninitialised where the reduce-scatter writes it."""
         if bucket.grad_shard.numel() == 0:
-            bucket.grad_shard = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=self.device)
+            allocate = torch.zeros if self.every_micro_batch else torch.empty
+            bucket.grad_shard = allocate(bucket.shard_numel, dtype=torch.float32, device=self.device)
         return bucket.grad_shard
 
     def _launch(self, index: int) -> Callable[[], None]:
@@ -280,7 +282,7 @@ class Zero2Optimizer(ZeroOptimizer):
 
     def _launch(self, index: int) -> Callable[[], None]:
         """Reduce-scatter the gradients the bucket's parameters hold now from a temporary fp32 copy, and add
-        the mean of this rank's slice to its accumulated slice (allocated at the step's first launch)."""
+        the mean of this rank's slice to its accumulated slice."""
         bucket = self.buckets[index]
         part = torch.empty_like(self._owned_slice(bucket))
         full = self._take_grads(bucket)
