@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU build of torch, pinned here; pyproject asks only torch>=2.6 so clusters keep their CUDA build.
-	$(BIN)/python -m pip install -q torch==2.13.0
+	# The fine-tuning extras are pinned beside it to the versions tested with it (torchao follows torch).
+	$(BIN)/python -m pip install -q torch==2.13.0 transformers==5.23.0 safetensors==0.8.0 torchao==0.18.0 peft==0.21.2
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 

@@ -2,11 +2,13 @@
 created in one explicit order. The train loop, the CLI's train and Slurm paths (through the loop) and
 every tool under tools/ build runs here; nothing else wires parts by hand.
 
-Order, and why: check the whole config -> mesh (needs the process group) -> per-rank RNG -> data ->
-model family -> precision policy (needs the optimizer class: only an optimizer with fp32 master weights
-lets the model hold bf16/fp16 weights) -> parallel model (meta build, tp, local init, pipeline schedule)
--> optimizer (takes its fp32 master copy) -> cast the weights to the policy's dtype -> loss scaler ->
-sampler -> metrics -> checkpointer, with every part it saves registered.
+Order, and why: the model keys of `model.init_from` -> check the whole config -> mesh (needs the process
+group) -> per-rank RNG -> data -> model family -> precision policy (needs the optimizer class: only an
+optimizer with fp32 master weights lets the model hold bf16/fp16 weights) -> parallel model (meta build,
+tp, adapters, local init, pipeline schedule) -> the weights of `model.init_from`, if any -> QLoRA's NF4
+base -> optimizer
+(takes its fp32 master copy) -> cast the weights to the policy's dtype -> loss scaler -> sampler ->
+metrics -> checkpointer, with every part it saves registered.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ import numpy as np
 import torch
 
 from hpc_train.checkpoint.checkpointer import Checkpointer
+from hpc_train.checkpoint.init_from import base_fingerprint, load_initial_weights, with_source_model
 from hpc_train.checkpoint.state import ModelState, OptimizerState, RNGState
 from hpc_train.config import JobConfig
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import load_datasets
 from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.mesh import Mesh
-from hpc_train.distributed.parallelize import ParallelModel, parallelize
+from hpc_train.distributed.parallelize import ParallelModel, parallelize, quantize_frozen_base
 from hpc_train.launch.bootstrap import RankEnv
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
@@ -64,6 +67,7 @@ def seed_everything(seed: int, rank: int) -> None:
 
 def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data: bool = True) -> Run:
     """Every part of the run on this rank; the default process group must exist."""
+    cfg = with_source_model(cfg)
     dims = check_run(cfg, rank_env.world_size, check_paths=with_data)
     mesh = Mesh(dims, device.type)
     is_logger = rank_env.rank == 0
@@ -74,8 +78,18 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     spec = get_spec(cfg.model.arch)
     policy = precision_policy(cfg)
     model = parallelize(cfg, spec, mesh, device, policy.autocast_dtype)
+    model.masked_loss = any(ds is not None and ds.loss_mask is not None for ds in (train_set, valid_set))
+    if cfg.model.init_from:
+        load_initial_weights(model, cfg.model.init_from, cfg.checkpoint.io_threads)
+    adapters = cfg.finetune.method != "full"
+    if cfg.finetune.method == "qlora":
+        quantize_frozen_base(model)
     optimizer = build_optimizer(model, cfg.optim)
-    policy.cast_parameters(model.parameters)  # after the optimizer took its fp32 master copy
+    # after the optimizer took its fp32 master copy; LoRA's frozen base in the compute dtype
+    policy.cast_parameters(model.trainable_parameters if adapters else model.parameters)
+    if adapters:  # (QLoRA's NF4 weights stay as they are)
+        frozen = [p for name, p in model.named_parameters if not p.requires_grad and name not in model.quantized]
+        policy.cast_parameters(frozen, policy.frozen_dtype)
     t = cfg.train
     scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if policy.loss_scaling else None
     global_batch = t.micro_batch_size * t.grad_accum * dims.dp
@@ -95,6 +109,7 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         per_rank={"rng": RNGState()},
         report=report,
         data={"tokens": len(train_set.tokens), "documents": len(train_set.doc_offsets) - 1} if train_set else None,
+        base_weights=base_fingerprint(cfg) if is_logger and model.quantized else None,
     )
     return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,
                sampler, metrics, checkpointer, report)  # fmt: skip

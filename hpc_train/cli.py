@@ -1,4 +1,5 @@
-"""The `hpc-train` command: train, submit, plan, config show, ckpt, prepare-data."""
+"""The `hpc-train` command: train, submit, plan, config show, ckpt, prepare-data, import-hf, export-hf,
+generate."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from hpc_train.layout import check_run
 
 def _config_and_overrides(args: argparse.Namespace) -> JobConfig:
     """CONFIG is optional: a first argument holding '=' is already an override."""
+    from hpc_train.checkpoint.init_from import with_source_model
+
     items = [args.config, *args.overrides] if args.config else list(args.overrides)
     path = items.pop(0) if items and "=" not in items[0] else None
-    return load_config(path, items)
+    return with_source_model(load_config(path, items))
 
 
 def check_inputs(cfg: JobConfig, world: int, starts_here: bool) -> ParallelDims:
@@ -150,13 +153,10 @@ def cmd_doctor(args: argparse.Namespace) -> None:
 
 def cmd_ckpt(args: argparse.Namespace) -> None:
     """list / verify / inspect the checkpoints of a run directory (or a checkpoints directory)."""
-    from pathlib import Path
-
+    from hpc_train.checkpoint.init_from import checkpoint_store
     from hpc_train.checkpoint.safe_load import read_dcp_metadata
-    from hpc_train.checkpoint.store import CheckpointStore
 
-    root = Path(args.run_dir)
-    store = CheckpointStore(root / "checkpoints" if (root / "checkpoints").is_dir() else root)
+    store = checkpoint_store(args.run_dir)
     infos = [store.verify(info, full=args.ckpt_command == "verify") for info in store.scan()]
     if not infos:
         raise FileNotFoundError(f"no checkpoints under {store.root}")
@@ -184,10 +184,49 @@ def cmd_ckpt(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def cmd_import_hf(args: argparse.Namespace) -> None:
+    from hpc_train.checkpoint.convert import import_config, import_hf
+    from hpc_train.checkpoint.init_from import with_source_model
+    from hpc_train.launch.local import check_machine, launch_local
+
+    cfg = with_source_model(import_config(args.hf_dir, args.ckpt_dir, args.overrides))
+    check_machine(cfg)
+    dims = check_run(cfg, cfg.parallel.nproc, check_paths=False)
+    launch_local(import_hf, cfg.parallel.nproc, cfg)
+    print(f"imported {args.hf_dir} into {args.ckpt_dir} ({describe(dims)}); start a run from it with "
+          f"model.init_from={args.ckpt_dir}")  # fmt: skip
+
+
+def cmd_export_hf(args: argparse.Namespace) -> None:
+    from hpc_train.checkpoint.convert import export_hf
+    from hpc_train.launch.local import single_process_group
+
+    with single_process_group():
+        out = export_hf(args.source, args.out_dir, args.adapters_only, args.base)
+    what = "LoRA adapters (PEFT format)" if args.adapters_only else "model"
+    print(f"exported the {what} of {args.source} to {out}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from hpc_train.checkpoint.convert import load_model
+    from hpc_train.generate import generate, pick_tokenizer
+    from hpc_train.launch.local import single_process_group
+
+    if not 0 < args.top_p <= 1 or args.temperature < 0 or args.max_new_tokens < 1:
+        raise ConfigError("--top-p must be in (0, 1], --temperature >= 0 and --max-new-tokens >= 1")
+    tokenizer = pick_tokenizer(args.source, args.tokenizer)
+    with single_process_group():
+        _, model = load_model(args.source, args.base)
+        ids = generate(model, tokenizer.encode(args.prompt).tolist(), args.max_new_tokens, args.temperature,
+                       args.top_p, args.seed, tokenizer.eod_id)  # fmt: skip
+    print(args.prompt + tokenizer.decode(ids))
+
+
 def cmd_prepare_data(args: argparse.Namespace) -> None:
     from hpc_train.data.prepare import expand_inputs, prepare_data
 
-    written = prepare_data(expand_inputs(args.inputs), args.output, args.tokenizer, args.valid_every)
+    written = prepare_data(expand_inputs(args.inputs), args.output, args.tokenizer, args.valid_every,
+                           max_tokens=args.max_tokens)  # fmt: skip
     for split, prefix in written.items():
         print(f"{split}: {prefix}.bin / {prefix}.idx")
 
@@ -220,11 +259,33 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--step", type=int, help="inspect: this step (default: the newest usable)")
     cfg_cmd = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
     with_config(cfg_cmd.add_parser("show", help="print the resolved config and check it"))
-    prep = sub.add_parser("prepare-data", help="tokenize text files into an indexed dataset")
-    prep.add_argument("inputs", nargs="+", help="text files or globs (quote globs: '**/*.txt')")
+    imp = sub.add_parser("import-hf", help="a Hugging Face model folder -> a sharded checkpoint of any layout")
+    imp.add_argument("hf_dir", help="a folder with config.json and safetensors (LlamaForCausalLM, GPT2LMHeadModel)")
+    imp.add_argument("ckpt_dir", help="a new directory for the checkpoint")
+    imp.add_argument("overrides", nargs="*", help="the layout, e.g. parallel.nproc=2 parallel.tp=2")
+    exp = sub.add_parser("export-hf", help="a checkpoint (any layout) -> a folder transformers loads")
+    exp.add_argument("source", help="a run directory or checkpoint directory (its newest verified checkpoint)")
+    exp.add_argument("out_dir")
+    exp.add_argument("--adapters-only", action="store_true", help="LoRA adapters alone, in PEFT's format")
+    gen = sub.add_parser("generate", help="text from a checkpoint or Hugging Face folder (greedy or top-p)")
+    for p in (exp, gen):
+        p.add_argument("--base", help="QLoRA: where the run's base weights (its model.init_from) are now")
+    gen.add_argument("source", help="a run / checkpoint directory, or a Hugging Face model folder")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching this mass")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokenizer", help="a tokenizer.json (default: the source's, else byte-level)")
+    prep = sub.add_parser("prepare-data", help="tokenize text files (or JSONL examples) into an indexed dataset")
+    prep.add_argument("inputs", nargs="+", help="text files, .jsonl files of {text} or {prompt, response} lines, "
+                      "or globs (quote globs: '**/*.txt')")  # fmt: skip
+    prep.add_argument("--max-tokens", type=int, help="keep the last N tokens of a longer example (use model.seq_len)")
     prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
     prep.add_argument("--tokenizer", default="byte", help="'byte' (default) or a Hugging Face tokenizer.json")
-    prep.add_argument("--valid-every", type=int, default=0, help="hold out every N-th file as PREFIX_valid")
+    prep.add_argument(
+        "--valid-every", type=int, default=0, help="hold out every N-th document (file or example) as PREFIX_valid"
+    )
     return parser
 
 
@@ -236,6 +297,9 @@ COMMANDS = {
     "config": cmd_config_show,
     "ckpt": cmd_ckpt,
     "prepare-data": cmd_prepare_data,
+    "import-hf": cmd_import_hf,
+    "export-hf": cmd_export_hf,
+    "generate": cmd_generate,
 }
 
 

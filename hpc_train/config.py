@@ -50,6 +50,9 @@ class ModelConfig:
     recompute: str = "none"  # none | selective (attention core) | full (whole layers)
     recompute_every: int = 1  # with a policy: recompute every k-th layer of each pipeline stage
     recompute_first: int | None = None  # with a policy: only the first M layers of each stage (None = all)
+    # start from these weights (step 0, fresh optimizer): a Hugging Face folder (config.json + safetensors) or
+    # an hpc_train checkpoint / run directory; the architecture keys above are taken from it
+    init_from: str | None = None
 
 
 @dataclass
@@ -107,6 +110,18 @@ class OptimConfig:
     # step's last backward anyway)
     reshard_after_forward: bool | None = None
     overlap_grad_reduce: bool = False  # start each bucket's dp reduction from backward, as soon as it is ready
+
+
+@dataclass
+class FinetuneConfig:
+    """Which parameters train: all of them, or low-rank adapters on frozen base weights (LoRA; QLoRA keeps
+    the frozen base in 4-bit NF4)."""
+
+    method: str = "full"  # full | lora | qlora
+    lora_rank: int = 8
+    lora_alpha: float = 16.0  # the adapter's output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # on the adapter's input
+    lora_targets: list[str] = field(default_factory=lambda: ["wq", "wv"])  # projections (e.g. wq wk wv wo w1 w2 w3)
 
 
 @dataclass
@@ -174,6 +189,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -187,6 +203,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
     "optim.offload": ("none", "cpu"),
+    "finetune.method": ("full", "lora", "qlora"),
     "logging.progress": ("auto", "bar", "lines", "none"),
     "checkpoint.verify": ("full", "sizes"),
 }
@@ -197,6 +214,7 @@ POSITIVE = (
     "parallel.timeout_s", "train.steps", "train.micro_batch_size", "train.grad_accum", "train.eval_batches",
     "train.initial_loss_scale", "train.loss_scale_window", "optim.eps", "slurm.nodes", "slurm.tasks_per_node",
     "slurm.gpu_mem_gb", "logging.log_interval", "checkpoint.io_threads", "parallel.rendezvous_timeout_s",
+    "finetune.lora_rank", "finetune.lora_alpha",
 )  # fmt: skip
 NON_NEGATIVE = (
     "train.eval_interval", "train.skip_nonfinite", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay",
@@ -207,7 +225,7 @@ NON_NEGATIVE = (
 )  # fmt: skip
 POSITIVE_IF_SET = ("model.n_kv_heads", "model.ffn_hidden", "train.global_batch_size", "optim.decay_steps")
 NON_NEGATIVE_IF_SET = ("model.recompute_first",)
-FRACTIONS = ("optim.beta1", "optim.beta2")  # in [0, 1)
+FRACTIONS = ("optim.beta1", "optim.beta2", "finetune.lora_dropout")  # in [0, 1)
 
 
 def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
@@ -271,10 +289,15 @@ def _parses(value: str) -> bool:
         return False
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Defaults <- YAML file <- `key=value` overrides, type-checked and interpolations resolved."""
+def load_config(
+    path: str | os.PathLike | None = None, overrides: list[str] | None = None, saved: str | None = None
+) -> JobConfig:
+    """Defaults <- YAML file (or `saved`, the YAML text a checkpoint recorded) <- `key=value` overrides,
+    type-checked and interpolations resolved."""
     merged = OmegaConf.structured(JobConfig)
     layers: list[tuple[str, DictConfig]] = []
+    if saved is not None:
+        layers.append(("a checkpoint's recorded config", OmegaConf.create(saved)))
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(f"config file '{path}' does not exist; the presets live in configs/")
@@ -340,7 +363,7 @@ def _value_problems(cfg: JobConfig) -> list[str]:
     """Every key's own range: choices, signs, finiteness, fractions; one line per problem."""
     problems = [f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}"
                 for key, allowed in CHOICES.items() if _get(cfg, key) not in allowed]  # fmt: skip
-    floats = [f"{section}.{k}" for section in ("model", "train", "optim", "slurm")
+    floats = [f"{section}.{k}" for section in ("model", "train", "optim", "slurm", "finetune")
               for k, v in vars(getattr(cfg, section)).items() if isinstance(v, float)]  # fmt: skip
     nonfinite = {key for key in floats if not math.isfinite(_get(cfg, key))}
     problems += [f"{key}={_get(cfg, key)} must be a finite number" for key in floats if key in nonfinite]
@@ -369,7 +392,15 @@ def _value_problems(cfg: JobConfig) -> list[str]:
     steps = cfg.logging.profile_steps
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
-    for key in ("name", "run_dir", "checkpoint.dir", "data.train_path", "data.valid_path", "data.cache_dir"):
+    for key in (
+        "name",
+        "run_dir",
+        "checkpoint.dir",
+        "data.train_path",
+        "data.valid_path",
+        "data.cache_dir",
+        "model.init_from",
+    ):
         value = _get(cfg, key)
         if value is not None and has_control_chars(value):
             problems.append(f"{key}={value!r} holds a control character (a newline?); remove it")

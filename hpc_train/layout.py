@@ -1,8 +1,10 @@
 """The whole check of a run's config for a world size, before any process starts: the schema and the
-parallel layout (config.py), the model family's shapes (models/), the optimizer's capabilities (optim/)
-and the frozen-parameter patterns. The CLI, the Slurm submit path, the planner and the builder use it."""
+parallel layout (config.py), the model family's shapes (models/), the optimizer's capabilities (optim/),
+the frozen-parameter patterns and LoRA's targets. The CLI, the Slurm submit path, the planner and the builder use it."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
@@ -10,6 +12,7 @@ from hpc_train.config import ConfigError, JobConfig, raise_all, validate
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import stage_ids
 from hpc_train.models import get_spec
+from hpc_train.models.lora import NF4_BLOCK, check_targets, nf4_scaler_block, projections
 from hpc_train.models.spec import ModelSpec, is_frozen
 from hpc_train.optim import optimizer_class
 
@@ -22,6 +25,8 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
                lambda: _check_zero(cfg, dp)])  # fmt: skip
     if cfg.train.freeze:
         _check_freeze(cfg, spec)
+    if cfg.finetune.method != "full":
+        _check_adapters(cfg, spec)
     return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)
 
 
@@ -45,6 +50,41 @@ def _check_zero(cfg: JobConfig, dp: int) -> None:
                               "optim.zero_stage=2 with offload")  # fmt: skip
     elif o.reshard_after_forward is not None:
         raise ConfigError("optim.reshard_after_forward is for optim.zero_stage=3 (FSDP2): drop it")
+
+
+def _check_adapters(cfg: JobConfig, spec: ModelSpec) -> None:
+    """LoRA's targets are projections of the family, and it decides alone what trains."""
+    if cfg.train.freeze:
+        raise ConfigError(f"train.freeze is for finetune.method=full; {cfg.finetune.method} trains only its adapters "
+                          "(finetune.lora_targets picks where they go): drop train.freeze")  # fmt: skip
+    if cfg.finetune.lora_dropout and cfg.parallel.tp > 1:
+        raise ConfigError("finetune.lora_dropout with parallel.tp > 1 would draw another mask on each tp rank of a "
+                          "replicated input: set finetune.lora_dropout=0 or parallel.tp=1")  # fmt: skip
+    if cfg.optim.zero_stage == 3:
+        raise ConfigError(f"finetune.method={cfg.finetune.method} trains only small adapters, with nothing worth "
+                          "sharding by FSDP2: use optim.zero_stage=1 (or 0)")  # fmt: skip
+    with torch.device("meta"):
+        stage = spec.build_stage(cfg.model)
+    check_targets(stage, cfg.finetune.lora_targets)
+    if cfg.finetune.method == "qlora":
+        _check_qlora(cfg, stage)
+
+
+def _check_qlora(cfg: JobConfig, stage: torch.nn.Module) -> None:
+    """What NF4 base weights (torchao's NF4Tensor, a plain tensor subclass) can be part of here."""
+    problems = []
+    if cfg.train.precision == "fp16":
+        problems.append("finetune.method=qlora dequantizes its NF4 weights to bf16: set train.precision=bf16 (or fp32)")
+    if importlib.util.find_spec("torchao") is None:
+        problems.append("finetune.method=qlora needs torchao (its NF4 tensor): pip install 'hpc_train[finetune]'")
+    if cfg.parallel.tp > 1:
+        problems.append("finetune.method=qlora keeps whole NF4 weights per rank: use parallel.tp=1 (pp and dp work)")
+    sizes = {name: m.weight.numel() for name, m in projections(stage).items()}
+    for name, numel in [(n, size) for n, size in sizes.items() if nf4_scaler_block(size) is None][:1]:
+        problems.append(f"finetune.method=qlora quantizes blocks of {NF4_BLOCK} weights; {name} has {numel}: pick "
+                        f"model sizes divisible by {NF4_BLOCK}")  # fmt: skip
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def _check_freeze(cfg: JobConfig, spec: ModelSpec) -> None:

@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hpc_train.config import ConfigError, JobConfig, ModelConfig
 from hpc_train.distributed.fsdp import reshards_after_forward
@@ -28,6 +29,7 @@ from hpc_train.distributed.tensor_parallel import sharded_parameter_names
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.models.decoder import recompute_choice
+from hpc_train.models.lora import NF4_BLOCK, nf4_scaler_block, projections
 from hpc_train.models.spec import ActivationShape, is_frozen
 from hpc_train.optim import optimizer_class, precision_policy
 
@@ -60,6 +62,9 @@ class LocalParams:
     shard_trainable: int
     largest_block: int  # elements of the largest FSDP unit besides the root (one transformer block)
     root: int  # elements outside the blocks (embeddings, final norm, head): FSDP's root unit
+    quantized: int  # elements held in NF4 (QLoRA's frozen projections); their bytes in quantized_bytes
+    quantized_bytes: int
+    largest_projection: int  # elements of the largest block projection (QLoRA dequantizes one at a time)
     # under tp the vocab-parallel embedding's gradient arrives full-size and Replicate (a DTensor behaviour)
     # before it is cut to its shard at the reduction; not when a head tied to it is on the same rank
     # (the head's sharded gradient accumulates into it)
@@ -69,39 +74,69 @@ class LocalParams:
 def local_param_count(cfg: JobConfig, pp_rank: int = 0, dp: int = 1) -> LocalParams:
     """Exact parameter elements held by a rank of pipeline rank `pp_rank` (ZeRO-3 shards over `dp`)."""
     p = cfg.parallel
+    f = cfg.finetune
     return _param_count(tuple(asdict(cfg.model).items()), p.tp, p.pp, p.virtual_stages, pp_rank,
-                        tuple(cfg.train.freeze), dp)  # fmt: skip
+                        tuple(cfg.train.freeze), dp, (f.method, f.lora_rank, tuple(f.lora_targets)))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
 def _param_count(
-    model: tuple, tp: int, pp: int, virtual_stages: int, pp_rank: int, freeze: tuple, dp: int
+    model: tuple, tp: int, pp: int, virtual_stages: int, pp_rank: int, freeze: tuple, dp: int, finetune: tuple
 ) -> LocalParams:
-    """Counted on the meta device (nothing allocated); cached because --search asks for many layouts."""
+    """Counted on the meta device (nothing allocated); cached because --search asks for many layouts.
+    `finetune`: (method, LoRA rank, LoRA targets)."""
     model_cfg = ModelConfig(**dict(model))
+    method, rank, targets = finetune
     spec = get_spec(model_cfg.arch)
-    total = trainable = shard_total = shard_trainable = 0
+    total = trainable = shard_total = shard_trainable = quantized = quantized_bytes = largest_projection = 0
     full_grad = False
     units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
     for stage in stage_ids(pp_rank, pp, virtual_stages):
         with torch.device("meta"):
             chunk = spec.build_stage(model_cfg, stage, pp * virtual_stages, tp)
-        sharded = sharded_parameter_names(chunk, spec.tp_plan(chunk, False)) if tp > 1 else set()
-        for name, param in chunk.named_parameters():
-            count = param.numel() // tp if name in sharded else param.numel()
-            row = param.shape[-1] if param.ndim > 1 else 1  # FSDP shards dim 0: whole rows
-            shard = math.ceil(count // row / dp) * row
-            frozen = is_frozen(chunk.canonical_name(name), list(freeze))
+        plan = spec.tp_plan(chunk, False) if tp > 1 else {}
+        sharded = sharded_parameter_names(chunk, plan)
+        elements = {name: p.numel() // tp if name in sharded else p.numel() for name, p in chunk.named_parameters()}
+        rows = {name: p.shape[-1] if p.ndim > 1 else 1 for name, p in chunk.named_parameters()}  # FSDP: whole rows
+        trains = {name: method == "full" and not is_frozen(chunk.canonical_name(name), list(freeze))
+                  for name in elements}  # fmt: skip
+        for module_name, module in projections(chunk).items():
+            weight = f"{module_name}.weight"
+            largest_projection = max(largest_projection, elements[weight])
+            if method == "qlora":
+                quantized += elements[weight]
+                quantized_bytes += nf4_bytes(elements[weight])
+            if method != "full" and module_name.rsplit(".", 1)[-1] in targets:  # A (rank, in), B (out, rank)
+                column = isinstance(plan.get(module_name), ColwiseParallel)
+                row = isinstance(plan.get(module_name), RowwiseParallel)
+                out_features, in_features = module.weight.shape
+                for adapter, count, width in (
+                    ("lora_a", rank * in_features // (tp if row else 1), in_features),
+                    ("lora_b", out_features // (tp if column else 1) * rank, rank),
+                ):
+                    elements[f"{module_name}.{adapter}"], rows[f"{module_name}.{adapter}"] = count, width
+                    trains[f"{module_name}.{adapter}"] = True
+        for name, count in elements.items():
+            shard = math.ceil(count // rows[name] / dp) * rows[name]
             total, shard_total = total + count, shard_total + shard
-            if not frozen:
+            if trains[name]:
                 trainable, shard_trainable = trainable + count, shard_trainable + shard
             unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
             units[unit] = units.get(unit, 0) + count
-            if name == "tok_embeddings.weight" and tp > 1 and not frozen:
+            if name == "tok_embeddings.weight" and tp > 1 and trains[name]:
                 full_grad = not (chunk.tied and chunk.output is not None)
     root = units.pop("", 0)
     return LocalParams(total, trainable, shard_total, shard_trainable, max(units.values(), default=0), root,
-                       full_grad)  # fmt: skip
+                       quantized, quantized_bytes, largest_projection, full_grad)  # fmt: skip
+
+
+def nf4_bytes(elements: int) -> int:
+    """torchao's NF4 tensor of `elements` weights: 4-bit codes, an int8 scale per block, a bf16 factor per
+    group of scales, a bf16 mean and its 16-entry bf16 table."""
+    blocks = elements // NF4_BLOCK
+    factors = blocks // nf4_scaler_block(elements)
+    factor_bytes = 2 * (blocks if factors == 1 else factors)  # a single factor is a view of a block-wide buffer
+    return elements // 2 + blocks + factor_bytes + 2 + 32
 
 
 def compute_bytes(cfg: JobConfig) -> int:
@@ -115,9 +150,14 @@ def compute_bytes(cfg: JobConfig) -> int:
 def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
     """Bytes saved for backward by one micro-batch on a rank of pipeline rank `pp_rank`."""
     m, p = cfg.model, cfg.parallel
+    f = cfg.finetune
+    adapters = f.method != "full"
     shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len, tp=p.tp,
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
-                            element_bytes=compute_bytes(cfg))  # fmt: skip
+                            element_bytes=precision_policy(cfg).frozen_dtype.itemsize if adapters
+                            else compute_bytes(cfg),
+                            lora_targets=tuple(f.lora_targets) if adapters else (),
+                            lora_rank=f.lora_rank)  # fmt: skip
     parts = get_spec(m.arch).activations(m, shape)
     num_stages = p.pp * p.virtual_stages
     total = 0
@@ -160,12 +200,16 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
             comm = compute * (local.root + 2 * local.largest_block) + (compute + 4) * local.largest_block
         else:  # every block stays gathered from its forward to its backward
             comm = compute * local.total + (compute + 4) * local.largest_block
-    else:
-        param_bytes = local.total * element
+    else:  # LoRA's frozen base in the compute dtype, QLoRA's projections in NF4
+        frozen = local.total - local.trainable - local.quantized
+        frozen_bytes = precision_policy(cfg).frozen_dtype.itemsize if cfg.finetune.method != "full" else element
+        param_bytes = local.trainable * element + frozen * frozen_bytes + local.quantized_bytes
         grads, optimizer = cls.planned_bytes(local.trainable, dims.dp, element, o.overlap_grad_reduce)
         comm = int(2 * o.bucket_mb * 2**20)  # a flat bucket being reduced and its gathered copy
         if o.overlap_grad_reduce and not cls.shards_state:  # every bucket's flat copy stays in flight to the end
             comm = max(comm, 4 * local.trainable)
+    if local.quantized:  # one projection dequantized to bf16 at a time, forward and backward
+        comm += 2 * local.largest_projection
     if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.shards_params):  # cut in backward
         vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, tp)
         grads += vocab_rows * cfg.model.d_model * 4 * (tp - 1) // tp
@@ -294,7 +338,17 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     head = (f"layout tp={p.tp} pp={p.pp} (x{p.virtual_stages} virtual) dp={dp}, micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "
             f"zero={cfg.optim.zero_stage}, offload={cfg.optim.offload}, {cfg.train.precision}")  # fmt: skip
-    lines = [head, "per rank (first pipeline stage):"]
+    lines = [head]
+    if cfg.finetune.method != "full":
+        local = local_param_count(cfg)
+        frozen = (local.total - local.trainable) / 1e6
+        line = f"{cfg.finetune.method} (a rank of the first stage): {local.trainable / 1e6:.1f}M trainable "
+        line += f"adapter parameters beside {frozen:.0f}M frozen"
+        if local.quantized:
+            line += (f", the projections in NF4 ({local.quantized_bytes / GiB:.3f} GiB of the parameters; "
+                     "communication buffers include one projection dequantized to bf16)")  # fmt: skip
+        lines.append(line)
+    lines.append("per rank (first pipeline stage):")
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]
     if plan.host:
         what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state"

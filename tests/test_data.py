@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -99,3 +100,26 @@ def test_builtin_corpus_is_built_once(tmp_path):
     stamp = (tmp_path.glob("*/train.bin").__next__()).stat().st_mtime_ns
     assert builtin_corpus(str(tmp_path), progress=False) == (train, valid)
     assert next(tmp_path.glob("*/train.bin")).stat().st_mtime_ns == stamp
+
+
+def test_instruction_jsonl_keeps_a_loss_mask_on_the_responses(tmp_path):
+    """{prompt, response} lines: only the response and its end-of-document count; {text} lines count
+    whole; an example longer than a sample is refused at load, or cut to its last --max-tokens."""
+    from hpc_train.data.indexed import IGNORE
+    from hpc_train.data.prepare import prepare_data
+
+    lines = [{"prompt": "Q: two? ", "response": "A: 2"}, {"text": "plain"}, {"prompt": "x" * 40, "response": "yz"}]
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    prepare_data([tmp_path / "sft.jsonl"], str(tmp_path / "sft"), progress=False, max_tokens=13)
+    ds = IndexedDataset(tmp_path / "sft", 13)
+    assert ds.header["loss_mask"] and ds.header["longest_document"] == 13
+    tokens, mask = bytes(np.asarray(ds.tokens[:13]).astype(np.uint8)), np.asarray(ds.loss_mask)
+    assert tokens[:12] == b"Q: two? A: 2" and mask[:8].sum() == 0 and mask[8:13].all()  # + end-of-document
+    assert mask[13:19].all() and mask[19:29].sum() == 0 and mask[29:].all()  # "plain" + EOD; 40 x's cut to 10
+    _, targets = ds.batch(np.array([0]))
+    assert (targets[0] == IGNORE).tolist() == [True] * 7 + [False] * 6  # targets are the next tokens
+    with pytest.raises(ValueError, match="longer than a sample"):
+        IndexedDataset(tmp_path / "sft", 8)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "no response"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1 needs"):
+        prepare_data([tmp_path / "bad.jsonl"], str(tmp_path / "bad"), progress=False)

@@ -21,6 +21,8 @@ from hpc_train.train.loop import run_training
 
 SP = "parallel.sequence_parallel=true"
 ZERO1_BF16 = ["optim.zero_stage=1", "train.precision=bf16"]
+LORA = ["finetune.method=lora"]
+QLORA = ["finetune.method=qlora", "finetune.lora_targets=[wq,wk,wv,wo,w1,w2,w3]", "train.precision=bf16"]
 LAYOUTS = {  # name -> (world size, overrides)
     "fp32": (1, []),
     "selective": (1, ["model.recompute=selective"]),
@@ -62,6 +64,21 @@ LAYOUTS = {  # name -> (world size, overrides)
     "dp2_zero3_bf16": (2, ["optim.zero_stage=3", "train.precision=bf16"]),
     "tp2_dp2_sp_zero3": (4, ["parallel.tp=2", SP, "optim.zero_stage=3"]),
     "gpt2_pp2_dp2_zero3": (4, ["model.arch=gpt2", "parallel.pp=2", "train.grad_accum=4", "optim.zero_stage=3"]),
+    # LoRA (frozen base in the compute dtype, adapters only in gradients and optimizer) and QLoRA (NF4 base)
+    "lora": (1, [*LORA, "finetune.lora_targets=[wq,wv,w2]"]),
+    "lora_tp2_sp_selective": (2, [*LORA, "parallel.tp=2", SP, "model.recompute=selective"]),
+    "gpt2_lora_bf16_selective": (
+        1,
+        [
+            "model.arch=gpt2",
+            *LORA,
+            "finetune.lora_targets=[wq,fc]",
+            "train.precision=bf16",
+            "model.recompute=selective",
+        ],
+    ),  # fmt: skip
+    "qlora_zero1_full": (1, [*QLORA, "optim.zero_stage=1", "model.recompute=full"]),
+    "qlora_fp32_pp2": (2, [*QLORA, "train.precision=fp32", "parallel.pp=2", "train.grad_accum=4"]),
 }
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
 RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",

@@ -86,9 +86,13 @@ class Checkpointer:
         per_rank: dict[str, Stateful],
         report: Callable[[str], None],
         data: dict[str, int] | None = None,
+        base_weights: str | None = None,
     ):
-        """`data`: the training data's size, recorded in each manifest as part of the run's identity."""
+        """`data`: the training data's size, and `base_weights`: the fingerprint of weights the checkpoints
+        do not hold (QLoRA's NF4 base, rebuilt from `model.init_from`), recorded in each manifest as part of
+        the run's identity."""
         self.cfg, self.layout, self.report, self.data = cfg, layout, report, data
+        self.base_weights = base_weights
         self.sharded, self.shared, self.per_rank = sharded, shared, per_rank
         self.store = CheckpointStore(cfg.checkpoint.dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -118,7 +122,7 @@ class Checkpointer:
                 fresh = not self.cfg.checkpoint.resume
                 newest = self.store.newest_valid(full=False, report=lambda message: None) if fresh else None
                 if newest is not None:
-                    refuse_foreign(newest.path, newest.manifest, self.cfg, self.data)
+                    refuse_foreign(newest.path, newest.manifest, self.cfg, self.data, self.base_weights)
             except (CheckpointError, OSError) as err:
                 problem = [str(err)]
         dist.broadcast_object_list(problem, src=0)
@@ -238,7 +242,7 @@ class Checkpointer:
         if self.rank == 0:
             files = {name: record for part in described for name, record in part.items()}
             manifest = {"layout": self.layout, "config": to_yaml(self.cfg), "code_version": hpc_train.__version__,
-                        "data": self.data}  # fmt: skip
+                        "data": self.data, "base_weights": self.base_weights}  # fmt: skip
             if self.abandoned.is_set():
                 raise CheckpointError(f"checkpoint of step {step} abandoned: the run ended before its commit")
             final = self.store.commit(step, files, manifest)
@@ -265,7 +269,7 @@ class Checkpointer:
             if self.rank == 0 and (info := next(candidates, None)) is not None:
                 choice = [str(info.path), info.manifest, None]
                 try:
-                    refuse_foreign(info.path, info.manifest, self.cfg, self.data)
+                    refuse_foreign(info.path, info.manifest, self.cfg, self.data, self.base_weights)
                 except CheckpointError as err:
                     choice[2] = str(err)
             dist.broadcast_object_list(choice, src=0)
@@ -288,20 +292,9 @@ class Checkpointer:
         path, manifest = self._choose()
         if path is None:
             return None
-        try:
-            metadata = read_dcp_metadata(Path(path), set(manifest["files"])).state_dict_metadata
-            self._check_shapes(path, {key: tuple(md.size) for key, md in metadata.items()})
-            templates = {
-                name: part.template({k.removeprefix(f"{name}.") for k in metadata if k.startswith(f"{name}.")})
-                for name, part in self.sharded.items()
-            }
-            state = {f"{name}.{k}": t for name, ts in templates.items() for k, t in ts.items()}
-            dcp.load(state, storage_reader=ParallelReader(path, self.cfg.checkpoint.io_threads))
+        templates = read_parts(path, manifest, self.sharded, self.cfg.checkpoint.io_threads)
+        with load_errors_named(path):
             shared = upgrade_rank_state(load_rank_file(Path(path) / rank_file(0)))
-        except CheckpointError:
-            raise
-        except (CheckpointException, Exception) as err:  # DCP's exception derives from BaseException
-            raise CheckpointError(f"loading checkpoint {path} failed: {root_cause(err)}") from None
         step = shared["step"]
         for name, part in self.sharded.items():  # in registration order: the model before the optimizer
             part.load(templates[name], step)
@@ -317,19 +310,46 @@ class Checkpointer:
         self.report(f"resumed from {path} (step {step}{change})")
         return Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime)
 
-    def _check_shapes(self, path: str, stored: dict[str, tuple[int, ...]]) -> None:
-        """Every tensor of a `strict` part (the model) must be in the checkpoint with its shape."""
-        problems = []
-        for name, part in self.sharded.items():
-            if not getattr(part, "strict", False):
-                continue
-            for key, t in part.tensors().items():
-                saved = stored.get(f"{name}.{key}")
-                if saved != tuple(t.shape):
-                    problems.append(f"{key}: {'absent' if saved is None else saved} there, {tuple(t.shape)} here")
-        if problems:
-            listed = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
-            raise CheckpointError(f"checkpoint {path} holds a different model ({listed})")
+
+def read_parts(path: str, manifest: dict, parts: dict[str, ShardedPart], io_threads: int) -> dict[str, dict]:
+    """DCP-load every part's tensors that the checkpoint at `path` holds into its templates (a `strict` part's
+    must all be there, in their shapes), collectively; returns the templates, by part."""
+    with load_errors_named(path):
+        metadata = read_dcp_metadata(Path(path), set(manifest["files"])).state_dict_metadata
+        check_shapes(path, parts, {key: tuple(md.size) for key, md in metadata.items()})
+        templates = {
+            name: part.template({k.removeprefix(f"{name}.") for k in metadata if k.startswith(f"{name}.")})
+            for name, part in parts.items()
+        }
+        state = {f"{name}.{k}": t for name, ts in templates.items() for k, t in ts.items()}
+        dcp.load(state, storage_reader=ParallelReader(path, io_threads))
+    return templates
+
+
+def check_shapes(path: str, parts: dict[str, ShardedPart], stored: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor of a `strict` part (the model) must be in the checkpoint with its shape."""
+    problems = []
+    for name, part in parts.items():
+        if not getattr(part, "strict", False):
+            continue
+        for key, t in part.tensors().items():
+            saved = stored.get(f"{name}.{key}")
+            if saved != tuple(t.shape):
+                problems.append(f"{key}: {'absent' if saved is None else saved} there, {tuple(t.shape)} here")
+    if problems:
+        listed = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise CheckpointError(f"checkpoint {path} holds a different model ({listed})")
+
+
+@contextmanager
+def load_errors_named(path: str) -> Iterator[None]:
+    """Anything but a CheckpointError while loading `path` as one naming the checkpoint and the cause."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (CheckpointException, Exception) as err:  # DCP's exception derives from BaseException
+        raise CheckpointError(f"loading checkpoint {path} failed: {root_cause(err)}") from None
 
 
 def host_stager() -> Any:

@@ -28,7 +28,7 @@ from hpc_train.config import JobConfig
 IDENTITY_KEYS = (
     "name", "model.arch", "model.vocab_size", "model.n_layers", "model.n_heads",
     "model.n_kv_heads", "model.d_model", "model.ffn_hidden", "model.ffn_multiple", "model.tie_embeddings",
-    "model.seq_len",
+    "model.seq_len", "finetune.method", "finetune.lora_rank", "finetune.lora_targets",
 )  # fmt: skip
 LOCK = ".lock"
 
@@ -62,12 +62,18 @@ def identity_differences(saved_config: str, cfg: JobConfig) -> list[str]:
     return out
 
 
-def refuse_foreign(path: Path, manifest: dict, cfg: JobConfig, data: dict | None = None) -> None:
+def refuse_foreign(
+    path: Path, manifest: dict, cfg: JobConfig, data: dict | None = None, base_weights: str | None = None
+) -> None:
     """Raise a CheckpointError naming the differences when a checkpoint is not this run's: its config's
-    identity keys, and the training data's size when both sides know it."""
+    identity keys, the training data's size when both sides know it, and the fingerprint of base weights
+    it does not hold (QLoRA's)."""
     differences = identity_differences(manifest["config"], cfg)
     if data is not None and manifest.get("data") not in (None, data):
         differences.append(f"training data: {manifest['data']} in the checkpoint, {data} here")
+    if base_weights is not None and manifest.get("base_weights") != base_weights:
+        differences.append(f"base weights (model.init_from): {manifest.get('base_weights')} in the checkpoint, "
+                           f"{base_weights} here")  # fmt: skip
     if differences:
         raise CheckpointError(
             f"checkpoint {path} belongs to another run or model ({'; '.join(differences)}); resuming it would "

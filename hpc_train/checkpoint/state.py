@@ -20,6 +20,7 @@ import torch
 from hpc_train.distributed.grads import local
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows, unpadded
 from hpc_train.distributed.placement import distribute_like
+from hpc_train.models.lora import is_adapter
 from hpc_train.optim.protocol import Optimizer
 
 
@@ -61,15 +62,18 @@ def _template_like(model: ParallelModel, name: str, t: torch.Tensor, dtype: torc
 
 class ModelState:
     """Every parameter and persistent buffer, under its whole-model name; `strict`: a checkpoint must
-    hold every one of them, in its shape."""
+    hold every one of them, in its shape. Without `adapters`: only the base model's (LoRA's adapters left
+    out), for loading weights a run starts from. QLoRA's NF4 weights are never held: they are rebuilt from
+    `model.init_from`, whose fingerprint the checkpoint records."""
 
     strict = True
 
-    def __init__(self, model: ParallelModel):
-        self.model = model
+    def __init__(self, model: ParallelModel, adapters: bool = True):
+        self.model, self.adapters = model, adapters
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return self.model.named_parameters + self.model.persistent_buffers
+        named = self.model.named_parameters + self.model.persistent_buffers
+        return [(n, t) for n, t in named if n not in self.model.quantized and (self.adapters or not is_adapter(n))]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         vocab = self.model.cfg.model.vocab_size

@@ -2,7 +2,10 @@
 
 `PREFIX.bin` holds the token ids of all documents back to back (uint16, or uint32 for vocabularies over
 65535); `PREFIX.idx` holds a magic string, a JSON header (dtype, vocab size, token and document counts,
-tokenizer) and the int64 document start offsets. Both are read through `numpy.memmap`, never loaded whole.
+tokenizer) and the int64 document start offsets. Instruction data adds `PREFIX.mask`, one uint8 per token:
+1 where the token is a target the loss counts (a response, its end-of-document), 0 where it is not (a
+prompt); the header says so (`loss_mask`, and `longest_document`: a sample must hold a whole one, so that
+none is all prompt). All are read through `numpy.memmap`, never loaded whole.
 Writers go to temporary names and rename on close, so a crash never leaves a half-written dataset.
 """
 
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 MAGIC = b"HPCTIDX1"
+IGNORE = -100  # a target the loss skips (F.cross_entropy's ignore_index)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -26,7 +30,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class IndexedDatasetWriter:
     """Append documents, then `close()` to commit the .bin/.idx pair atomically."""
 
-    def __init__(self, prefix: str | os.PathLike, vocab_size: int, tokenizer: str):
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int, tokenizer: str, loss_mask: bool = False):
         self.prefix = str(prefix)
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
@@ -35,26 +39,33 @@ class IndexedDatasetWriter:
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = f"{self.prefix}.bin.tmp{os.getpid()}"
         self._bin = open(self._bin_tmp, "wb")
+        self._mask_tmp = f"{self.prefix}.mask.tmp{os.getpid()}" if loss_mask else None
+        self._mask = open(self._mask_tmp, "wb") if loss_mask else None
 
-    def add_document(self, ids: np.ndarray) -> None:
+    def add_document(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """`mask`: which tokens the loss counts (all of them when left out), for a dataset with a loss mask."""
         if len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size}) in document {len(self.offsets) - 1}")
         self._bin.write(np.asarray(ids, dtype=self.dtype).tobytes())
+        if self._mask is not None:
+            self._mask.write(np.ones(len(ids), np.uint8).tobytes() if mask is None else mask.astype(np.uint8).tobytes())
         self.offsets.append(self.offsets[-1] + len(ids))
 
     def close(self) -> None:
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
-        self._bin.close()
-        header = json.dumps(
-            {
-                "dtype": self.dtype.name,
-                "vocab_size": self.vocab_size,
-                "num_tokens": self.offsets[-1],
-                "num_docs": len(self.offsets) - 1,
-                "tokenizer": self.tokenizer,
-            }
-        ).encode()
+        for f in filter(None, (self._bin, self._mask)):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        fields = {
+            "dtype": self.dtype.name,
+            "vocab_size": self.vocab_size,
+            "num_tokens": self.offsets[-1],
+            "num_docs": len(self.offsets) - 1,
+            "tokenizer": self.tokenizer,
+        }
+        if self._mask is not None:
+            fields.update(loss_mask=True, longest_document=int(np.diff(self.offsets).max(initial=0)))
+        header = json.dumps(fields).encode()
         idx_tmp = f"{self.prefix}.idx.tmp{os.getpid()}"
         with open(idx_tmp, "wb") as f:
             f.write(MAGIC + struct.pack("<Q", len(header)) + header)
@@ -63,7 +74,9 @@ class IndexedDatasetWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(self._bin_tmp, self.prefix + ".bin")
-        os.replace(idx_tmp, self.prefix + ".idx")
+        if self._mask_tmp is not None:
+            os.replace(self._mask_tmp, self.prefix + ".mask")
+        os.replace(idx_tmp, self.prefix + ".idx")  # last: the index commits the dataset
 
 
 def _read_header(idx_path: str) -> tuple[dict, int]:
@@ -110,6 +123,16 @@ class IndexedDataset:
                 "the dataset is truncated or from another run; re-run prepare-data"
             )
         self.vocab_size: int = self.header["vocab_size"]
+        self.loss_mask = None
+        if self.header.get("loss_mask"):
+            self.loss_mask = np.memmap(self.prefix + ".mask", dtype=np.uint8, mode="r")
+            if len(self.loss_mask) != len(self.tokens):
+                raise ValueError(f"{self.prefix}.mask holds {len(self.loss_mask)} entries for {len(self.tokens)} "
+                                 "tokens: damaged; re-run prepare-data")  # fmt: skip
+            if self.header["longest_document"] > seq_len:
+                raise ValueError(f"{self.prefix} holds an example of {self.header['longest_document']} tokens, longer "
+                                 f"than a sample (model.seq_len={seq_len}): a sample could hold only its prompt; "
+                                 f"raise model.seq_len or re-run prepare-data with --max-tokens {seq_len}")  # fmt: skip
         self.seq_len = seq_len
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
@@ -123,8 +146,14 @@ class IndexedDataset:
         return self.tokens[start : start + self.seq_len + 1]
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets; a target the loss mask excludes is IGNORE."""
         rows = torch.from_numpy(np.stack([self[int(i)] for i in indices]).astype(np.int64))
-        return rows[:, :-1], rows[:, 1:]
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        if self.loss_mask is not None:
+            starts = [int(i) * self.seq_len + 1 for i in indices]
+            counted = np.stack([self.loss_mask[s : s + self.seq_len] for s in starts]).astype(bool)
+            targets = targets.masked_fill(torch.from_numpy(~counted), IGNORE)
+        return inputs, targets
 
 
 def check_token_ids(dataset: IndexedDataset, vocab_size: int, chunk: int = 2**26) -> None:

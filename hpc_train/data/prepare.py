@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -36,29 +37,68 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
 
 
 def prepare_data(
-    files: list[Path], output: str, tokenizer: str = "byte", valid_every: int = 0, progress: bool = True
+    files: list[Path],
+    output: str,
+    tokenizer: str = "byte",
+    valid_every: int = 0,
+    progress: bool = True,
+    max_tokens: int | None = None,
 ) -> dict[str, str]:
-    """Tokenize each file as one document into OUTPUT.bin/.idx; with `valid_every=N`, every N-th document
-    goes to the held-out OUTPUT_valid instead. Returns the prefixes written."""
-    if valid_every < 0 or (valid_every and valid_every > len(files)):
-        raise ConfigError(f"--valid-every {valid_every} with {len(files)} input file(s) holds out no file; "
-                          "use a value between 2 and the number of files, or 0 for no held-out split")  # fmt: skip
-    texts = {path: read_text_input(path) for path in files}
-    if not any(texts.values()):
+    """Tokenize each text file as one document, and each line of a `.jsonl` file as one example, into
+    OUTPUT.bin/.idx (with a .mask when there are examples: only response tokens count in the loss); with
+    `valid_every=N`, every N-th document goes to the held-out OUTPUT_valid instead. `max_tokens`: longer
+    examples keep their last `max_tokens` tokens (the response and its end). Returns the prefixes written."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"--max-tokens {max_tokens} must be at least 1 (use model.seq_len)")
+    documents = [(path, doc) for path in files for doc in read_documents(path)]
+    if valid_every < 0 or (valid_every and valid_every > len(documents)):
+        raise ConfigError(f"--valid-every {valid_every} with {len(documents)} document(s) holds out none; "
+                          "use a value between 2 and the number of documents, or 0 for no held-out split")  # fmt: skip
+    if not any(prompt or text for _, (prompt, text) in documents):
         raise ConfigError(f"the {len(files)} input file(s) hold no text: nothing to tokenize")
     tok = build_tokenizer(tokenizer)
-    writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name)}
+    masked = any(path.suffix == ".jsonl" for path in files)
+    writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name, masked)}
     if valid_every:
-        writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name)
-    for i, path in enumerate(tqdm(files, desc="tokenizing", unit="file", disable=not progress)):
-        ids = tok.encode(texts[path])
+        writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name, masked)
+    cut = 0
+    for i, (_, (prompt, text)) in enumerate(tqdm(documents, desc="tokenizing", unit="doc", disable=not progress)):
+        prompt_ids = tok.encode(prompt) if prompt else np.zeros(0, np.int64)
+        ids = np.concatenate([prompt_ids, tok.encode(text)])
         if tok.eod_id is not None:
             ids = np.append(ids, tok.eod_id)
+        mask = np.arange(len(ids)) >= len(prompt_ids)
+        if max_tokens is not None and len(ids) > max_tokens:
+            ids, mask, cut = ids[-max_tokens:], mask[-max_tokens:], cut + 1
         split = "valid" if valid_every and i % valid_every == valid_every - 1 else "train"
-        writers[split].add_document(ids)
+        writers[split].add_document(ids, mask if masked else None)
     for writer in writers.values():
         writer.close()
+    if cut and progress:
+        print(f"{cut} example(s) longer than {max_tokens} tokens kept their last {max_tokens}")
     return {split: writer.prefix for split, writer in writers.items()}
+
+
+def read_documents(path: Path) -> list[tuple[str | None, str]]:
+    """(prompt, text) pairs: a text file is one document without prompt; each line of a .jsonl file is an
+    example, {"text": ...} or {"prompt": ..., "response": ...} (the loss counts the response only)."""
+    if path.suffix != ".jsonl":
+        return [(None, read_text_input(path))]
+    out = []
+    for number, line in enumerate(read_text_input(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{number} is not JSON ({err.msg})") from None
+        if isinstance(record, dict) and isinstance(record.get("text"), str):
+            out.append((None, record["text"]))
+        elif isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("prompt", "response")):
+            out.append((record["prompt"], record["response"]))
+        else:
+            raise ConfigError(f'{path}:{number} needs {{"text": ...}} or {{"prompt": ..., "response": ...}} strings')
+    return out
 
 
 def read_text_input(path: Path) -> str:

@@ -17,6 +17,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> np.ndarray: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
 
 @dataclass
 class ByteTokenizer:
@@ -28,6 +30,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -44,6 +49,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
 
 
 def build_tokenizer(spec: str) -> Tokenizer:

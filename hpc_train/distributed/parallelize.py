@@ -14,7 +14,7 @@ same optimizer step and stay equal. Gradient norms count only the first stage's 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,12 +24,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import JobConfig
+from hpc_train.data.indexed import IGNORE
 from hpc_train.distributed.fsdp import apply_fsdp, reshard, reshards_after_forward
 from hpc_train.distributed.grads import fix_grad_placements, local
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.tensor_parallel import apply_tensor_parallel
 from hpc_train.models.decoder import cross_entropy
+from hpc_train.models.lora import apply_lora, init_adapters, is_adapter, quantize_projections
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -46,11 +48,14 @@ class ParallelModel:
     loss_scale: float = 1.0  # fp16 dynamic loss scale, applied to the loss before backward
     tied_copy: nn.Parameter | None = None  # an embedding tied across pipeline stages, as held here
     tied_group: dist.ProcessGroup | None = None  # the (first, last) stage pair that shares it
+    quantized: set[str] = field(default_factory=set)  # QLoRA's NF4 weights: rebuilt from their source, not saved
+    masked_loss: bool = False  # the data has a loss mask: the loss is a mean over the global batch's counted targets
+    loss_tokens: float | None = None  # with a mask, this step's counted targets per micro-batch (cross_entropy)
 
     def scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A pipeline micro-batch's share of the batch loss, times the fp16 loss scale: its gradients are
         final as backward leaves them (what lets a dp reduction start from inside backward)."""
-        return cross_entropy(logits, targets) * (self.loss_scale / self.cfg.train.grad_accum)
+        return cross_entropy(logits, targets, self.loss_tokens) * (self.loss_scale / self.cfg.train.grad_accum)
 
     @property
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -96,8 +101,10 @@ class ParallelModel:
 
 
 def freeze(model: ParallelModel, patterns: list[str]) -> None:
+    """train.freeze's patterns; with LoRA or QLoRA everything but the adapters."""
+    adapters_only = model.cfg.finetune.method != "full"
     for name, p in model.named_parameters:
-        if is_frozen(name, patterns):
+        if is_frozen(name, patterns) or (adapters_only and not is_adapter(name)):
             p.requires_grad_(False)
 
 
@@ -118,7 +125,8 @@ def _tied_pipeline_copy(chunks: list[StageModule], mesh: Mesh) -> tuple[nn.Param
 def parallelize(
     cfg: JobConfig, spec: ModelSpec, mesh: Mesh, device: torch.device, autocast_dtype: torch.dtype | None = None
 ) -> ParallelModel:
-    """Build this rank's stages on the meta device, shard them over tp (and over dp with ZeRO-3), then
+    """Build this rank's stages on the meta device, shard them over tp, add LoRA adapters (finetune.method),
+    shard them over dp with ZeRO-3, then
     allocate only the local shards on `device` and initialize them (identically to the single-process
     model): no rank ever holds more than its own part of the model, plus one full parameter at a time
     during init."""
@@ -132,11 +140,14 @@ def parallelize(
             chunk = spec.build_stage(cfg.model, stage, num_stages, tp)
         if tp > 1:
             apply_tensor_parallel(chunk, spec, mesh.sub("tp"), p.sequence_parallel)
+        if cfg.finetune.method != "full":
+            apply_lora(chunk, cfg.finetune)
         if cfg.optim.zero_stage == 3:
             offload = cfg.optim.offload == "cpu"
             apply_fsdp(chunk, mesh.sub("dp"), autocast_dtype, reshards_after_forward(cfg), offload, device)
         chunk.to_empty(device=device)
         spec.init_weights(chunk, cfg.train.seed)
+        init_adapters(chunk, cfg.train.seed)
         chunks.append(chunk)
     tied_copy, tied_group = _tied_pipeline_copy(chunks, mesh)
     model = ParallelModel(cfg, spec, chunks, mesh, autocast_dtype, tied_copy=tied_copy, tied_group=tied_group)
@@ -145,6 +156,12 @@ def parallelize(
         model.schedule = build_schedule(chunks, stages, p, cfg.train.grad_accum, mesh.sub("pp"), device,
                                         model.scaled_loss)  # fmt: skip
     return model
+
+
+def quantize_frozen_base(model: ParallelModel) -> None:
+    """QLoRA: the block projections' weights (loaded or initialized) to NF4, on every stage held here."""
+    for chunk in model.chunks:
+        model.quantized.update(chunk.canonical_name(name) for name in quantize_projections(chunk))
 
 
 def step_context(model: ParallelModel, device: torch.device) -> contextlib.ExitStack:
@@ -161,10 +178,12 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
     """Mean (unscaled) loss over this rank's micro-batches (zero on pipeline stages without the loss)."""
     device = micro_batches[0][0].device
     total = torch.zeros((), device=device)
+    if model.masked_loss:
+        model.loss_tokens = counted_targets(model, micro_batches)
     with step_context(model, device):
         if model.schedule is None:
             for tokens, targets in micro_batches:
-                loss = model.chunks[0](tokens, targets) / len(micro_batches)
+                loss = model.chunks[0](tokens, targets, model.loss_tokens) / len(micro_batches)
                 if backward:
                     (loss * model.loss_scale).backward()
                 total += local(loss.detach())
@@ -179,6 +198,14 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
         for loss in losses:
             total += local(loss.detach()) / model.loss_scale
     return total
+
+
+def counted_targets(model: ParallelModel, micro_batches: MicroBatches) -> float:
+    """The global batch's targets the loss mask counts, per micro-batch (one all-reduce over dp)."""
+    count = sum((targets != IGNORE).sum() for _, targets in micro_batches).double()
+    if model.mesh.size("dp") > 1:
+        dist.all_reduce(count, group=model.mesh.group("dp"))
+    return max(count.item(), 1.0) / (len(micro_batches) * model.mesh.size("dp"))
 
 
 def forward_backward(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
@@ -216,12 +243,14 @@ def pad_rows(rows: torch.Tensor, total: int) -> torch.Tensor:
 
 def full_state_dict(model: ParallelModel) -> dict[str, torch.Tensor] | None:
     """Consolidated weights on global rank 0 (None elsewhere), in the single-process model's layout
-    (vocabulary padded for tp=1), whatever the layout they were trained with."""
+    (vocabulary padded for tp=1; NF4 weights dequantized), whatever the layout they were trained with."""
     m = model.cfg.model
     state = {}
     for chunk in model.chunks:
         for name, value in chunk.state_dict().items():
             value = value.full_tensor() if isinstance(value, DTensor) else value
+            if chunk.canonical_name(name) in model.quantized:  # QLoRA's NF4, dequantized
+                value = value.to(torch.float32)
             state[name] = unpadded(model.spec, name, value, m.vocab_size).detach().cpu()
     if model.mesh.rank("dp") != 0 or model.mesh.rank("tp") != 0:
         return None

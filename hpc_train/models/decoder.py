@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,7 +29,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.distributed.placement import distribute_like
-from hpc_train.models.spec import ActivationShape, ModelSpec, StageActivations
+from hpc_train.models.hf import HFFormat
+from hpc_train.models.spec import ActivationShape, ModelSpec, StageActivations, param_generator
 
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 VOCAB_PARAMS = (EMBEDDING, HEAD)  # rows padded to the vocabulary multiple; checkpoints store them unpadded
@@ -48,7 +48,8 @@ class Architecture:
     rotary: bool  # RoPE; otherwise learned position embeddings
     tie_embeddings: bool  # the family's default when model.tie_embeddings is not set
     residual_projections: tuple[str, ...]  # initialized with init_std / sqrt(2 * n_layers)
-    norm_saved_bytes: Callable[[int, int, int], int]  # (tokens, width, element bytes): one norm's saved tensors
+    # (tokens, width, element bytes, weight trainable): one norm's saved tensors
+    norm_saved_bytes: Callable[[int, int, int, bool], int]
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
@@ -177,9 +178,11 @@ class Decoder(nn.Module):
             values["vocab_mask"][: cfg.vocab_size] = 0.0
         return values
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, loss_tokens: float | None = None
+    ) -> torch.Tensor:
         """Token ids (or a previous stage's hidden states) -> hidden states, or padded logits on the last
-        stage; with `targets`, the mean next-token loss."""
+        stage; with `targets`, the next-token loss (see `cross_entropy` for `loss_tokens`)."""
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
@@ -190,7 +193,7 @@ class Decoder(nn.Module):
         if self.output is None:
             return x
         logits = self.output(self.norm(x)) + self.vocab_mask
-        return logits if targets is None else cross_entropy(logits, targets)
+        return logits if targets is None else cross_entropy(logits, targets, loss_tokens)
 
 
 def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, tp: int = 1, *, arch: Architecture) -> Decoder:
@@ -203,9 +206,14 @@ def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, tp: int =
     return model
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss in fp32; works on vocab-sharded DTensor logits inside `loss_parallel()`."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_tokens: float | None = None) -> torch.Tensor:
+    """Next-token loss in fp32, its mean over the targets; works on vocab-sharded DTensor logits inside
+    `loss_parallel()`. With a loss mask (targets IGNORE where the loss does not count), its sum over
+    `loss_tokens`, the mean count of counted targets per micro-batch of the global batch: every counted
+    target weighs the same however the batch is split (and a micro-batch with none adds zero, not NaN)."""
+    if loss_tokens is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / loss_tokens
 
 
 def recompute_choice(cfg: ModelConfig, index_in_stage: int) -> str:
@@ -290,28 +298,41 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     attention matrix, so Korthikanti et al.'s 5as/h term does not exist here, and `selective` recompute
     saves only the logsumexp; `full` keeps only the block's input. Under tp everything after the
     column-parallel matmuls is divided by tp; with sequence parallelism the norm regions are too (the
-    gathered matmul inputs are not)."""
+    gathered matmul inputs are not).
+
+    With LoRA (`shape.lora_targets`) a frozen projection keeps no input and a frozen norm no output: only
+    the inputs of adapted projections are kept (once per input, however many adapters read it), plus
+    each adapter's rank-wide hidden; the frozen embeddings let the first block's first norm keep nothing,
+    and the frozen head keeps no input."""
     tokens, tp, e = shape.tokens, shape.tp, shape.element_bytes
     d, a, kv, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, arch.ffn_size(cfg)
+    mlp, targets = arch.mlp, set(shape.lora_targets)
     norm_tokens = tokens // tp if shape.sequence_parallel else tokens
-    norm = arch.norm_saved_bytes(norm_tokens, d, e)
+    norm = arch.norm_saved_bytes(norm_tokens, d, e, not targets)
+    # with LoRA a frozen projection keeps no input: only an adapter's matmul does (and its rank-wide output)
+    inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + bool(targets & set(mlp.column_parallel))
+    mlp_widths = mlp.saved_widths - (bool(targets) and mlp.row_parallel not in targets)
+    attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)
     selective = (
         2 * norm
-        + 2 * tokens * d * e
+        + inputs_kept * tokens * d * e
         + tokens * d * e * (1 + 2 * kv / a) // tp
-        + tokens * d * e // tp
-        + arch.mlp.saved_widths * tokens * f * e // tp
+        + mlp_widths * tokens * f * e // tp
+        + len(targets) * tokens * shape.lora_rank * e
     )
     vocab = padded_vocab_size(cfg, tp)
+    # frozen embeddings keep no token ids, and the first block's first norm has no gradient to pass back
+    first = tokens * 8 if not targets else -norm * (recompute_choice(cfg, 0) != "full")
     return StageActivations(
         layer={
-            "none": int(selective + tokens * a * 4 // tp),
-            "selective": int(selective),
+            "none": int(selective + attention_out + tokens * a * 4 // tp),
+            "selective": int(selective + attention_out * (not targets or "wo" in targets)),
             "full": norm_tokens * d * e,
         },
         every_stage=2 * cfg.seq_len * (d // a) * 4 if arch.rotary else 0,  # the RoPE tables
-        first_stage=tokens * 8,  # token ids kept by the embedding
-        last_stage=norm + tokens * d * e + tokens * vocab // tp * 4 + tokens * 8,  # head + fp32 log-softmax
+        first_stage=first,
+        # the head's input (not for a frozen head), its fp32 log-softmax and the targets
+        last_stage=norm + tokens * d * e * (not targets) + tokens * vocab // tp * 4 + tokens * 8,
     )
 
 
@@ -357,7 +378,7 @@ def init_weights(model: Decoder, seed: int) -> None:
             if name.endswith("bias"):
                 param.zero_()
                 continue
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # mt19937: 32-bit seeds
+            gen = param_generator(seed, name)
             std = residual_std if name.endswith(model.arch.residual_projections) else cfg.init_std
             if name in VOCAB_PARAMS:
                 full = torch.zeros(param.shape)
@@ -371,7 +392,7 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def decoder_spec(name: str, arch: Architecture) -> ModelSpec:
+def decoder_spec(name: str, arch: Architecture, hf: HFFormat | None = None) -> ModelSpec:
     """The registry entry of a family built on this skeleton."""
     return ModelSpec(
         name=name,
@@ -383,4 +404,5 @@ def decoder_spec(name: str, arch: Architecture) -> ModelSpec:
         padded_vocab_size=padded_vocab_size,
         validate=functools.partial(validate_decoder, arch=arch),
         vocab_params=VOCAB_PARAMS,
+        hf=hf,
     )

@@ -8,6 +8,7 @@ from torch import nn
 
 from hpc_train.config import ModelConfig
 from hpc_train.models import decoder
+from hpc_train.models.hf import HFFormat, TensorRule, require
 
 
 class GeluMLP(nn.Module):
@@ -27,8 +28,8 @@ def ffn_size(cfg: ModelConfig) -> int:
     return cfg.ffn_hidden if cfg.ffn_hidden is not None else 4 * cfg.d_model
 
 
-def layer_norm_saved_bytes(tokens: int, width: int, element_bytes: int) -> int:
-    """LayerNorm keeps its input, and a mean and rstd per token, in the activation dtype."""
+def layer_norm_saved_bytes(tokens: int, width: int, element_bytes: int, trainable: bool = True) -> int:
+    """LayerNorm keeps its input, and a mean and rstd per token, in the activation dtype (also frozen)."""
     return tokens * width * element_bytes + 2 * tokens * element_bytes
 
 
@@ -42,4 +43,50 @@ ARCH = decoder.Architecture(
     residual_projections=("attn.wo.weight", "mlp.proj.weight"),
     norm_saved_bytes=layer_norm_saved_bytes,
 )
-GPT2 = decoder.decoder_spec("gpt2", ARCH)
+
+
+def _model_fields(config: dict) -> dict:
+    """GPT2LMHeadModel's config.json -> ModelConfig fields (seq_len too: the learned positions' count)."""
+    require(config, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+    require(config, "scale_attn_weights", (True,), True)
+    require(config, "scale_attn_by_inverse_layer_idx", (False,), False)
+    require(config, "add_cross_attention", (False,), False)
+    return {"arch": "gpt2", "vocab_size": config["vocab_size"], "n_layers": config["n_layer"],
+            "n_heads": config["n_head"], "n_kv_heads": None, "d_model": config["n_embd"],
+            "ffn_hidden": config.get("n_inner") or 4 * config["n_embd"],
+            "norm_eps": float(config["layer_norm_epsilon"]),
+            "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
+            "seq_len": config["n_positions"]}  # fmt: skip
+
+
+def _hf_config(cfg: ModelConfig) -> dict:
+    return {"vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
+            "n_inner": ffn_size(cfg), "n_positions": cfg.seq_len, "layer_norm_epsilon": cfg.norm_eps,
+            "activation_function": "gelu_new", "tie_word_embeddings": decoder.ties_embeddings(cfg, ARCH)}  # fmt: skip
+
+
+def _hf_rules(cfg: ModelConfig) -> list[TensorRule]:
+    """HF's GPT-2 keeps its projections as Conv1D, (in, out), and q, k, v fused in c_attn."""
+    rules = [TensorRule(("tok_embeddings.weight",), "transformer.wte.weight"),
+             TensorRule(("pos_embeddings.weight",), "transformer.wpe.weight")]  # fmt: skip
+    rules += [TensorRule((f"norm.{p}",), f"transformer.ln_f.{p}") for p in ("weight", "bias")]
+    if not decoder.ties_embeddings(cfg, ARCH):
+        rules.append(TensorRule(("output.weight",), "lm_head.weight"))
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i}", f"transformer.h.{i}"
+        for p in ("weight", "bias"):
+            rules += [
+                TensorRule((f"{ours}.attn_norm.{p}",), f"{theirs}.ln_1.{p}"),
+                TensorRule((f"{ours}.mlp_norm.{p}",), f"{theirs}.ln_2.{p}"),
+                TensorRule(tuple(f"{ours}.attn.{w}.{p}" for w in ("wq", "wk", "wv")), f"{theirs}.attn.c_attn.{p}",
+                           "split"),
+                TensorRule((f"{ours}.attn.wo.{p}",), f"{theirs}.attn.c_proj.{p}", "transpose"),
+                TensorRule((f"{ours}.mlp.fc.{p}",), f"{theirs}.mlp.c_fc.{p}", "transpose"),
+                TensorRule((f"{ours}.mlp.proj.{p}",), f"{theirs}.mlp.c_proj.{p}", "transpose"),
+            ]  # fmt: skip
+    return rules
+
+
+HF = HFFormat("gpt2", "GPT2LMHeadModel", _model_fields, _hf_config, _hf_rules,
+              derived=(".attn.bias", ".attn.masked_bias"))  # fmt: skip
+GPT2 = decoder.decoder_spec("gpt2", ARCH, HF)

@@ -10,6 +10,7 @@ from torch import nn
 
 from hpc_train.config import ModelConfig
 from hpc_train.models import decoder
+from hpc_train.models.hf import HFFormat, TensorRule, require
 
 
 class SwiGLU(nn.Module):
@@ -33,9 +34,10 @@ def ffn_size(cfg: ModelConfig) -> int:
     return math.ceil(int(8 * cfg.d_model / 3) / cfg.ffn_multiple) * cfg.ffn_multiple
 
 
-def rms_norm_saved_bytes(tokens: int, width: int, element_bytes: int) -> int:
-    """RMSNorm keeps its input and normalized output in fp32, and an fp32 rstd per token."""
-    return 2 * tokens * width * 4 + tokens * 4
+def rms_norm_saved_bytes(tokens: int, width: int, element_bytes: int, trainable: bool = True) -> int:
+    """RMSNorm keeps its input in fp32 and an fp32 rstd per token, and for its weight's gradient the
+    normalized output in fp32."""
+    return (2 if trainable else 1) * tokens * width * 4 + tokens * 4
 
 
 ARCH = decoder.Architecture(
@@ -48,4 +50,48 @@ ARCH = decoder.Architecture(
     residual_projections=("attn.wo.weight", "mlp.w2.weight"),
     norm_saved_bytes=rms_norm_saved_bytes,
 )
-LLAMA = decoder.decoder_spec("llama", ARCH)
+
+
+def _model_fields(config: dict) -> dict:
+    """LlamaForCausalLM's config.json -> ModelConfig fields."""
+    require(config, "hidden_act", ("silu",))
+    require(config, "attention_bias", (False,), False)
+    require(config, "mlp_bias", (False,), False)
+    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
+    require(rope, "rope_type", ("default",), "default")
+    require(config, "rope_scaling", (None,))
+    heads, width = config["num_attention_heads"], config["hidden_size"]
+    require(config, "head_dim", (width // heads, None))
+    return {"arch": "llama", "vocab_size": config["vocab_size"], "n_layers": config["num_hidden_layers"],
+            "n_heads": heads, "n_kv_heads": config.get("num_key_value_heads") or heads, "d_model": width,
+            "ffn_hidden": config["intermediate_size"], "rope_theta": float(rope["rope_theta"]),
+            "norm_eps": float(config["rms_norm_eps"]),
+            "tie_embeddings": bool(config.get("tie_word_embeddings"))}  # fmt: skip
+
+
+def _hf_config(cfg: ModelConfig) -> dict:
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": ffn_size(cfg),
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads, "head_dim": cfg.d_model // cfg.n_heads,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.seq_len,
+            "tie_word_embeddings": decoder.ties_embeddings(cfg, ARCH), "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False}  # fmt: skip
+
+
+def _hf_rules(cfg: ModelConfig) -> list[TensorRule]:
+    """HF's Llama applies RoPE in the same rotate-half form as decoder.apply_rotary: no q/k permutation."""
+    rules = [TensorRule(("tok_embeddings.weight",), "model.embed_tokens.weight"),
+             TensorRule(("norm.weight",), "model.norm.weight")]  # fmt: skip
+    if not decoder.ties_embeddings(cfg, ARCH):
+        rules.append(TensorRule(("output.weight",), "lm_head.weight"))
+    names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.wq": "self_attn.q_proj",
+             "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
+             "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj"}  # fmt: skip
+    for i in range(cfg.n_layers):
+        rules += [TensorRule((f"layers.{i}.{ours}.weight",), f"model.layers.{i}.{theirs}.weight")
+                  for ours, theirs in names.items()]  # fmt: skip
+    return rules
+
+
+HF = HFFormat("llama", "LlamaForCausalLM", _model_fields, _hf_config, _hf_rules, derived=("rotary_emb.inv_freq",))
+LLAMA = decoder.decoder_spec("llama", ARCH, HF)

@@ -8,14 +8,17 @@ recompute selection, the embedding's parameter name) is family-neutral there."""
 from __future__ import annotations
 
 import fnmatch
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hpc_train.config import ModelConfig
+from hpc_train.models.hf import HFFormat
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class ActivationShape:
     tp: int
     sequence_parallel: bool
     element_bytes: int  # of activations in the training dtype
+    lora_targets: tuple[str, ...] = ()  # LoRA's adapted projections (everything else frozen); () = full training
+    lora_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,15 @@ class ModelSpec:
     padded_vocab_size: Callable[[ModelConfig, int], int]  # (cfg, tp)
     validate: Callable[[ModelConfig, int], None]  # (cfg, tp): raises ConfigError
     vocab_params: tuple[str, ...]  # padded on their vocabulary rows: checkpoints store them unpadded
+    hf: HFFormat | None = None  # its Hugging Face transformers counterpart, for import-hf / export-hf
 
 
 def is_frozen(name: str, patterns: list[str]) -> bool:
     """Whether train.freeze holds the parameter of this whole-model name fixed (fnmatch patterns)."""
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """The generator a parameter's initial value is drawn from: seeded by the run's seed and its whole-model
+    name, so every layout (stage split, tp shard, padding) draws the single-process values."""
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # mt19937: 32-bit seeds

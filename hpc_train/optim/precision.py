@@ -31,11 +31,17 @@ class PrecisionPolicy:
     def param_bytes(self) -> int:
         return self.param_dtype.itemsize
 
-    def cast_parameters(self, params: list[nn.Parameter]) -> None:
-        """Hold `params` in `param_dtype`, after the optimizer took its fp32 master copy. The Parameter
-        objects stay the same (the optimizer holds them); buffers stay fp32. `param.data = ...` would leave
-        a DTensor's local shard in fp32, so whole tensors are swapped."""
+    @property
+    def frozen_dtype(self) -> torch.dtype:
+        """LoRA's frozen base needs no master copy: it is held in the compute dtype."""
+        return self.autocast_dtype or torch.float32
+
+    def cast_parameters(self, params: list[nn.Parameter], dtype: torch.dtype | None = None) -> None:
+        """Hold `params` in `dtype` (default `param_dtype`), after the optimizer took its fp32 master copy. The
+        Parameter objects stay the same (the optimizer holds them); buffers stay fp32. `param.data = ...`
+        would leave a DTensor's local shard in fp32, so whole tensors are swapped."""
+        dtype = dtype or self.param_dtype
         for param in params:
-            if local(param).dtype != self.param_dtype:
-                cast = nn.Parameter(param.detach().to(self.param_dtype), requires_grad=param.requires_grad)
+            if local(param).dtype != dtype:
+                cast = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, cast)

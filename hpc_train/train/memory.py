@@ -10,12 +10,16 @@ from torch.distributed.tensor import DTensor
 
 def storage_key_and_bytes(t: torch.Tensor) -> tuple[int, int]:
     """(identity of the memory behind `t`, its bytes): DTensors and collective-result wrappers are
-    unwrapped to the local tensor; a wrapper with no reachable storage counts as its own size."""
+    unwrapped to the local tensor, a traceable subclass counts the tensors it holds; a wrapper with no
+    reachable storage counts as its own size."""
     if isinstance(t, DTensor):
         t = t._local_tensor
     inner = getattr(t, "elem", None)  # e.g. AsyncCollectiveTensor
     if isinstance(inner, torch.Tensor):
         t = inner
+    if hasattr(t, "__tensor_flatten__"):  # a traceable subclass (e.g. torchao's NF4): the tensors it holds
+        names, _ = t.__tensor_flatten__()
+        return id(t), sum(storage_key_and_bytes(getattr(t, name))[1] for name in names)
     try:
         storage = t.untyped_storage()
         return storage.data_ptr(), storage.nbytes()

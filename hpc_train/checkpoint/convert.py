@@ -1,0 +1,135 @@
+"""`hpc-train import-hf` and `export-hf`: Hugging Face folders to sharded checkpoints of any layout, and any
+checkpoint back to a folder `transformers` loads (LoRA adapters merged, or alone in PEFT's format); and
+either loaded whole into one process (`load_model`, for export and `generate`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hpc_train.checkpoint.checkpointer import read_parts
+from hpc_train.checkpoint.hf_io import is_hf_folder, require_module, save_hf, written_into
+from hpc_train.checkpoint.init_from import (
+    base_fingerprint,
+    checkpoint_store,
+    load_initial_weights,
+    newest_checkpoint,
+    with_source_model,
+)
+from hpc_train.checkpoint.state import ModelState
+from hpc_train.checkpoint.store import CheckpointError
+from hpc_train.config import ConfigError, JobConfig, load_config
+from hpc_train.distributed.mesh import Mesh, ParallelDims
+from hpc_train.distributed.parallelize import ParallelModel, full_state_dict, parallelize, quantize_frozen_base
+from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
+from hpc_train.models import get_spec
+from hpc_train.models.lora import merge_adapters
+
+# what a checkpoint of any layout is loaded into for export: one process, whole fp32 weights
+SINGLE_PROCESS = ["parallel.nproc=1", "parallel.tp=1", "parallel.pp=1", "parallel.dp=null",
+                  "parallel.virtual_stages=1", "parallel.schedule=1f1b", "parallel.sequence_parallel=false",
+                  "optim.zero_stage=0", "optim.offload=none", "optim.reshard_after_forward=null",
+                  "train.precision=fp32", "train.device=cpu"]  # fmt: skip
+
+
+def import_config(hf_dir: str, out: str, overrides: list[str]) -> JobConfig:
+    """The run import-hf builds: the layout of `overrides`, the model of `hf_dir`, checkpoints into `out`."""
+    if checkpoint_store(out).scan():
+        raise ConfigError(f"'{out}' already holds checkpoints; import into a new directory")
+    fixed = [f"model.init_from={hf_dir}", f"run_dir={out}", f"checkpoint.dir={out}", "checkpoint.async_save=false"]
+    return load_config(None, [*overrides, *fixed])
+
+
+def import_hf(rank_env: RankEnv, cfg: JobConfig) -> None:
+    """Per rank: build the layout with the Hugging Face weights (builder's `model.init_from`), save step 0."""
+    from hpc_train.builder import build_run
+
+    device = select_device(cfg.train.device, rank_env.local_rank)
+    p = cfg.parallel
+    with distributed(rank_env, device, p.backend, p.timeout_s, p.rendezvous_timeout_s):
+        run = build_run(cfg, rank_env, device, with_data=False)
+        run.checkpointer.claim()
+        try:
+            run.checkpointer.save(0)
+        finally:
+            run.checkpointer.release()
+
+
+def load_model(source: str, base: str | None = None) -> tuple[JobConfig, ParallelModel]:
+    """The model of the newest verified checkpoint under `source` (any layout; adapters and QLoRA's NF4
+    base as trained) or of a Hugging Face folder, in one process, with its config; needs a one-rank
+    process group. `base`: where a QLoRA run's base weights are now, if they moved since training."""
+    if is_hf_folder(source):
+        cfg = with_source_model(load_config(None, [*SINGLE_PROCESS, f"model.init_from={source}"]))
+        model = parallelize(cfg, get_spec(cfg.model.arch), Mesh(ParallelDims(), "cpu"), torch.device("cpu"))
+        load_initial_weights(model, source)
+        return cfg, model
+    info = newest_checkpoint(source)
+    moved = [f"model.init_from={base}"] if base else []
+    cfg = load_config(None, [*SINGLE_PROCESS, *moved], saved=info.manifest["config"])
+    model = parallelize(cfg, get_spec(cfg.model.arch), Mesh(ParallelDims(), "cpu"), torch.device("cpu"))
+    if cfg.finetune.method == "qlora":  # its NF4 base, rebuilt as training did, from the same source
+        fingerprint = base_fingerprint(cfg)
+        if fingerprint != info.manifest.get("base_weights"):
+            raise CheckpointError(f"{info.path} was trained on the base weights {info.manifest.get('base_weights')}"
+                                  f", but model.init_from={cfg.model.init_from} holds {fingerprint}; give where "
+                                  "they are now with --base")  # fmt: skip
+        if cfg.model.init_from:
+            load_initial_weights(model, cfg.model.init_from)
+        quantize_frozen_base(model)
+    part = ModelState(model)
+    part.load(read_parts(str(info.path), info.manifest, {"model": part}, cfg.checkpoint.io_threads)["model"], 0)
+    return cfg, model
+
+
+def load_whole(source: str, base: str | None = None) -> tuple[JobConfig, dict[str, torch.Tensor]]:
+    """`load_model`'s weights as whole unpadded tensors (adapters too, NF4 dequantized)."""
+    cfg, model = load_model(source, base)
+    state, chunk, vocab = full_state_dict(model), model.chunks[0], cfg.model.vocab_size
+    return cfg, {
+        name: t[:vocab] if name in model.spec.vocab_params else t
+        for name, t in state.items()
+        if chunk.canonical_name(name) == name
+    }  # a tied head: the embedding
+
+
+def export_hf(source: str, out: str, adapters_only: bool = False, base: str | None = None) -> Path:
+    """Write the checkpoint under `source` as a Hugging Face folder at `out`; needs a one-rank process group."""
+    cfg, state = load_whole(source, base)
+    spec = get_spec(cfg.model.arch)
+    if adapters_only:
+        return save_peft_adapters(out, cfg, state)
+    if cfg.finetune.method != "full":
+        state = merge_adapters(state, cfg.finetune)
+    return save_hf(out, spec, cfg.model, state)
+
+
+def save_peft_adapters(out: str, cfg: JobConfig, state: dict[str, torch.Tensor]) -> Path:
+    """LoRA adapters alone, as PEFT saves them (adapter_model.safetensors + adapter_config.json), named after
+    the Hugging Face modules they sit beside."""
+    save_file = require_module("safetensors.torch").save_file
+    spec, ft = get_spec(cfg.model.arch), cfg.finetune
+    if ft.method == "full":
+        raise CheckpointError("--adapters-only: this checkpoint was trained with finetune.method=full; it has none")
+    rules = {rule.ours: rule for rule in spec.hf.rules(cfg.model)}
+    tensors, targets = {}, set()
+    for name in [n for n in state if n.endswith(".lora_a")]:
+        module = name.removesuffix(".lora_a")
+        rule = rules.get((f"{module}.weight",))
+        if rule is None:  # e.g. GPT-2's q, k, v: one fused module there, three adapters here
+            raise CheckpointError(f"--adapters-only: {module} has no Hugging Face module of its own; export the "
+                                  "merged model instead (without --adapters-only)")  # fmt: skip
+        theirs = rule.theirs.removesuffix(".weight")
+        targets.add(theirs)  # whole names: GPT-2's attn.c_proj and mlp.c_proj share their last part
+        tensors[f"base_model.model.{theirs}.lora_A.weight"] = state[name].contiguous()
+        tensors[f"base_model.model.{theirs}.lora_B.weight"] = state[f"{module}.lora_b"].contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ft.lora_rank, "lora_alpha": ft.lora_alpha,
+              "lora_dropout": ft.lora_dropout, "target_modules": sorted(targets), "bias": "none",
+              "fan_in_fan_out": rule.kind == "transpose", "inference_mode": True,
+              "base_model_name_or_path": None}  # fmt: skip
+    with written_into(out) as tmp:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return Path(out)

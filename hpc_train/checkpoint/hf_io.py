@@ -1,0 +1,120 @@
+"""Hugging Face folders (what `save_pretrained` writes: config.json and safetensors, one file or sharded
+with an index) read lazily, tensor by tensor, and written so that `AutoModelForCausalLM.from_pretrained`
+loads them. Only safetensors are read: a pickled pytorch_model.bin could run code."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_train.config import ConfigError, ModelConfig
+from hpc_train.models import MODEL_SPECS
+from hpc_train.models.hf import HFFormat, export_state, model_fields_from
+from hpc_train.models.spec import ModelSpec
+
+CONFIG, INDEX, WEIGHTS = "config.json", "model.safetensors.index.json", "model.safetensors"
+
+
+def require_module(module: str) -> Any:
+    """An optional dependency of Hugging Face interop, or an error saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(
+            f"Hugging Face interop needs {module.split('.')[0]}: pip install 'hpc_train[finetune]'"
+        ) from None
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    return (Path(path) / CONFIG).is_file()
+
+
+def family(config: dict[str, Any]) -> tuple[ModelSpec, HFFormat]:
+    """The model family whose Hugging Face counterpart wrote `config`."""
+    for spec in MODEL_SPECS.values():
+        if spec.hf is not None and spec.hf.model_type == config.get("model_type"):
+            return spec, spec.hf
+    known = [spec.hf.architecture for spec in MODEL_SPECS.values() if spec.hf is not None]
+    raise ConfigError(f"Hugging Face model_type={config.get('model_type')!r} is not supported; hpc_train reads "
+                      f"{', '.join(known)}")  # fmt: skip
+
+
+class HFFolder:
+    """A Hugging Face model folder: its config, its tensors' shapes, and each tensor read on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        safe_open = require_module("safetensors").safe_open
+        self.path = Path(path)
+        if not is_hf_folder(self.path):
+            raise ConfigError(f"'{self.path}' is not a Hugging Face model folder (no {CONFIG})")
+        self.config = json.loads((self.path / CONFIG).read_text())
+        self.spec, self.format = family(self.config)
+        if (self.path / INDEX).is_file():
+            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.path / WEIGHTS).is_file():
+            files = [WEIGHTS]
+        else:
+            raise ConfigError(f"'{self.path}' holds no {WEIGHTS} (nor {INDEX}); hpc_train reads safetensors only: "
+                              "re-save the model with save_pretrained(..., safe_serialization=True)")  # fmt: skip
+        self.handles, self.file_of, self.shapes, self._last = [], {}, {}, None
+        for file in files:
+            if not (self.path / file).is_file():
+                raise ConfigError(f"'{self.path / file}', listed in {INDEX}, does not exist")
+            handle = safe_open(str(self.path / file), framework="pt")
+            self.handles.append(handle)
+            names = handle.keys()  # a safetensors handle is not iterable
+            for name in names:
+                self.file_of[name] = handle
+                self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+
+    def model_fields(self) -> dict[str, Any]:
+        return model_fields_from(self.format, self.config)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The last tensor read is kept: GPT-2's fused q, k, v is asked for three times in a row."""
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self.file_of[name].get_tensor(name))
+        return self._last[1]
+
+
+def save_hf(out: str | os.PathLike, spec: ModelSpec, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
+    """Whole, unpadded hpc_train tensors -> a Hugging Face folder at `out`, written beside it and renamed
+    into place (an existing `out` is replaced only once the new one is complete)."""
+    transformers, save_file = require_module("transformers"), require_module("safetensors.torch").save_file
+    if spec.hf is None:
+        raise ConfigError(f"model.arch={spec.name} has no Hugging Face counterpart to export to")
+    tensors = export_state(spec.hf, cfg, state)
+    config = transformers.AutoConfig.for_model(spec.hf.model_type, **spec.hf.hf_config(cfg))
+    config.architectures = [spec.hf.architecture]
+    config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    with written_into(out) as tmp:
+        config.save_pretrained(tmp)
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    return Path(out)
+
+
+@contextmanager
+def written_into(out: str | os.PathLike) -> Iterator[Path]:
+    """A folder to write into beside `out`, renamed to `out` once the block has written all of it (an
+    existing `out` is replaced only then)."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
