@@ -6,9 +6,9 @@ Order, and why: the model keys of `model.init_from` -> check the whole config ->
 group) -> per-rank RNG -> data -> model family -> precision policy (needs the optimizer class: only an
 optimizer with fp32 master weights lets the model hold bf16/fp16 weights) -> parallel model (meta build,
 tp, adapters, local init, pipeline schedule) -> the weights of `model.init_from`, if any -> QLoRA's NF4
-base -> optimizer
-(takes its fp32 master copy) -> cast the weights to the policy's dtype -> loss scaler -> sampler ->
-metrics -> checkpointer, with every part it saves registered.
+base -> optimizer (takes its fp32 master copy) -> cast the weights to the policy's dtype (LoRA's frozen
+base to the compute dtype) -> loss scaler -> sampler -> metrics -> checkpointer, with every part it saves
+registered.
 """
 
 from __future__ import annotations
