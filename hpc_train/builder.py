@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from hpc_train.checkpoint.checkpointer import Checkpointer
-from hpc_train.checkpoint.init_from import base_fingerprint, load_initial_weights, with_source_model
+from hpc_train.checkpoint.init_from import base_fingerprint, load_base, with_source_model
 from hpc_train.checkpoint.state import ModelState, OptimizerState, RNGState
 from hpc_train.config import JobConfig
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import load_datasets
 from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.mesh import Mesh
-from hpc_train.distributed.parallelize import ParallelModel, parallelize, quantize_frozen_base
+from hpc_train.distributed.parallelize import ParallelModel, parallelize
 from hpc_train.launch.bootstrap import RankEnv
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
@@ -79,11 +79,8 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     policy = precision_policy(cfg)
     model = parallelize(cfg, spec, mesh, device, policy.autocast_dtype)
     model.masked_loss = any(ds is not None and ds.loss_mask is not None for ds in (train_set, valid_set))
-    if cfg.model.init_from:
-        load_initial_weights(model, cfg.model.init_from, cfg.checkpoint.io_threads)
+    load_base(model, cfg, cfg.checkpoint.io_threads)
     adapters = cfg.finetune.method != "full"
-    if cfg.finetune.method == "qlora":
-        quantize_frozen_base(model)
     optimizer = build_optimizer(model, cfg.optim)
     # after the optimizer took its fp32 master copy; LoRA's frozen base in the compute dtype
     policy.cast_parameters(model.trainable_parameters if adapters else model.parameters)

@@ -186,10 +186,9 @@ def cmd_ckpt(args: argparse.Namespace) -> None:
 
 def cmd_import_hf(args: argparse.Namespace) -> None:
     from hpc_train.checkpoint.convert import import_config, import_hf
-    from hpc_train.checkpoint.init_from import with_source_model
     from hpc_train.launch.local import check_machine, launch_local
 
-    cfg = with_source_model(import_config(args.hf_dir, args.ckpt_dir, args.overrides))
+    cfg = import_config(args.hf_dir, args.ckpt_dir, args.overrides)
     check_machine(cfg)
     dims = check_run(cfg, cfg.parallel.nproc, check_paths=False)
     launch_local(import_hf, cfg.parallel.nproc, cfg)

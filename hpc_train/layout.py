@@ -80,7 +80,9 @@ def _check_qlora(cfg: JobConfig, stage: torch.nn.Module) -> None:
     if cfg.parallel.tp > 1:
         problems.append("finetune.method=qlora keeps whole NF4 weights per rank: use parallel.tp=1 (pp and dp work)")
     sizes = {name: m.weight.numel() for name, m in projections(stage).items()}
-    for name, numel in [(n, size) for n, size in sizes.items() if nf4_scaler_block(size) is None][:1]:
+    odd = [name for name, numel in sizes.items() if nf4_scaler_block(numel) is None]
+    if odd:
+        name, numel = odd[0], sizes[odd[0]]
         problems.append(f"finetune.method=qlora quantizes blocks of {NF4_BLOCK} weights; {name} has {numel}: pick "
                         f"model sizes divisible by {NF4_BLOCK}")  # fmt: skip
     if problems:

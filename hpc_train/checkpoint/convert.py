@@ -14,7 +14,7 @@ from hpc_train.checkpoint.hf_io import is_hf_folder, require_module, save_hf, wr
 from hpc_train.checkpoint.init_from import (
     base_fingerprint,
     checkpoint_store,
-    load_initial_weights,
+    load_base,
     newest_checkpoint,
     with_source_model,
 )
@@ -22,7 +22,7 @@ from hpc_train.checkpoint.state import ModelState
 from hpc_train.checkpoint.store import CheckpointError
 from hpc_train.config import ConfigError, JobConfig, load_config
 from hpc_train.distributed.mesh import Mesh, ParallelDims
-from hpc_train.distributed.parallelize import ParallelModel, full_state_dict, parallelize, quantize_frozen_base
+from hpc_train.distributed.parallelize import ParallelModel, full_state_dict, parallelize
 from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
 from hpc_train.models import get_spec
 from hpc_train.models.lora import merge_adapters
@@ -39,7 +39,7 @@ def import_config(hf_dir: str, out: str, overrides: list[str]) -> JobConfig:
     if checkpoint_store(out).scan():
         raise ConfigError(f"'{out}' already holds checkpoints; import into a new directory")
     fixed = [f"model.init_from={hf_dir}", f"run_dir={out}", f"checkpoint.dir={out}", "checkpoint.async_save=false"]
-    return load_config(None, [*overrides, *fixed])
+    return with_source_model(load_config(None, [*overrides, *fixed]))
 
 
 def import_hf(rank_env: RankEnv, cfg: JobConfig) -> None:
@@ -61,26 +61,23 @@ def load_model(source: str, base: str | None = None) -> tuple[JobConfig, Paralle
     """The model of the newest verified checkpoint under `source` (any layout; adapters and QLoRA's NF4
     base as trained) or of a Hugging Face folder, in one process, with its config; needs a one-rank
     process group. `base`: where a QLoRA run's base weights are now, if they moved since training."""
-    if is_hf_folder(source):
+    info = None if is_hf_folder(source) else newest_checkpoint(source)
+    if info is None:
         cfg = with_source_model(load_config(None, [*SINGLE_PROCESS, f"model.init_from={source}"]))
-        model = parallelize(cfg, get_spec(cfg.model.arch), Mesh(ParallelDims(), "cpu"), torch.device("cpu"))
-        load_initial_weights(model, source)
-        return cfg, model
-    info = newest_checkpoint(source)
-    moved = [f"model.init_from={base}"] if base else []
-    cfg = load_config(None, [*SINGLE_PROCESS, *moved], saved=info.manifest["config"])
+    else:
+        moved = [f"model.init_from={base}"] if base else []
+        cfg = load_config(None, [*SINGLE_PROCESS, *moved], saved=info.manifest["config"])
     model = parallelize(cfg, get_spec(cfg.model.arch), Mesh(ParallelDims(), "cpu"), torch.device("cpu"))
-    if cfg.finetune.method == "qlora":  # its NF4 base, rebuilt as training did, from the same source
-        fingerprint = base_fingerprint(cfg)
-        if fingerprint != info.manifest.get("base_weights"):
+    qlora = cfg.finetune.method == "qlora"
+    if info is None or qlora:  # a checkpoint holds its weights, except QLoRA's NF4 base: rebuilt as in training
+        if qlora and (fingerprint := base_fingerprint(cfg)) != info.manifest.get("base_weights"):
             raise CheckpointError(f"{info.path} was trained on the base weights {info.manifest.get('base_weights')}"
                                   f", but model.init_from={cfg.model.init_from} holds {fingerprint}; give where "
                                   "they are now with --base")  # fmt: skip
-        if cfg.model.init_from:
-            load_initial_weights(model, cfg.model.init_from)
-        quantize_frozen_base(model)
-    part = ModelState(model)
-    part.load(read_parts(str(info.path), info.manifest, {"model": part}, cfg.checkpoint.io_threads)["model"], 0)
+        load_base(model, cfg)
+    if info is not None:
+        part = ModelState(model)
+        part.load(read_parts(str(info.path), info.manifest, {"model": part}, cfg.checkpoint.io_threads)["model"], 0)
     return cfg, model
 
 

@@ -17,7 +17,7 @@ import torch
 
 from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.models import MODEL_SPECS
-from hpc_train.models.hf import HFFormat, export_state, model_fields_from
+from hpc_train.models.hf import HFFormat, export_state
 from hpc_train.models.spec import ModelSpec
 
 CONFIG, INDEX, WEIGHTS = "config.json", "model.safetensors.index.json", "model.safetensors"
@@ -77,7 +77,7 @@ class HFFolder:
                 self.shapes[name] = tuple(handle.get_slice(name).get_shape())
 
     def model_fields(self) -> dict[str, Any]:
-        return model_fields_from(self.format, self.config)
+        return self.format.model_fields(self.config)
 
     def read(self, name: str) -> torch.Tensor:
         """The last tensor read is kept: GPT-2's fused q, k, v is asked for three times in a row."""

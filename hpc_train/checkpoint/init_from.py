@@ -21,7 +21,7 @@ from hpc_train.checkpoint.state import ModelState
 from hpc_train.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore
 from hpc_train.config import ConfigError, JobConfig, ModelConfig
 from hpc_train.distributed.grads import local
-from hpc_train.distributed.parallelize import ParallelModel, pad_rows
+from hpc_train.distributed.parallelize import ParallelModel, pad_rows, quantize_frozen_base
 from hpc_train.distributed.placement import distribute_like
 from hpc_train.models.hf import ARCH_FIELDS, import_tensor, plan_import
 from hpc_train.models.lora import is_adapter
@@ -73,6 +73,14 @@ def with_source_model(cfg: JobConfig) -> JobConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
 
 
+def load_base(model: ParallelModel, cfg: JobConfig, io_threads: int = 1) -> None:
+    """The base a run starts from: `model.init_from`'s weights, if any, then for QLoRA its projections in NF4."""
+    if cfg.model.init_from:
+        load_initial_weights(model, cfg.model.init_from, io_threads)
+    if cfg.finetune.method == "qlora":
+        quantize_frozen_base(model)
+
+
 @torch.no_grad()
 def load_initial_weights(model: ParallelModel, path: str, io_threads: int = 1) -> None:
     """Every rank loads its part of the base model's weights from `path`, whatever layout wrote them."""
@@ -84,8 +92,6 @@ def load_initial_weights(model: ParallelModel, path: str, io_threads: int = 1) -
 
 def _load_hf(model: ParallelModel, folder: HFFolder) -> None:
     cfg, spec = model.cfg.model, model.spec
-    if folder.spec is not spec:
-        raise ConfigError(f"model.init_from='{folder.path}' holds a {folder.format.architecture}, not a {cfg.arch}")
     with torch.device("meta"):
         whole = spec.build_stage(cfg)
     expected = {}

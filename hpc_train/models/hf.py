@@ -122,9 +122,3 @@ def export_state(fmt: HFFormat, cfg: ModelConfig, state: dict[str, torch.Tensor]
     if left := sorted(set(state) - used):
         raise ConfigError(f"cannot export: no Hugging Face tensor takes {_listed(left)}")
     return out
-
-
-def model_fields_from(fmt: HFFormat, config: dict[str, Any]) -> dict[str, Any]:
-    if config.get("model_type") != fmt.model_type:
-        raise ConfigError(f"Hugging Face model_type={config.get('model_type')!r} is not {fmt.model_type!r}")
-    return fmt.model_fields(config)
