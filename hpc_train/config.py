@@ -50,6 +50,9 @@ class ModelConfig:
     recompute: str = "none"  # none | selective (attention core) | full (whole layers)
     recompute_every: int = 1  # with a policy: recompute every k-th layer of each pipeline stage
     recompute_first: int | None = None  # with a policy: only the first M layers of each stage (None = all)
+    # the head and loss run on this many tokens at a time, each chunk's logits recomputed in backward, so the
+    # whole micro-batch's logits never exist at once (under sequence parallelism: whole sequences); 0 = one go
+    loss_chunk_tokens: int = 8192
     # start from these weights (step 0, fresh optimizer): a Hugging Face folder (config.json + safetensors) or
     # an hpc_train checkpoint / run directory; the architecture keys above are taken from it
     init_from: str | None = None
@@ -87,6 +90,7 @@ class TrainConfig:
     save_final_model: bool = True  # write run_dir/model_final.pt (consolidated weights) at the end
     freeze: list[str] = field(default_factory=list)  # parameter names (fnmatch patterns) held fixed
     skip_nonfinite: int = 0  # steps with a non-finite loss or gradient skipped before the run stops
+    compile: bool = False  # torch.compile each transformer block and the loss (torchtitan's regional compile)
 
 
 @dataclass
@@ -221,7 +225,7 @@ NON_NEGATIVE = (
     "optim.lr", "optim.min_lr", "optim.bucket_mb", "checkpoint.interval", "checkpoint.keep_last",
     "checkpoint.keep_every", "slurm.gpus_per_node", "slurm.signal_delay_s", "slurm.max_requeues",
     "parallel.hang_timeout_s", "parallel.max_restarts", "logging.straggler_interval", "logging.straggler_threshold",
-    "logging.straggler_blame",
+    "logging.straggler_blame", "model.loss_chunk_tokens",
 )  # fmt: skip
 POSITIVE_IF_SET = ("model.n_kv_heads", "model.ffn_hidden", "train.global_batch_size", "optim.decay_steps")
 NON_NEGATIVE_IF_SET = ("model.recompute_first",)

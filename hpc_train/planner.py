@@ -66,7 +66,8 @@ class LocalParams:
     quantized_bytes: int
     largest_projection: int  # elements of the largest block projection (QLoRA dequantizes one at a time)
     # under tp the vocab-parallel embedding's gradient arrives full-size and Replicate (a DTensor behaviour)
-    # before it is cut to its shard at the reduction; not when a head tied to it is on the same rank
+    # before it is cut to its shard at the reduction (or in backward, by an optimizer that takes gradients
+    # there); not when a head tied to it is on the same rank
     # (the head's sharded gradient accumulates into it)
     full_size_embedding_grad: bool
 
@@ -157,7 +158,7 @@ def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
                             element_bytes=precision_policy(cfg).frozen_dtype.itemsize if adapters
                             else compute_bytes(cfg),
                             lora_targets=tuple(f.lora_targets) if adapters else (),
-                            lora_rank=f.lora_rank)  # fmt: skip
+                            lora_rank=f.lora_rank, compiled=cfg.train.compile)  # fmt: skip
     parts = get_spec(m.arch).activations(m, shape)
     num_stages = p.pp * p.virtual_stages
     total = 0
@@ -210,7 +211,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
             comm = max(comm, 4 * local.trainable)
     if local.quantized:  # one projection dequantized to bf16 at a time, forward and backward
         comm += 2 * local.largest_projection
-    if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.shards_params):  # cut in backward
+    if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.takes_grads_in_backward):
         vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, tp)
         grads += vocab_rows * cfg.model.d_model * 4 * (tp - 1) // tp
     host = 0

@@ -93,6 +93,8 @@ def logits_entry(rank_env, cfg, out: str, resume: bool = False) -> None:
                 dist.recv(hidden, src=mesh.ranks_along("pp")[0][0])
                 hidden = model.chunks[0](hidden)
             if mesh.is_last_stage:
+                if model.chunks[0].emits_hidden:  # a pipeline's last stage ends at the final norm
+                    hidden = model.chunks[0].logits(hidden)
                 logits = hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
                 if mesh.rank("tp") == 0:
                     torch.save(logits[..., : cfg.model.vocab_size].clone(), out)
@@ -173,8 +175,8 @@ def _expected(cfg) -> dict[str, tuple[int, ...]]:
 LORA = ["finetune.method=lora", "finetune.lora_targets=[wq,wv,w2]", "finetune.lora_rank=4", "optim.lr=1e-2",
         "train.steps=3", "train.micro_batch_size=4", "train.grad_accum=2", "checkpoint.interval=3"]  # fmt: skip
 LORA_LAYOUTS = {
-    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    "pp2_recompute": ["parallel.pp=2", "model.recompute=selective"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.loss_chunk_tokens=32"],
+    "pp2_recompute": ["parallel.pp=2", "model.recompute=selective", "model.loss_chunk_tokens=48"],
     "dp2_zero1": ["optim.zero_stage=1", "train.micro_batch_size=2"],
 }
 

@@ -19,17 +19,20 @@ ARCHS = ("llama", "gpt2")
 COMMON = [*TINY_MODEL, "model.n_layers=4", f"train.steps={STEPS}"]
 SP = "parallel.sequence_parallel=true"
 INTERLEAVED = ["parallel.virtual_stages=2", "parallel.schedule=interleaved_1f1b"]
+# the head and loss a few tokens at a time (uneven chunks too; whole sequences under SP), against the
+# reference's single chunk
+CHUNKED = "model.loss_chunk_tokens=96"
 # name -> (world size, overrides); global batch 8 everywhere
 LAYOUTS = {
-    "tp2": (2, ["parallel.tp=2", "train.micro_batch_size=8"]),
-    "tp2_sp": (2, ["parallel.tp=2", SP, "train.micro_batch_size=4", "train.grad_accum=2"]),
-    "pp2_1f1b": (2, ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2"]),
+    "tp2": (2, ["parallel.tp=2", "train.micro_batch_size=8", CHUNKED]),
+    "tp2_sp": (2, ["parallel.tp=2", SP, "train.micro_batch_size=4", "train.grad_accum=2", CHUNKED]),
+    "pp2_1f1b": (2, ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", CHUNKED]),
     "pp2_interleaved": (2, ["parallel.pp=2", *INTERLEAVED, "train.micro_batch_size=2", "train.grad_accum=4"]),
     "tp2_dp2": (4, ["parallel.tp=2", SP, "train.micro_batch_size=2", "train.grad_accum=2"]),
     "pp2_tp2": (4, ["parallel.pp=2", "parallel.tp=2", SP, "train.micro_batch_size=4", "train.grad_accum=2"]),
     "pp2_dp2": (4, ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=2"]),
     "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2", SP, "train.micro_batch_size=2", "train.grad_accum=2"]),
-    "dp2": (2, ["train.micro_batch_size=4"]),
+    "dp2": (2, ["train.micro_batch_size=4", CHUNKED]),
     "dp4": (4, ["train.micro_batch_size=2"]),
     # activation recompute changes memory, never numbers
     "tp2_sp_full_recompute": (2, ["parallel.tp=2", SP, "train.micro_batch_size=8", "model.recompute=full"]),
@@ -77,24 +80,37 @@ OVERLAP_LAYOUTS = {
 _derive(OVERLAP_LAYOUTS, ["optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05"])
 
 
+# train.compile=true (inductor on CPU) against the eager single-process reference, llama only (each compile
+# costs tens of seconds): tensor + sequence parallel, pipeline with selective recompute, ZeRO-1. Compiled
+# kernels fuse and reorder fp32 reductions (norms, softmax), so they match to rounding, within TOL, not bitwise.
+COMPILED_LAYOUTS = ("tp2_sp", "pp2_selective_recompute", "dp2_zero1")
+
+
+def _config(base, arch: str, name: str, extra: list[str], corpus: str):
+    overrides = [*COMMON, f"model.arch={arch}", f"data.train_path={corpus}", f"run_dir={base / arch / name}", *extra]
+    return load_config(None, overrides)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus):
     """Run directory per model family: <arch>/reference and <arch>/<layout>."""
     base = tmp_path_factory.mktemp("layouts")
-    cfg = lambda arch, name, extra: load_config(
-        None, [*COMMON, f"model.arch={arch}", f"data.train_path={small_corpus}", f"run_dir={base / arch / name}",
-               *extra]
-    )  # fmt: skip
+    cfg = lambda arch, name, extra: _config(base, arch, name, extra, small_corpus)
     launch_sequence(run_training, 1, [(cfg(arch, "reference", ["train.micro_batch_size=8"]),) for arch in ARCHS])
     for world in sorted({w for w, _ in LAYOUTS.values()}):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
         cfgs = [cfg(arch, n, [*LAYOUTS[n][1], f"parallel.nproc={world}"]) for arch in ARCHS for n in names]
         launch_sequence(run_training, world, [(c,) for c in cfgs])
+    compiled = [cfg("llama", f"{n}_compiled", [*LAYOUTS[n][1], "parallel.nproc=2", "train.compile=true"])
+                for n in COMPILED_LAYOUTS]  # fmt: skip
+    launch_sequence(run_training, 2, [(c,) for c in compiled])
     return {arch: base / arch for arch in ARCHS}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    ("arch", "layout"),
+    [(arch, name) for arch in ARCHS for name in LAYOUTS] + [("llama", f"{n}_compiled") for n in COMPILED_LAYOUTS],
+)
 def test_layout_matches_single_process(runs, arch, layout):
     runs = runs[arch]
     ref, got = read_metrics(runs / "reference"), read_metrics(runs / layout)

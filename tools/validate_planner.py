@@ -79,6 +79,10 @@ LAYOUTS = {  # name -> (world size, overrides)
     ),  # fmt: skip
     "qlora_zero1_full": (1, [*QLORA, "optim.zero_stage=1", "model.recompute=full"]),
     "qlora_fp32_pp2": (2, [*QLORA, "train.precision=fp32", "parallel.pp=2", "train.grad_accum=4"]),
+    # compiled blocks keep fewer tensors (inductor recomputes cheap ones); the loss in chunks keeps no logits
+    "compile_selective": (1, ["train.compile=true", "model.recompute=selective"]),
+    "tp2_sp_compile": (2, ["parallel.tp=2", SP, "train.compile=true"]),
+    "tp2_sp_chunked_loss": (2, ["parallel.tp=2", SP, "model.loss_chunk_tokens=64"]),
 }
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
 RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",

@@ -30,7 +30,6 @@ from hpc_train.distributed.grads import fix_grad_placements, local
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.tensor_parallel import apply_tensor_parallel
-from hpc_train.models.decoder import cross_entropy
 from hpc_train.models.lora import apply_lora, init_adapters, is_adapter, quantize_projections
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 
@@ -50,12 +49,14 @@ class ParallelModel:
     tied_group: dist.ProcessGroup | None = None  # the (first, last) stage pair that shares it
     quantized: set[str] = field(default_factory=set)  # QLoRA's NF4 weights: rebuilt from their source, not saved
     masked_loss: bool = False  # the data has a loss mask: the loss is a mean over the global batch's counted targets
-    loss_tokens: float | None = None  # with a mask, this step's counted targets per micro-batch (cross_entropy)
+    loss_tokens: float | None = None  # with a mask, this step's counted targets per micro-batch (Decoder.loss)
 
-    def scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A pipeline micro-batch's share of the batch loss, times the fp16 loss scale: its gradients are
-        final as backward leaves them (what lets a dp reduction start from inside backward)."""
-        return cross_entropy(logits, targets, self.loss_tokens) * (self.loss_scale / self.cfg.train.grad_accum)
+    def scaled_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A pipeline micro-batch's share of the batch loss (from the last stage's final-norm output), times
+        the fp16 loss scale: its gradients are final as backward leaves them (what lets a dp reduction start
+        from inside backward)."""
+        loss = self.chunks[-1].loss(hidden, targets, self.loss_tokens)
+        return loss * (self.loss_scale / self.cfg.train.grad_accum)
 
     @property
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -126,7 +127,7 @@ def parallelize(
     cfg: JobConfig, spec: ModelSpec, mesh: Mesh, device: torch.device, autocast_dtype: torch.dtype | None = None
 ) -> ParallelModel:
     """Build this rank's stages on the meta device, shard them over tp, add LoRA adapters (finetune.method),
-    shard them over dp with ZeRO-3, then
+    compile their blocks (train.compile), shard them over dp with ZeRO-3, then
     allocate only the local shards on `device` and initialize them (identically to the single-process
     model): no rank ever holds more than its own part of the model, plus one full parameter at a time
     during init."""
@@ -142,6 +143,8 @@ def parallelize(
             apply_tensor_parallel(chunk, spec, mesh.sub("tp"), p.sequence_parallel)
         if cfg.finetune.method != "full":
             apply_lora(chunk, cfg.finetune)
+        if cfg.train.compile:
+            chunk.compile_regions()
         if cfg.optim.zero_stage == 3:
             offload = cfg.optim.offload == "cpu"
             apply_fsdp(chunk, mesh.sub("dp"), autocast_dtype, reshards_after_forward(cfg), offload, device)
@@ -153,6 +156,8 @@ def parallelize(
     model = ParallelModel(cfg, spec, chunks, mesh, autocast_dtype, tied_copy=tied_copy, tied_group=tied_group)
     freeze(model, cfg.train.freeze)
     if pp > 1:
+        if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time
+            chunks[-1].emits_hidden = True
         model.schedule = build_schedule(chunks, stages, p, cfg.train.grad_accum, mesh.sub("pp"), device,
                                         model.scaled_loss)  # fmt: skip
     return model

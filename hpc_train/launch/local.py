@@ -61,6 +61,8 @@ def _spawned(rank: int, entry: Callable[..., Any], nproc: int, port: int, attemp
 
 def _sequence(rank_env: RankEnv, runs: list[tuple]) -> None:
     for index, (entry, args) in enumerate(runs):
+        torch._dynamo.reset()  # each run compiles afresh, as in a process of its own (inductor can fail
+        # recompiling a block for another tensor-parallel layout)
         entry(dataclasses.replace(rank_env, store_prefix=f"run{index}"), *args)
 
 
@@ -116,10 +118,10 @@ def _attempt(entry: Callable[..., Any], nproc: int, port: int, attempt: Attempt,
 
 
 @contextmanager
-def single_process_group(timeout_s: int = 600) -> Iterator[RankEnv]:
-    """A one-rank gloo group in this process, for tools and tests that drive the library's parts directly;
-    yields the rank's environment (for `builder.build_run`)."""
+def single_process_group(timeout_s: int = 600, device: torch.device | None = None) -> Iterator[RankEnv]:
+    """A one-rank group in this process (gloo, or nccl for a CUDA `device`), for tools and tests that drive
+    the library's parts directly; yields the rank's environment (for `builder.build_run`)."""
     store = serve_store()
     rank_env = local_rank_env(0, 1, store.port, "single")
-    with distributed(rank_env, torch.device("cpu"), "gloo", timeout_s):
+    with distributed(rank_env, device or torch.device("cpu"), "auto", timeout_s):
         yield rank_env

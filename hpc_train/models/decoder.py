@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -42,14 +43,15 @@ class Architecture:
 
     norm: Callable[[int, float], nn.Module]  # (width, eps) -> a norm module
     mlp: type[nn.Module]  # built as mlp(d_model, hidden, bias); names its column- and row-parallel
-    # layers and how many T x hidden tensors it keeps for backward (saved_widths)
+    # layers and how many T x hidden tensors it keeps for backward (saved_widths; recomputed_when_compiled
+    # of them are not kept when compiled)
     ffn_size: Callable[[ModelConfig], int]  # the MLP's hidden width
     linear_bias: bool  # biases in the attention and MLP projections
     rotary: bool  # RoPE; otherwise learned position embeddings
     tie_embeddings: bool  # the family's default when model.tie_embeddings is not set
     residual_projections: tuple[str, ...]  # initialized with init_std / sqrt(2 * n_layers)
-    # (tokens, width, element bytes, weight trainable): one norm's saved tensors
-    norm_saved_bytes: Callable[[int, int, int, bool], int]
+    # (tokens, width, element bytes, weight trainable, compiled): one norm's saved tensors
+    norm_saved_bytes: Callable[[int, int, int, bool, bool], int]
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
@@ -153,6 +155,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, arch) for i in layer_ids})
         self.norm = arch.norm(cfg.d_model, cfg.norm_eps) if last else None
         self.output = nn.Linear(cfg.d_model, vocab, bias=False) if last else None
+        self.emits_hidden = False  # a pipeline's last stage: forward ends at the final norm, the loss takes over
+        self.compiled = False  # compile_regions was applied
         self.tie_weights()
         for name, value in self.buffer_values(vocab if last else None).items():
             self.register_buffer(name, value, persistent=False)
@@ -182,18 +186,56 @@ class Decoder(nn.Module):
         self, x: torch.Tensor, targets: torch.Tensor | None = None, loss_tokens: float | None = None
     ) -> torch.Tensor:
         """Token ids (or a previous stage's hidden states) -> hidden states, or padded logits on the last
-        stage; with `targets`, the next-token loss (see `cross_entropy` for `loss_tokens`)."""
+        stage (its final hidden states with `emits_hidden`); with `targets`, the next-token loss (`loss`)."""
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
                 x = self.sequence_scatter(x + self.pos_embeddings.weight[: x.shape[1]])
         cos, sin = (self.rope_cos, self.rope_sin) if self.arch.rotary else (None, None)
+        if self.compiled and isinstance(x, AsyncCollectiveTensor):
+            x = x.clone()  # wait for the embedding's tp collective: compiled regions mishandle its async wrapper
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if self.output is None:
             return x
-        logits = self.output(self.norm(x)) + self.vocab_mask
-        return logits if targets is None else cross_entropy(logits, targets, loss_tokens)
+        hidden = self.norm(x)
+        if targets is not None:
+            return self.loss(hidden, targets, loss_tokens)
+        return hidden if self.emits_hidden else self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(hidden) + self.vocab_mask
+
+    def summed_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The head and the next-token loss summed over `targets` (IGNORE ones add nothing), in fp32; works
+        on vocab-sharded DTensor logits inside `loss_parallel()`."""
+        logits = self.logits(hidden).flatten(0, 1).float()
+        return F.cross_entropy(logits, targets.flatten(), reduction="sum")
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, loss_tokens: float | None = None) -> torch.Tensor:
+        """The mean next-token loss of the final norm's output `hidden`, computed `model.loss_chunk_tokens` at
+        a time (`loss_chunk_rows`): each chunk's logits are freed after its loss and recomputed in backward.
+        Without a loss mask the mean is over every target; with one (targets IGNORE where the loss does not
+        count) it is the sum over `loss_tokens`, the mean count of counted targets per micro-batch of the
+        global batch: every counted target weighs the same however the batch is split (and a micro-batch
+        with none adds zero, not NaN)."""
+        count = targets.numel() if loss_tokens is None else loss_tokens
+        if not isinstance(hidden, DTensor):  # (a DTensor is sequence-sharded: cut between whole sequences)
+            hidden, targets = hidden.reshape(-1, 1, hidden.shape[-1]), targets.reshape(-1, 1)
+        rows = loss_chunk_rows(self.cfg.loss_chunk_tokens, targets.shape)
+        if rows >= targets.shape[0]:  # one chunk: nothing to recompute
+            return self.summed_loss(hidden, targets) / count
+        parts = zip(hidden.split(rows), targets.split(rows), strict=True)
+        return sum(checkpoint(self.summed_loss, h, t, use_reentrant=False) for h, t in parts) / count
+
+    def compile_regions(self) -> None:
+        """torch.compile each block and the chunk loss in place (torchtitan's regional compile): names,
+        parameters, hooks and the tensor-parallel plan stay as they are, and the blocks share one graph."""
+        self.compiled = True
+        for block in self.layers.values():
+            block.compile()
+        if self.output is not None and not isinstance(self.output.weight, DTensor):  # loss_parallel does not compile
+            self.summed_loss = torch.compile(self.summed_loss)
 
 
 def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, tp: int = 1, *, arch: Architecture) -> Decoder:
@@ -206,14 +248,17 @@ def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, tp: int =
     return model
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss_tokens: float | None = None) -> torch.Tensor:
-    """Next-token loss in fp32, its mean over the targets; works on vocab-sharded DTensor logits inside
-    `loss_parallel()`. With a loss mask (targets IGNORE where the loss does not count), its sum over
-    `loss_tokens`, the mean count of counted targets per micro-batch of the global batch: every counted
-    target weighs the same however the batch is split (and a micro-batch with none adds zero, not NaN)."""
-    if loss_tokens is None:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / loss_tokens
+def loss_chunk_rows(chunk_tokens: int, targets_shape: tuple[int, ...]) -> int:
+    """Rows of (rows, length) targets per loss chunk: `chunk_tokens` worth, at least one row (0: all rows)."""
+    rows, length = targets_shape
+    return max(1, chunk_tokens // length) if chunk_tokens else rows
+
+
+def loss_chunked(cfg: ModelConfig, shape: ActivationShape) -> bool:
+    """Whether `Decoder.loss` cuts a micro-batch of this shape into several chunks (single tokens, or
+    under sequence parallelism whole sequences)."""
+    targets = (shape.tokens // cfg.seq_len, cfg.seq_len) if shape.sequence_parallel else (shape.tokens, 1)
+    return loss_chunk_rows(cfg.loss_chunk_tokens, targets) < targets[0]
 
 
 def recompute_choice(cfg: ModelConfig, index_in_stage: int) -> str:
@@ -303,15 +348,21 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     With LoRA (`shape.lora_targets`) a frozen projection keeps no input and a frozen norm no output: only
     the inputs of adapted projections are kept (once per input, however many adapters read it), plus
     each adapter's rank-wide hidden; the frozen embeddings let the first block's first norm keep nothing,
-    and the frozen head keeps no input."""
+    and the frozen head keeps no input.
+
+    Compiled blocks (`shape.compiled`): inductor's partitioner recomputes cheap pointwise results in
+    backward rather than keeping them; the family's norm and MLP say which (calibrated against CPU
+    inductor, torch 2.13), and selective recompute's attention output is recomputed with its core."""
     tokens, tp, e = shape.tokens, shape.tp, shape.element_bytes
     d, a, kv, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, arch.ffn_size(cfg)
     mlp, targets = arch.mlp, set(shape.lora_targets)
     norm_tokens = tokens // tp if shape.sequence_parallel else tokens
-    norm = arch.norm_saved_bytes(norm_tokens, d, e, not targets)
+    norm = arch.norm_saved_bytes(norm_tokens, d, e, not targets, shape.compiled)
+    final_norm = arch.norm_saved_bytes(norm_tokens, d, e, not targets, False)  # outside the compiled blocks
     # with LoRA a frozen projection keeps no input: only an adapter's matmul does (and its rank-wide output)
     inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + bool(targets & set(mlp.column_parallel))
     mlp_widths = mlp.saved_widths - (bool(targets) and mlp.row_parallel not in targets)
+    mlp_widths -= mlp.recomputed_when_compiled * shape.compiled
     attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)
     selective = (
         2 * norm
@@ -320,19 +371,21 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         + mlp_widths * tokens * f * e // tp
         + len(targets) * tokens * shape.lora_rank * e
     )
-    vocab = padded_vocab_size(cfg, tp)
+    vocab, chunked = padded_vocab_size(cfg, tp), loss_chunked(cfg, shape)
     # frozen embeddings keep no token ids, and the first block's first norm has no gradient to pass back
     first = tokens * 8 if not targets else -norm * (recompute_choice(cfg, 0) != "full")
     return StageActivations(
         layer={
             "none": int(selective + attention_out + tokens * a * 4 // tp),
-            "selective": int(selective + attention_out * (not targets or "wo" in targets)),
+            # compiled, the selective region's output is recomputed with it rather than kept for wo
+            "selective": int(selective + attention_out * (not targets or "wo" in targets) * (not shape.compiled)),
             "full": norm_tokens * d * e,
         },
         every_stage=2 * cfg.seq_len * (d // a) * 4 if arch.rotary else 0,  # the RoPE tables
         first_stage=first,
-        # the head's input (not for a frozen head), its fp32 log-softmax and the targets
-        last_stage=norm + tokens * d * e * (not targets) + tokens * vocab // tp * 4 + tokens * 8,
+        # the head's input (not for a frozen head), its fp32 log-softmax (none kept when the loss is chunked:
+        # each chunk's is recomputed in backward) and the targets
+        last_stage=final_norm + tokens * d * e * (not targets) + tokens * vocab // tp * 4 * (not chunked) + tokens * 8,
     )
 
 

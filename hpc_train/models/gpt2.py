@@ -14,6 +14,7 @@ from hpc_train.models.hf import HFFormat, TensorRule, require
 class GeluMLP(nn.Module):
     column_parallel, row_parallel = ("fc",), "proj"
     saved_widths = 2  # fc output (kept by GELU), GELU output (proj's input)
+    recomputed_when_compiled = 0
 
     def __init__(self, d_model: int, hidden: int, bias: bool):
         super().__init__()
@@ -28,8 +29,11 @@ def ffn_size(cfg: ModelConfig) -> int:
     return cfg.ffn_hidden if cfg.ffn_hidden is not None else 4 * cfg.d_model
 
 
-def layer_norm_saved_bytes(tokens: int, width: int, element_bytes: int, trainable: bool = True) -> int:
-    """LayerNorm keeps its input, and a mean and rstd per token, in the activation dtype (also frozen)."""
+def layer_norm_saved_bytes(
+    tokens: int, width: int, element_bytes: int, trainable: bool = True, compiled: bool = False
+) -> int:
+    """LayerNorm keeps its input, and a mean and rstd per token, in the activation dtype (also frozen, and
+    compiled)."""
     return tokens * width * element_bytes + 2 * tokens * element_bytes
 
 

@@ -16,6 +16,7 @@ from hpc_train.models.hf import HFFormat, TensorRule, require
 class SwiGLU(nn.Module):
     column_parallel, row_parallel = ("w1", "w3"), "w2"
     saved_widths = 4  # w1 and w3 outputs, silu output, their product (w2's input)
+    recomputed_when_compiled = 1  # inductor recomputes the silu output from w1's
 
     def __init__(self, d_model: int, hidden: int, bias: bool):
         super().__init__()
@@ -34,10 +35,12 @@ def ffn_size(cfg: ModelConfig) -> int:
     return math.ceil(int(8 * cfg.d_model / 3) / cfg.ffn_multiple) * cfg.ffn_multiple
 
 
-def rms_norm_saved_bytes(tokens: int, width: int, element_bytes: int, trainable: bool = True) -> int:
+def rms_norm_saved_bytes(
+    tokens: int, width: int, element_bytes: int, trainable: bool = True, compiled: bool = False
+) -> int:
     """RMSNorm keeps its input in fp32 and an fp32 rstd per token, and for its weight's gradient the
-    normalized output in fp32."""
-    return (2 if trainable else 1) * tokens * width * 4 + tokens * 4
+    normalized output in fp32 (compiled, inductor recomputes it from the two)."""
+    return (2 if trainable and not compiled else 1) * tokens * width * 4 + tokens * 4
 
 
 ARCH = decoder.Architecture(

@@ -2,8 +2,8 @@
 build it (whole or as a pipeline stage), initialize it, shard it over tensor parallelism, count its
 FLOPs and its activation memory, which of its tensors are padded to the vocabulary, and which head is
 tied to which embedding. Parallelize, optimizers, checkpoints and the planner read the model through
-this seam; what they still take from the shared decoder skeleton directly (its cross-entropy, the
-recompute selection, the embedding's parameter name) is family-neutral there."""
+this seam; what they still take from the shared decoder skeleton directly (the recompute
+selection, the embedding's parameter name) is family-neutral there."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class ActivationShape:
     element_bytes: int  # of activations in the training dtype
     lora_targets: tuple[str, ...] = ()  # LoRA's adapted projections (everything else frozen); () = full training
     lora_rank: int = 0
+    compiled: bool = False  # train.compile: inductor recomputes some cheap tensors rather than keeping them
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class StageModule(Protocol):
     tied: bool  # the head shares the embedding's parameter
     tok_embeddings: nn.Embedding | None  # on the first stage
     output: nn.Linear | None  # the head, on the last stage
+    emits_hidden: bool  # the last stage's forward without targets returns its final hidden states, not logits
 
     def canonical_name(self, name: str) -> str:
         """A parameter's name in the whole model (a last stage's tied head copy is the embedding)."""
@@ -57,6 +59,13 @@ class StageModule(Protocol):
 
     def tie_weights(self) -> None:
         """Share the embedding's parameter with the head again (after `to_empty` or sharding)."""
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, loss_tokens: float | None = None) -> torch.Tensor:
+        """The last stage's mean loss of its hidden output (with `emits_hidden` set, forward stops there)."""
+        ...
+
+    def compile_regions(self) -> None:
+        """torch.compile its repeated blocks (and loss) in place."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ class DataParallelOptimizer:
     master_weights = False  # the model's own fp32 weights are updated (autocast for bf16/fp16)
     shards_state = False
     shards_params = False
+    takes_grads_in_backward = False
     state_keys = MOMENTS
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):

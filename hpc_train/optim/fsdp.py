@@ -28,6 +28,7 @@ class FullyShardedOptimizer(DataParallelOptimizer):
     master_weights = False  # the sharded parameters stay fp32; FSDP's policy gathers them in the compute dtype
     shards_state = True
     shards_params = True
+    takes_grads_in_backward = True  # FSDP2 reduce-scatters each block's gradients in its backward
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):
         if not all(isinstance(chunk, FSDPModule) for chunk in model.chunks):

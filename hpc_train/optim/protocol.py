@@ -16,6 +16,7 @@ class Optimizer(Protocol):
     master_weights: ClassVar[bool]  # keeps fp32 master weights, so the model may hold bf16/fp16 ones
     shards_state: ClassVar[bool]  # state split over dp (and so it can be offloaded to the host)
     shards_params: ClassVar[bool]  # parameters split over dp (the model is parallelized for it: FSDP2)
+    takes_grads_in_backward: ClassVar[bool]  # a gradient leaves its parameter as backward produces it
     state_keys: ClassVar[tuple[str, ...]]  # what `param_states` holds per parameter
     params: list[nn.Parameter]  # the trainable parameters, in the order of `param_states`
 

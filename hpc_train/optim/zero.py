@@ -1,17 +1,20 @@
 """zero_stage 1: ZeRO-1, Megatron's distributed optimizer.
 
-Local gradients (each already in its parameter's tensor-parallel placement) are copied, bucket by
-bucket, into a contiguous fp32 buffer (and freed); each bucket is reduce-scattered over dp so rank r
-receives the averaged gradients of its contiguous 1/dp slice, and the buffer is freed when the
-collective completes: between steps only the reduced slices are kept. Rank r keeps fp32 master
-weights and AdamW moments for that slice only (12 bytes per owned element, nothing more), updates it
-with torch's AdamW (the same arithmetic as zero_stage 0), casts it to the parameters' dtype and
-all-gathers each bucket back into the model. With `offload="cpu"` the master weights and moments live
-in host memory and the update runs there (ZeRO-Offload).
+Each backward's gradient of a parameter is added, as soon as autograd has produced it, into its place in
+its bucket's contiguous fp32 buffer and freed (Megatron's main_grad with gradient-accumulation fusion:
+micro-batches accumulate in fp32, and no bf16 gradient outlives its own backward). Each bucket is then
+reduce-scattered over dp in place, so rank r's contiguous 1/dp slice of the buffer holds the averaged
+gradients it owns (with dp=1 the buffer is the slice: nothing is copied). The buffers live from
+`begin_step` to `zero_grad`. Rank r keeps fp32 master weights and AdamW moments for its slice only
+(12 bytes per owned element), updates it with torch's AdamW (the same arithmetic as zero_stage 0),
+casts it to the parameters' dtype and all-gathers each bucket back into the model: bf16 weights,
+an fp32 gradient buffer and the sharded state are 2 + 4 + 12/dp bytes per parameter. With
+`offload="cpu"` the master weights and moments live in host memory and the update runs there
+(ZeRO-Offload).
 
-zero_stage 2 (`Zero2Optimizer`): with overlap_grad_reduce each bucket is reduce-scattered once per
-micro-batch, as soon as backward has produced it, at most two at a time, and rank r accumulates only its
-slice (DeepSpeed's stage 2).
+zero_stage 2 (`Zero2Optimizer`): with overlap_grad_reduce each bucket's gradients are copied to an fp32
+buffer and reduce-scattered once per micro-batch, as soon as backward has produced them, at most two at a
+time, and rank r accumulates only its slice (DeepSpeed's stage 2).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
@@ -45,8 +49,8 @@ class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]  # where each parameter's local elements start in the bucket
     numel: int  # padded to a multiple of dp
-    grad: torch.Tensor | None  # fp32, the whole bucket while its reduce-scatter is in flight (stage 1)
-    grad_shard: torch.Tensor  # fp32, this rank's reduced 1/dp slice: from begin_step to zero_grad
+    grad: torch.Tensor | None  # fp32, the whole bucket: stage 1's accumulation buffer (begin_step to zero_grad)
+    grad_shard: torch.Tensor  # fp32, this rank's reduced 1/dp slice (stage 1: a view of `grad`)
     shard_numel: int
     runs: list[_Run] = field(default_factory=list)
 
@@ -71,6 +75,7 @@ class ZeroOptimizer:
     master_weights = True  # fp32 master slices: the model may hold bf16/fp16 weights
     shards_state = True  # so it can also live in host memory (optim.offload=cpu)
     shards_params = False
+    takes_grads_in_backward = True  # into the fp32 buffers
     state_keys = (*MOMENTS, "master")
     every_micro_batch = False  # reduce once per step, after the last micro-batch
 
@@ -84,6 +89,9 @@ class ZeroOptimizer:
         buckets = [b.params for b in self.buckets]
         self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy,
                                            every_micro_batch=self.every_micro_batch)  # fmt: skip
+        self.slot = {id(p): (b, start) for b in self.buckets for p, start in zip(b.params, b.offsets, strict=True)}
+        self.partial_sums: set[int] = set()  # parameters whose gradients arrive as partial sums over tp
+        self.hooked = self.accumulating = False
         self.master = self._make_runs()
         decay = [r.master for b in self.buckets for r in b.runs if r.decay]
         no_decay = [r.master for b in self.buckets for r in b.runs if not r.decay]
@@ -91,12 +99,9 @@ class ZeroOptimizer:
 
     @staticmethod
     def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
-        """(gradient, optimizer-state) bytes for `params` local elements: the reduced fp32 slice and, at
-        the end of backward, the parameters' own gradients (without overlap: one bucket's fp32 copy at a
-        time follows, a communication buffer) or every bucket's fp32 copy in flight (with overlap: each
-        took and freed its parameters' gradients); 12 bytes (master + moments) per owned element."""
-        shard = math.ceil(params / dp)
-        return 4 * shard + (4 * params if overlap else params * param_bytes), 12 * shard
+        """(gradient, optimizer-state) bytes for `params` local elements: the fp32 accumulation buffers
+        (the reduced slice is a view of them); 12 bytes (master + moments) per owned element."""
+        return 4 * params, 12 * math.ceil(params / dp)
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
         buckets = []
@@ -133,42 +138,70 @@ class ZeroOptimizer:
             offset += end - begin
         return master
 
-    def _take_grads(self, bucket: _Bucket) -> torch.Tensor:
-        """The bucket's local gradients in a new fp32 buffer of the bucket's size; the parameters' freed."""
-        self.model.finalize_grads(bucket.params)
-        full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
-        full[bucket.offsets[-1] + local(bucket.params[-1]).numel() :].zero_()  # the dp padding
+    def _accumulate(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook, between `begin_step` and `zero_grad`: add this backward's gradient of `p`
+        (in its parameter's tp placement; a partial sum over tp stays one until the launch) into the
+        bucket's fp32 buffer, and free it."""
+        if self.accumulating and p.grad is not None:
+            self._move_grad(p)
+
+    def _move_grad(self, p: nn.Parameter) -> None:
+        bucket, start = self.slot[id(p)]
+        grad = p.grad
+        if isinstance(grad, DTensor) and grad.placements != p.placements:
+            if any(placement.is_partial() for placement in grad.placements):
+                self.partial_sums.add(id(p))
+            else:
+                grad = grad.redistribute(p.device_mesh, p.placements)
+        flat = local(grad).reshape(-1)
+        self._buffer(bucket)[start : start + flat.numel()].add_(flat)
+        p.grad = None
+
+    def _buffer(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's fp32 accumulation buffer, zeros when the step begins (or when no step began)."""
+        if bucket.grad is None:
+            bucket.grad = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+        return bucket.grad
+
+    def _finalize_buffer(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's accumulated buffer as plain data parallelism reduces it: tp partial sums reduced over
+        tp, a tied embedding's pipeline copies summed over the stages that hold it."""
+        full, model = self._buffer(bucket), self.model
         for p, start in zip(bucket.params, bucket.offsets, strict=True):
-            target = full[start : start + local(p).numel()]
-            target.copy_(local(p.grad).reshape(-1)) if p.grad is not None else target.zero_()
-            p.grad = None  # the fp32 buffer holds it now: free the copy
+            if p.grad is not None:  # from a backward outside a step
+                self._move_grad(p)
+            view = full[start : start + local(p).numel()]
+            if id(p) in self.partial_sums:
+                dist.all_reduce(view, group=p.device_mesh.get_group())
+            if p is model.tied_copy and model.tied_group is not None:
+                dist.all_reduce(view, group=model.tied_group)
         return full
 
-    def _owned_slice(self, bucket: _Bucket) -> torch.Tensor:
-        """The bucket's reduced slice for this step, allocated when the step begins (or at its first launch
-        when no step began): zeros where stage 2 adds to it, uninitialised where the reduce-scatter writes it."""
-        if bucket.grad_shard.numel() == 0:
-            allocate = torch.zeros if self.every_micro_batch else torch.empty
-            bucket.grad_shard = allocate(bucket.shard_numel, dtype=torch.float32, device=self.device)
-        return bucket.grad_shard
-
     def _launch(self, index: int) -> Callable[[], None]:
-        """Copy a bucket's local gradients into an fp32 buffer and start the reduce-scatter: mean over dp."""
+        """Start the in-place reduce-scatter of a bucket's accumulated buffer: the mean over dp lands in this
+        rank's owned slice of it."""
         bucket = self.buckets[index]
-        self._owned_slice(bucket)
-        bucket.grad = self._take_grads(bucket)
-        work = _reduce_scatter(bucket.grad_shard, bucket.grad, group=self.dp_group, async_op=True)
+        full = self._finalize_buffer(bucket)
+        shard = full[self.dp_rank * bucket.shard_numel : (self.dp_rank + 1) * bucket.shard_numel]
+        bucket.grad_shard = shard
+        if self.dp == 1:
+            return lambda: None
+        work = _reduce_scatter(shard, full, group=self.dp_group, async_op=True)
 
         def complete() -> None:
             work.wait()
-            bucket.grad_shard.div_(self.dp)
-            bucket.grad = None
+            shard.div_(self.dp)
 
         return complete
 
     def begin_step(self, micro_batches: int) -> None:
-        for bucket in self.buckets:
-            self._owned_slice(bucket)  # held through the step, as it is at the step's peak
+        if not self.hooked:  # registered late (the policy swaps the parameters after construction), and
+            for p in self.params:  # before the reduction's own hooks, which must see the gradient accumulated
+                p.register_post_accumulate_grad_hook(self._accumulate)
+            self.hooked = True
+        for bucket in self.buckets:  # held through the step, as at the step's peak
+            self._buffer(bucket)
+        self.accumulating = True
         self.reduction.begin_step(micro_batches)
 
     def reduce_gradients(self) -> None:
@@ -184,12 +217,17 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        """Update the owned slice (fp32 master + moments), then all-gather every bucket into the params."""
+        """Update the owned slice (fp32 master + moments), then all-gather every bucket into the params
+        (with dp=1 every run is a whole parameter: one multi-tensor copy casts the masters into them)."""
         for bucket in self.buckets:
             for run, grad in zip(bucket.runs, self._owned_grads(bucket), strict=True):
                 run.master.grad = grad.to(self.state_device)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        if self.dp == 1 and self.state_device == self.device:
+            runs = [r for b in self.buckets for r in b.runs]
+            torch._foreach_copy_([local(r.param).view(-1) for r in runs], [r.master for r in runs])
+            return
         for bucket in self.buckets:
             full = self._gather_bucket(bucket, [r.master for r in bucket.runs], local(bucket.params[0]).dtype)
             for p, start in zip(bucket.params, bucket.offsets, strict=True):
@@ -197,17 +235,18 @@ class ZeroOptimizer:
                 tensor.copy_(full[start : start + tensor.numel()].view_as(tensor))
 
     def zero_grad(self) -> None:
-        """Frees the parameters' gradients and the reduced slices: nothing gradient-sized between steps."""
+        """Frees the parameters' gradients and the fp32 buffers: nothing gradient-sized between steps."""
+        self.accumulating = False
         for p in self.params:
             p.grad = None
         for bucket in self.buckets:
-            bucket.grad_shard = bucket.grad_shard.new_empty(0)
+            bucket.grad, bucket.grad_shard = None, bucket.grad_shard.new_empty(0)
             for run in bucket.runs:
                 run.master.grad = None
 
     def grad_buffer_bytes(self) -> int:
-        """This rank's reduce-scattered slices and the fp32 buckets whose reduction is in flight."""
-        return sum((b.grad.nbytes if b.grad is not None else 0) + b.grad_shard.nbytes for b in self.buckets)
+        """This rank's fp32 accumulation buffers (its reduced slices are views of them)."""
+        return sum(b.grad.nbytes for b in self.buckets if b.grad is not None)
 
     def _gather_bucket(
         self, bucket: _Bucket, owned: list[torch.Tensor], dtype: torch.dtype = torch.float32
@@ -272,6 +311,7 @@ class Zero2Optimizer(ZeroOptimizer):
     live until the step's end, as with stage 1."""
 
     every_micro_batch = True
+    takes_grads_in_backward = False  # the launches take them (from backward with overlap_grad_reduce)
 
     @staticmethod
     def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
@@ -279,6 +319,34 @@ class Zero2Optimizer(ZeroOptimizer):
         buckets' fp32 copies at a time: communication buffers); 12 bytes per owned element."""
         shard = math.ceil(params / dp)
         return 4 * shard + (0 if overlap else params * param_bytes), 12 * shard
+
+    def begin_step(self, micro_batches: int) -> None:
+        """The parameters keep their own gradients until each launch takes them."""
+        for bucket in self.buckets:
+            self._owned_slice(bucket)  # held through the step, as at the step's peak
+        self.reduction.begin_step(micro_batches)
+
+    def grad_buffer_bytes(self) -> int:
+        """This rank's reduced slices and the fp32 copies whose reduce-scatter is in flight."""
+        return sum(b.grad_shard.nbytes for b in self.buckets)
+
+    def _take_grads(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's local gradients in a new fp32 buffer of the bucket's size; the parameters' freed."""
+        self.model.finalize_grads(bucket.params)
+        full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+        full[bucket.offsets[-1] + local(bucket.params[-1]).numel() :].zero_()  # the dp padding
+        for p, start in zip(bucket.params, bucket.offsets, strict=True):
+            target = full[start : start + local(p).numel()]
+            target.copy_(local(p.grad).reshape(-1)) if p.grad is not None else target.zero_()
+            p.grad = None  # the fp32 buffer holds it now: free the copy
+        return full
+
+    def _owned_slice(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's accumulated slice for this step, zeros when the step begins (or at its first launch
+        when no step began)."""
+        if bucket.grad_shard.numel() == 0:
+            bucket.grad_shard = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=self.device)
+        return bucket.grad_shard
 
     def _launch(self, index: int) -> Callable[[], None]:
         """Reduce-scatter the gradients the bucket's parameters hold now from a temporary fp32 copy, and add

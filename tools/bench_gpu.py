@@ -1,0 +1,141 @@
+"""Throughput and memory of one model and batch on whatever device is present, in one process: a plain
+PyTorch loop (the same nn.Module with its loss in one piece, fused AdamW, autocast, clipping) eager and
+with `torch.compile(model)`, then hpc_train's training step (built by `builder.build_run`, as a run builds
+it) eager and with train.compile=true. Prints tokens/s, MFU (6N, and with attention FLOPs), peak allocated
+and reserved memory (CUDA) and each row's throughput and memory against plain + compile.
+
+    python tools/bench_gpu.py                      # CUDA: the gpt_1_3b shape, bf16, ZeRO-1; CPU: tiny
+    python tools/bench_gpu.py --model 100m         # a ~100M model (CPU: fp32)
+    python tools/bench_gpu.py --model tiny train.micro_batch_size=4   # any key=value on top
+
+megatron-core is not run here (it needs Transformer Engine or its local spec wired to this data): its
+figure on one H100 is in issue 13's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+
+from hpc_train.builder import build_run
+from hpc_train.config import JobConfig, load_config
+from hpc_train.launch.local import single_process_group
+from hpc_train.models import get_spec
+from hpc_train.optim.adamw import adamw
+from hpc_train.train.metrics import device_peak_flops
+from hpc_train.train.step import train_step
+
+MODELS = {  # name -> model and batch keys
+    "tiny": ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=128",
+             "train.micro_batch_size=8"],
+    "100m": ["model.n_layers=12", "model.n_heads=12", "model.d_model=768", "model.seq_len=512",
+             "model.vocab_size=50257", "train.micro_batch_size=2"],
+    "1.3b": ["model.n_layers=24", "model.n_heads=16", "model.d_model=2048", "model.seq_len=2048",
+             "model.vocab_size=50257", "train.micro_batch_size=8"],
+}  # fmt: skip
+CUDA = ["train.precision=bf16", "optim.zero_stage=1"]
+
+
+def plain_loop(cfg: JobConfig, device: torch.device, compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A step of the hand-written loop: fp32 weights, autocast, whole-batch loss, clip, fused AdamW."""
+    model_cfg = type(cfg.model)(**{**vars(cfg.model), "loss_chunk_tokens": 0})
+    spec = get_spec(cfg.model.arch)
+    model = spec.build_stage(model_cfg).to(device)
+    spec.init_weights(model, cfg.train.seed)
+    optimizer = adamw(list(model.parameters()), cfg.optim, device)
+    forward = torch.compile(model) if compiled else model
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        with torch.autocast(device.type, dtype=low) if low else contextlib.nullcontext():
+            loss = forward(tokens, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def hpc_train_step(cfg: JobConfig, device: torch.device, rank_env) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    run = build_run(cfg, rank_env, device, with_data=False)
+    return lambda tokens, targets: train_step(run.model, run.optimizer, [(tokens, targets)], cfg.optim.lr,
+                                              cfg.optim.grad_clip, run.scaler)  # fmt: skip
+
+
+def measure(step, tokens, targets, device: torch.device, warmup: int, steps: int) -> dict[str, float]:
+    """Seconds per step after `warmup` steps (compiles happen there), and the peak memory of the row."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    for _ in range(warmup):
+        step(tokens, targets)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(tokens, targets)
+    sync()
+    seconds = (time.perf_counter() - start) / steps
+    if device.type != "cuda":
+        return {"seconds": seconds}
+    peaks = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+    return {"seconds": seconds, **peaks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", default=[])
+    parser.add_argument("--model", choices=MODELS, default=None, help="default: 1.3b on CUDA, tiny on CPU")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = args.model or ("1.3b" if device.type == "cuda" else "tiny")
+    keys = [*MODELS[name], *(CUDA if device.type == "cuda" else []), f"train.device={device.type}",
+            "logging.progress=none", *args.overrides]  # fmt: skip
+    cfg = load_config(None, keys)
+    m = cfg.model
+    shape = (cfg.train.micro_batch_size, m.seq_len)
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, m.vocab_size, shape, generator=gen).to(device) for _ in range(2))
+    flops = get_spec(m.arch).flops_per_token(m)
+    attention = 12 * m.n_layers * m.d_model * m.seq_len
+    peak = device_peak_flops(device)
+
+    rows: dict[str, dict[str, float]] = {}
+    with single_process_group(device=device) as rank_env:
+        builders = {
+            "plain eager": lambda: plain_loop(cfg, device, compiled=False),
+            "plain + compile": lambda: plain_loop(cfg, device, compiled=True),
+            "hpc_train eager": lambda: hpc_train_step(cfg, device, rank_env),
+            "hpc_train compile": lambda: hpc_train_step(load_config(None, [*keys, "train.compile=true"]), device,
+                                                        rank_env),
+        }  # fmt: skip
+        for row, build in builders.items():
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            rows[row] = measure(build(), tokens, targets, device, args.warmup, args.steps)
+            gc.collect()
+            print(f"  {row}: {rows[row]['seconds'] * 1e3:.1f} ms/step", flush=True)
+
+    print(f"\n{name} ({m.n_layers} layers, d {m.d_model}, seq {m.seq_len}), batch {shape[0]} x {shape[1]}, "
+          f"{cfg.train.precision}, zero_stage {cfg.optim.zero_stage}, {device.type}, "
+          f"{args.warmup} warm-up + {args.steps} timed steps")  # fmt: skip
+    print(f"{'':<20}{'tokens/s':>11}{'MFU 6N':>9}{'MFU+attn':>10}{'alloc GB':>10}{'reserv GB':>10}"
+          f"{'x tok/s':>9}{'x alloc':>9}")  # fmt: skip
+    base = rows["plain + compile"]
+    for row, r in rows.items():
+        rate = shape[0] * shape[1] / r["seconds"]
+        memory = "".join(f"{r[k] / 1e9:>10.1f}" if k in r else f"{'-':>10}" for k in ("allocated", "reserved"))
+        ratio = f"{base['seconds'] / r['seconds']:>9.2f}"
+        ratio += f"{r['allocated'] / base['allocated']:>9.2f}" if "allocated" in r else f"{'-':>9}"
+        print(f"{row:<20}{rate:>11,.0f}{rate * (flops - attention) / peak:>9.1%}{rate * flops / peak:>10.1%}"
+              f"{memory}{ratio}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
