@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,8 +62,8 @@ def _spawned(rank: int, entry: Callable[..., Any], nproc: int, port: int, attemp
 
 def _sequence(rank_env: RankEnv, runs: list[tuple]) -> None:
     for index, (entry, args) in enumerate(runs):
-        torch._dynamo.reset()  # each run compiles afresh, as in a process of its own (inductor can fail
-        # recompiling a block for another tensor-parallel layout)
+        if "torch._dynamo" in sys.modules:  # each run compiles afresh, as in a process of its own (inductor
+            torch._dynamo.reset()  # can fail recompiling a block for another tensor-parallel layout)
         entry(dataclasses.replace(rank_env, store_prefix=f"run{index}"), *args)
 
 
