@@ -52,7 +52,7 @@ class ModelConfig:
     recompute_first: int | None = None  # with a policy: only the first M layers of each stage (None = all)
     # the head and loss run on this many tokens at a time, each chunk's logits recomputed in backward, so the
     # whole micro-batch's logits never exist at once (under sequence parallelism: whole sequences); 0 = one go
-    loss_chunk_tokens: int = 8192
+    loss_chunk_tokens: int = 2048
     # start from these weights (step 0, fresh optimizer): a Hugging Face folder (config.json + safetensors) or
     # an hpc_train checkpoint / run directory; the architecture keys above are taken from it
     init_from: str | None = None
@@ -90,7 +90,7 @@ class TrainConfig:
     save_final_model: bool = True  # write run_dir/model_final.pt (consolidated weights) at the end
     freeze: list[str] = field(default_factory=list)  # parameter names (fnmatch patterns) held fixed
     skip_nonfinite: int = 0  # steps with a non-finite loss or gradient skipped before the run stops
-    compile: bool = False  # torch.compile each transformer block and the loss (torchtitan's regional compile)
+    compile: bool = False  # torch.compile each block and, without tp, the loss chunk (regional compile)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.models.decoder import recompute_choice
 from hpc_train.models.lora import NF4_BLOCK, nf4_scaler_block, projections
-from hpc_train.models.spec import ActivationShape, is_frozen
+from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen
 from hpc_train.optim import optimizer_class, precision_policy
 
 GiB = 2**30
@@ -47,6 +47,7 @@ class MemoryEstimate:
     microbatches_in_flight: int
     activations: int
     comm_buffers: int
+    loss_backward: int  # alive only while the loss's backward runs (pp=1: the first stage holds the head)
     host: int  # parameters, gradients and optimizer state offloaded to host memory (not in the device total)
     total: int
 
@@ -148,18 +149,25 @@ def compute_bytes(cfg: JobConfig) -> int:
     return precision_policy(cfg).param_bytes
 
 
+def activation_parts(cfg: JobConfig) -> StageActivations:
+    """The family's activation formulas for one micro-batch of this run, by part of a stage."""
+    m, p = cfg.model, cfg.parallel
+    f, policy = cfg.finetune, precision_policy(cfg)
+    adapters = f.method != "full"
+    casts = policy.autocast_dtype is not None and compute_bytes(cfg) == 4 and not adapters
+    shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len, tp=p.tp,
+                            sequence_parallel=p.sequence_parallel and p.tp > 1,
+                            element_bytes=policy.frozen_dtype.itemsize if adapters or casts
+                            else compute_bytes(cfg),
+                            lora_targets=tuple(f.lora_targets) if adapters else (),
+                            lora_rank=f.lora_rank, compiled=cfg.train.compile, autocast_casts=casts)  # fmt: skip
+    return get_spec(m.arch).activations(m, shape)
+
+
 def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
     """Bytes saved for backward by one micro-batch on a rank of pipeline rank `pp_rank`."""
     m, p = cfg.model, cfg.parallel
-    f = cfg.finetune
-    adapters = f.method != "full"
-    shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len, tp=p.tp,
-                            sequence_parallel=p.sequence_parallel and p.tp > 1,
-                            element_bytes=precision_policy(cfg).frozen_dtype.itemsize if adapters
-                            else compute_bytes(cfg),
-                            lora_targets=tuple(f.lora_targets) if adapters else (),
-                            lora_rank=f.lora_rank, compiled=cfg.train.compile)  # fmt: skip
-    parts = get_spec(m.arch).activations(m, shape)
+    parts = activation_parts(cfg)
     num_stages = p.pp * p.virtual_stages
     total = 0
     for stage in stage_ids(pp_rank, p.pp, p.virtual_stages):
@@ -222,9 +230,16 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     per_micro = activation_bytes(cfg)
     flight = in_flight(cfg)
     activations = int(per_micro * flight)
-    total = param_bytes + grads + optimizer + activations + comm
+    loss_backward = activation_parts(cfg).loss_backward if dims.pp == 1 else 0
+    # The peak is where the last micro-batch's backward starts, every activation still kept. Gradients
+    # exist from a step's first backward (or its begin_step) to zero_grad: with earlier micro-batches (or a
+    # pipeline) all are there; with one micro-batch, only the first ones backward produces, the root's
+    # share (head, final norm), and the rest grow as the activations are freed.
+    held = dims.pp > 1 or cfg.train.grad_accum > 1 or cls.grads_before_backward
+    first = grads if held else grads * min(1.0, local.root / local.total)
+    total = param_bytes + optimizer + comm + max(activations + int(first) + loss_backward, grads)
     return MemoryEstimate(param_bytes, grads, optimizer, per_micro, math.ceil(flight), activations, comm,
-                          host, total)  # fmt: skip
+                          loss_backward, host, total)  # fmt: skip
 
 
 def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) -> list[dict]:
@@ -334,7 +349,8 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     rows = [
         ("parameters", plan.params), ("gradients", plan.grads), ("optimizer state", plan.optimizer),
         (f"activations ({plan.microbatches_in_flight} micro-batch(es) in flight)", plan.activations),
-        ("communication buffers", plan.comm_buffers), ("total", plan.total),
+        ("communication buffers", plan.comm_buffers), ("loss backward (one chunk, transient)", plan.loss_backward),
+        ("total at the peak (backward's start)", plan.total),
     ]  # fmt: skip
     head = (f"layout tp={p.tp} pp={p.pp} (x{p.virtual_stages} virtual) dp={dp}, micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "

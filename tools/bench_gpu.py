@@ -68,8 +68,9 @@ def hpc_train_step(cfg: JobConfig, device: torch.device, rank_env) -> Callable[[
                                               cfg.optim.grad_clip, run.scaler)  # fmt: skip
 
 
-def measure(step, tokens, targets, device: torch.device, warmup: int, steps: int) -> dict[str, float]:
-    """Seconds per step after `warmup` steps (compiles happen there), and the peak memory of the row."""
+def measure(step, tokens, targets, device: torch.device, warmup: int, steps: int, before: int) -> dict[str, float]:
+    """Seconds per step after `warmup` steps (compiles happen there), and the peak memory of the row above
+    the `before` bytes allocated when it started."""
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     for _ in range(warmup):
         step(tokens, targets)
@@ -81,7 +82,8 @@ def measure(step, tokens, targets, device: torch.device, warmup: int, steps: int
     seconds = (time.perf_counter() - start) / steps
     if device.type != "cuda":
         return {"seconds": seconds}
-    peaks = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+    peaks = {"allocated": torch.cuda.max_memory_allocated() - before,
+             "reserved": torch.cuda.max_memory_reserved() - before}  # fmt: skip
     return {"seconds": seconds, **peaks}
 
 
@@ -115,11 +117,13 @@ def main() -> None:
                                                         rank_env),
         }  # fmt: skip
         for row, build in builders.items():
+            torch._dynamo.reset()  # each row compiles its own graphs, with nothing cached from the last
+            gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            rows[row] = measure(build(), tokens, targets, device, args.warmup, args.steps)
-            gc.collect()
+            before = torch.cuda.memory_allocated() if device.type == "cuda" else 0  # the batch, and leftovers
+            rows[row] = measure(build(), tokens, targets, device, args.warmup, args.steps, before)
             print(f"  {row}: {rows[row]['seconds'] * 1e3:.1f} ms/step", flush=True)
 
     print(f"\n{name} ({m.n_layers} layers, d {m.d_model}, seq {m.seq_len}), batch {shape[0]} x {shape[1]}, "

@@ -3,7 +3,9 @@
 Tensor-parallel gradients do not always come back in their parameter's placement (under sequence
 parallelism the norm weights' gradients are Partial sums; the vocab-parallel embedding's can come back
 full-size and Replicate), so every gradient is first redistributed to its parameter's placement; only
-then are local shards flattened and averaged over the data-parallel group (optim/buckets.py).
+then are local shards flattened and averaged over the data-parallel group (optim/buckets.py). ZeRO-1
+adds a replicated parameter's Partial gradients into its fp32 buffer as they come and reduces the sum
+over tp once per step (optim/zero.py).
 """
 
 from __future__ import annotations

@@ -226,7 +226,10 @@ class Decoder(nn.Module):
         if rows >= targets.shape[0]:  # one chunk: nothing to recompute
             return self.summed_loss(hidden, targets) / count
         parts = zip(hidden.split(rows), targets.split(rows), strict=True)
-        return sum(checkpoint(self.summed_loss, h, t, use_reentrant=False) for h, t in parts) / count
+        if not torch.is_grad_enabled():  # evaluation: nothing to recompute
+            return sum(self.summed_loss(h, t) for h, t in parts) / count
+        recomputed = lambda h, t: checkpoint(self.summed_loss, h, t, use_reentrant=False, preserve_rng_state=False)
+        return sum(recomputed(h, t) for h, t in parts) / count
 
     def compile_regions(self) -> None:
         """torch.compile each block and the chunk loss in place (torchtitan's regional compile): names,
@@ -352,15 +355,25 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
 
     Compiled blocks (`shape.compiled`): inductor's partitioner recomputes cheap pointwise results in
     backward rather than keeping them; the family's norm and MLP say which (calibrated against CPU
-    inductor, torch 2.13), and selective recompute's attention output is recomputed with its core."""
+    inductor, torch 2.13), and selective recompute's attention output is recomputed with its core.
+
+    Autocast over fp32 weights (`shape.autocast_casts`): each projection keeps its own cast of its input
+    (wq, wk and wv one each) and of its weight (measured on CPU; autocast caches only the weights' casts),
+    and the residual stream (the norms' and a full-recompute block's input) is fp32."""
     tokens, tp, e = shape.tokens, shape.tp, shape.element_bytes
     d, a, kv, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, arch.ffn_size(cfg)
     mlp, targets = arch.mlp, set(shape.lora_targets)
     norm_tokens = tokens // tp if shape.sequence_parallel else tokens
-    norm = arch.norm_saved_bytes(norm_tokens, d, e, not targets, shape.compiled)
-    final_norm = arch.norm_saved_bytes(norm_tokens, d, e, not targets, False)  # outside the compiled blocks
+    casts = shape.autocast_casts and not targets
+    residual_bytes = 4 if casts else e  # the norms' inputs
+    norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, shape.compiled)
+    final_norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, False)  # outside compiled blocks
     # with LoRA a frozen projection keeps no input: only an adapter's matmul does (and its rank-wide output)
     inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + bool(targets & set(mlp.column_parallel))
+    if casts:  # one input cast per projection reading a norm's output, and every weight's cast
+        inputs_kept = 3 + len(mlp.column_parallel)
+    block_weights = d * d * (2 + 2 * kv / a) + (len(mlp.column_parallel) + 1) * d * f
+    weight_casts = block_weights * e // tp if casts else 0
     mlp_widths = mlp.saved_widths - (bool(targets) and mlp.row_parallel not in targets)
     mlp_widths -= mlp.recomputed_when_compiled * shape.compiled
     attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)
@@ -372,20 +385,38 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         + len(targets) * tokens * shape.lora_rank * e
     )
     vocab, chunked = padded_vocab_size(cfg, tp), loss_chunked(cfg, shape)
+    # per token, the loss keeps its fp32 log-softmax; compiled (only without tp: loss_parallel does not compile)
+    # it keeps the logits and writes their gradient over them. Chunked, one chunk's recomputed logits and
+    # its fp32 log-softmax and gradient live while the chunk's backward runs (measured on CPU, 8 and e bytes)
+    loss_compiled = shape.compiled and tp == 1
+    logits_kept = tokens * vocab // tp * (e if loss_compiled else 4) * (not chunked)
+    if chunked:
+        length = cfg.seq_len if shape.sequence_parallel else 1  # whole sequences under sp, else tokens
+        chunk_tokens = loss_chunk_rows(cfg.loss_chunk_tokens, (0, length)) * length
+        loss_backward = chunk_tokens * vocab // tp * (e if loss_compiled else 8)
+    else:
+        loss_backward = tokens * vocab // tp * (0 if loss_compiled else 4)
     # frozen embeddings keep no token ids, and the first block's first norm has no gradient to pass back
     first = tokens * 8 if not targets else -norm * (recompute_choice(cfg, 0) != "full")
     return StageActivations(
         layer={
-            "none": int(selective + attention_out + tokens * a * 4 // tp),
+            "none": int(selective + attention_out + tokens * a * 4 // tp + weight_casts),
             # compiled, the selective region's output is recomputed with it rather than kept for wo
-            "selective": int(selective + attention_out * (not targets or "wo" in targets) * (not shape.compiled)),
-            "full": norm_tokens * d * e,
+            "selective": int(
+                selective + attention_out * (not targets or "wo" in targets) * (not shape.compiled) + weight_casts
+            ),
+            "full": norm_tokens * d * residual_bytes,
         },
         every_stage=2 * cfg.seq_len * (d // a) * 4 if arch.rotary else 0,  # the RoPE tables
         first_stage=first,
-        # the head's input (not for a frozen head), its fp32 log-softmax (none kept when the loss is chunked:
-        # each chunk's is recomputed in backward) and the targets
-        last_stage=final_norm + tokens * d * e * (not targets) + tokens * vocab // tp * 4 * (not chunked) + tokens * 8,
+        # the head's input (not for a frozen head), the loss's (none when chunked: each chunk is recomputed in
+        # backward) and the targets
+        last_stage=final_norm
+        + tokens * d * e * (not targets)
+        + logits_kept
+        + tokens * 8
+        + (vocab * d * e // tp if casts else 0),  # the head weight's cast
+        loss_backward=loss_backward,
     )
 
 

@@ -32,6 +32,9 @@ class ActivationShape:
     lora_targets: tuple[str, ...] = ()  # LoRA's adapted projections (everything else frozen); () = full training
     lora_rank: int = 0
     compiled: bool = False  # train.compile: inductor recomputes some cheap tensors rather than keeping them
+    # autocast over fp32 weights (zero_stage 0 in bf16/fp16): `element_bytes` is the autocast dtype's, the
+    # residual stream stays fp32, and every matmul keeps its own low-precision copy of its input and weight
+    autocast_casts: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class StageActivations:
     every_stage: int  # held once per stage (e.g. RoPE tables)
     first_stage: int  # the embeddings
     last_stage: int  # final norm, head and loss
+    # not kept but alive while the loss's backward runs (one chunk's logits and their gradient): on top of
+    # everything kept, since that backward comes first
+    loss_backward: int = 0
 
 
 class StageModule(Protocol):

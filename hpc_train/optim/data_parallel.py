@@ -20,6 +20,7 @@ class DataParallelOptimizer:
     shards_state = False
     shards_params = False
     takes_grads_in_backward = False
+    grads_before_backward = False
     state_keys = MOMENTS
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):

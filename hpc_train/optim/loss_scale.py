@@ -25,10 +25,8 @@ class LossScaler:
         """True on every rank when any rank's gradients hold an inf or nan (one all-reduce over the world)."""
         device = grads[0].device if grads else torch.device("cpu")
         flag = torch.zeros((), device=device)
-        for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
+        if grads:  # on the device: one host sync, at the end, however many gradients
+            flag = (~torch.stack([torch.isfinite(g).all() for g in grads])).any().float()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

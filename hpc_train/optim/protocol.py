@@ -17,6 +17,7 @@ class Optimizer(Protocol):
     shards_state: ClassVar[bool]  # state split over dp (and so it can be offloaded to the host)
     shards_params: ClassVar[bool]  # parameters split over dp (the model is parallelized for it: FSDP2)
     takes_grads_in_backward: ClassVar[bool]  # a gradient leaves its parameter as backward produces it
+    grads_before_backward: ClassVar[bool]  # gradient memory allocated at begin_step, before any backward
     state_keys: ClassVar[tuple[str, ...]]  # what `param_states` holds per parameter
     params: list[nn.Parameter]  # the trainable parameters, in the order of `param_states`
 

@@ -4,8 +4,10 @@ Each backward's gradient of a parameter is added, as soon as autograd has produc
 its bucket's contiguous fp32 buffer and freed (Megatron's main_grad with gradient-accumulation fusion:
 micro-batches accumulate in fp32, and no bf16 gradient outlives its own backward). Each bucket is then
 reduce-scattered over dp in place, so rank r's contiguous 1/dp slice of the buffer holds the averaged
-gradients it owns (with dp=1 the buffer is the slice: nothing is copied). The buffers live from
-`begin_step` to `zero_grad`. Rank r keeps fp32 master weights and AdamW moments for its slice only
+gradients it owns (with dp=1 the buffer is the slice: nothing is copied). A bucket's buffer lives from
+the first gradient added to it to `zero_grad`: with one micro-batch and no pipeline it is not there at the
+activation peak, where backward starts, and grows as the activations are freed (as a plain loop's
+gradients do). Rank r keeps fp32 master weights and AdamW moments for its slice only
 (12 bytes per owned element), updates it with torch's AdamW (the same arithmetic as zero_stage 0),
 casts it to the parameters' dtype and all-gathers each bucket back into the model: bf16 weights,
 an fp32 gradient buffer and the sharded state are 2 + 4 + 12/dp bytes per parameter. With
@@ -76,6 +78,7 @@ class ZeroOptimizer:
     shards_state = True  # so it can also live in host memory (optim.offload=cpu)
     shards_params = False
     takes_grads_in_backward = True  # into the fp32 buffers
+    grads_before_backward = False
     state_keys = (*MOMENTS, "master")
     every_micro_batch = False  # reduce once per step, after the last micro-batch
 
@@ -149,11 +152,13 @@ class ZeroOptimizer:
         bucket, start = self.slot[id(p)]
         grad = p.grad
         if isinstance(grad, DTensor) and grad.placements != p.placements:
-            if any(placement.is_partial() for placement in grad.placements):
-                self.partial_sums.add(id(p))
+            replicated = all(placement.is_replicate() for placement in p.placements)
+            if replicated and all(placement.is_partial() for placement in grad.placements):
+                self.partial_sums.add(id(p))  # summed over tp once, in the buffer, at the launch
             else:
                 grad = grad.redistribute(p.device_mesh, p.placements)
         flat = local(grad).reshape(-1)
+        assert flat.numel() == local(p).numel(), f"gradient of {tuple(local(p).shape)} came as {tuple(flat.shape)}"
         self._buffer(bucket)[start : start + flat.numel()].add_(flat)
         p.grad = None
 
@@ -199,8 +204,6 @@ class ZeroOptimizer:
             for p in self.params:  # before the reduction's own hooks, which must see the gradient accumulated
                 p.register_post_accumulate_grad_hook(self._accumulate)
             self.hooked = True
-        for bucket in self.buckets:  # held through the step, as at the step's peak
-            self._buffer(bucket)
         self.accumulating = True
         self.reduction.begin_step(micro_batches)
 
@@ -312,6 +315,7 @@ class Zero2Optimizer(ZeroOptimizer):
 
     every_micro_batch = True
     takes_grads_in_backward = False  # the launches take them (from backward with overlap_grad_reduce)
+    grads_before_backward = True  # the owned slices, from begin_step
 
     @staticmethod
     def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
@@ -327,7 +331,7 @@ class Zero2Optimizer(ZeroOptimizer):
         self.reduction.begin_step(micro_batches)
 
     def grad_buffer_bytes(self) -> int:
-        """This rank's reduced slices and the fp32 copies whose reduce-scatter is in flight."""
+        """This rank's accumulated fp32 slices (the copies in flight are communication buffers, not counted)."""
         return sum(b.grad_shard.nbytes for b in self.buckets)
 
     def _take_grads(self, bucket: _Bucket) -> torch.Tensor:
