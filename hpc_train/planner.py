@@ -152,13 +152,12 @@ def compute_bytes(cfg: JobConfig) -> int:
 def activation_parts(cfg: JobConfig) -> StageActivations:
     """The family's activation formulas for one micro-batch of this run, by part of a stage."""
     m, p = cfg.model, cfg.parallel
-    f, policy = cfg.finetune, precision_policy(cfg)
+    f, policy, compute = cfg.finetune, precision_policy(cfg), compute_bytes(cfg)
     adapters = f.method != "full"
-    casts = policy.autocast_dtype is not None and compute_bytes(cfg) == 4 and not adapters
+    casts = policy.autocast_dtype is not None and compute == 4 and not adapters  # autocast over fp32 weights
     shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len, tp=p.tp,
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
-                            element_bytes=policy.frozen_dtype.itemsize if adapters or casts
-                            else compute_bytes(cfg),
+                            element_bytes=policy.frozen_dtype.itemsize if adapters or casts else compute,
                             lora_targets=tuple(f.lora_targets) if adapters else (),
                             lora_rank=f.lora_rank, compiled=cfg.train.compile, autocast_casts=casts)  # fmt: skip
     return get_spec(m.arch).activations(m, shape)

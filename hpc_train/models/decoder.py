@@ -223,10 +223,8 @@ class Decoder(nn.Module):
         if not isinstance(hidden, DTensor):  # (a DTensor is sequence-sharded: cut between whole sequences)
             hidden, targets = hidden.reshape(-1, 1, hidden.shape[-1]), targets.reshape(-1, 1)
         rows = loss_chunk_rows(self.cfg.loss_chunk_tokens, targets.shape)
-        if rows >= targets.shape[0]:  # one chunk: nothing to recompute
-            return self.summed_loss(hidden, targets) / count
         parts = zip(hidden.split(rows), targets.split(rows), strict=True)
-        if not torch.is_grad_enabled():  # evaluation: nothing to recompute
+        if rows >= targets.shape[0] or not torch.is_grad_enabled():  # one chunk, or evaluation: no recompute
             return sum(self.summed_loss(h, t) for h, t in parts) / count
         recomputed = lambda h, t: checkpoint(self.summed_loss, h, t, use_reentrant=False, preserve_rng_state=False)
         return sum(recomputed(h, t) for h, t in parts) / count
@@ -322,14 +320,19 @@ def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, Parall
     return plan
 
 
+def block_matmul_weights(cfg: ModelConfig, arch: Architecture) -> int:
+    """Elements of one block's projection weights (biases and norms left out)."""
+    d = cfg.d_model
+    kv = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)
+    mlp_matrices = len(arch.mlp.column_parallel) + 1
+    return d * d * 2 + d * kv * 2 + mlp_matrices * d * arch.ffn_size(cfg)
+
+
 def decoder_flops_per_token(cfg: ModelConfig, *, arch: Architecture) -> int:
     """Training FLOPs per token, 6N + 12 * L * d * s (Megatron / nanoGPT / PaLM): N counts every weight
     that takes part in a matmul (the input embeddings are lookups; the head counts once, tied or not)."""
     d, layers, vocab = cfg.d_model, cfg.n_layers, padded_vocab_size(cfg)
-    kv = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)
-    mlp_matrices = len(arch.mlp.column_parallel) + 1
-    per_layer = d * d * 2 + d * kv * 2 + mlp_matrices * d * arch.ffn_size(cfg)
-    return 6 * (layers * per_layer + vocab * d) + 12 * layers * d * cfg.seq_len
+    return 6 * (layers * block_matmul_weights(cfg, arch) + vocab * d) + 12 * layers * d * cfg.seq_len
 
 
 def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Architecture) -> StageActivations:
@@ -372,8 +375,7 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + bool(targets & set(mlp.column_parallel))
     if casts:  # one input cast per projection reading a norm's output, and every weight's cast
         inputs_kept = 3 + len(mlp.column_parallel)
-    block_weights = d * d * (2 + 2 * kv / a) + (len(mlp.column_parallel) + 1) * d * f
-    weight_casts = block_weights * e // tp if casts else 0
+    weight_casts = block_matmul_weights(cfg, arch) * e // tp if casts else 0
     mlp_widths = mlp.saved_widths - (bool(targets) and mlp.row_parallel not in targets)
     mlp_widths -= mlp.recomputed_when_compiled * shape.compiled
     attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)

@@ -23,10 +23,8 @@ class LossScaler:
 
     def found_inf(self, grads: list[torch.Tensor]) -> bool:
         """True on every rank when any rank's gradients hold an inf or nan (one all-reduce over the world)."""
-        device = grads[0].device if grads else torch.device("cpu")
-        flag = torch.zeros((), device=device)
-        if grads:  # on the device: one host sync, at the end, however many gradients
-            flag = (~torch.stack([torch.isfinite(g).all() for g in grads])).any().float()
+        finite = [torch.isfinite(g).all() for g in grads]  # on the device: one host sync, at the end
+        flag = (~torch.stack(finite)).any().float() if grads else torch.zeros(())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
