@@ -95,6 +95,8 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    # the update rule (optim/rules): adamw, or muon (hidden-layer matrices by Muon, everything else by AdamW)
+    name: str = "adamw"
     lr: float = 3e-4
     min_lr: float = 3e-5
     warmup_steps: int = 10
@@ -114,6 +116,13 @@ class OptimConfig:
     # step's last backward anyway)
     reshard_after_forward: bool | None = None
     overlap_grad_reduce: bool = False  # start each bucket's dp reduction from backward, as soon as it is ready
+    # muon: momentum, Nesterov, Newton-Schulz iterations, and how its lr is scaled per matrix shape
+    # (match_rms_adamw: Moonlight's 0.2 sqrt(max(rows, cols)), so optim.lr serves AdamW's parameters and
+    # Muon's alike; original: Keller Jordan's sqrt(max(1, rows / cols)))
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    muon_adjust_lr: str = "match_rms_adamw"
 
 
 @dataclass
@@ -207,6 +216,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
     "optim.offload": ("none", "cpu"),
+    "optim.muon_adjust_lr": ("match_rms_adamw", "original"),
     "finetune.method": ("full", "lora", "qlora"),
     "logging.progress": ("auto", "bar", "lines", "none"),
     "checkpoint.verify": ("full", "sizes"),
@@ -218,7 +228,7 @@ POSITIVE = (
     "parallel.timeout_s", "train.steps", "train.micro_batch_size", "train.grad_accum", "train.eval_batches",
     "train.initial_loss_scale", "train.loss_scale_window", "optim.eps", "slurm.nodes", "slurm.tasks_per_node",
     "slurm.gpu_mem_gb", "logging.log_interval", "checkpoint.io_threads", "parallel.rendezvous_timeout_s",
-    "finetune.lora_rank", "finetune.lora_alpha",
+    "finetune.lora_rank", "finetune.lora_alpha", "optim.ns_steps",
 )  # fmt: skip
 NON_NEGATIVE = (
     "train.eval_interval", "train.skip_nonfinite", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay",
@@ -229,7 +239,7 @@ NON_NEGATIVE = (
 )  # fmt: skip
 POSITIVE_IF_SET = ("model.n_kv_heads", "model.ffn_hidden", "train.global_batch_size", "optim.decay_steps")
 NON_NEGATIVE_IF_SET = ("model.recompute_first",)
-FRACTIONS = ("optim.beta1", "optim.beta2", "finetune.lora_dropout")  # in [0, 1)
+FRACTIONS = ("optim.beta1", "optim.beta2", "optim.momentum", "finetune.lora_dropout")  # in [0, 1)
 
 
 def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:

@@ -32,6 +32,7 @@ from hpc_train.models.decoder import recompute_choice
 from hpc_train.models.lora import NF4_BLOCK, nf4_scaler_block, projections
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen
 from hpc_train.optim import optimizer_class, precision_policy
+from hpc_train.optim.rules import UpdateRule, is_hidden_matrix, rule_class
 
 GiB = 2**30
 
@@ -61,6 +62,8 @@ class LocalParams:
     trainable: int
     shard_total: int  # of those, the ZeRO-3 (FSDP) dim-0 shard of dp rank 0 (the largest)
     shard_trainable: int
+    trainable_matrices: int  # of the trainable elements, those in hidden-layer matrices (Muon's); and the shard's
+    shard_trainable_matrices: int
     largest_block: int  # elements of the largest FSDP unit besides the root (one transformer block)
     root: int  # elements outside the blocks (embeddings, final norm, head): FSDP's root unit
     quantized: int  # elements held in NF4 (QLoRA's frozen projections); their bytes in quantized_bytes
@@ -91,6 +94,7 @@ def _param_count(
     method, rank, targets = finetune
     spec = get_spec(model_cfg.arch)
     total = trainable = shard_total = shard_trainable = quantized = quantized_bytes = largest_projection = 0
+    matrices = shard_matrices = 0
     full_grad = False
     units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
     for stage in stage_ids(pp_rank, pp, virtual_stages):
@@ -100,6 +104,7 @@ def _param_count(
         sharded = sharded_parameter_names(chunk, plan)
         elements = {name: p.numel() // tp if name in sharded else p.numel() for name, p in chunk.named_parameters()}
         rows = {name: p.shape[-1] if p.ndim > 1 else 1 for name, p in chunk.named_parameters()}  # FSDP: whole rows
+        ndims = {name: p.ndim for name, p in chunk.named_parameters()}
         trains = {name: method == "full" and not is_frozen(chunk.canonical_name(name), list(freeze))
                   for name in elements}  # fmt: skip
         for module_name, module in projections(chunk).items():
@@ -117,18 +122,21 @@ def _param_count(
                     ("lora_b", out_features // (tp if column else 1) * rank, rank),
                 ):
                     elements[f"{module_name}.{adapter}"], rows[f"{module_name}.{adapter}"] = count, width
-                    trains[f"{module_name}.{adapter}"] = True
+                    trains[f"{module_name}.{adapter}"], ndims[f"{module_name}.{adapter}"] = True, 2
         for name, count in elements.items():
             shard = math.ceil(count // rows[name] / dp) * rows[name]
             total, shard_total = total + count, shard_total + shard
             if trains[name]:
                 trainable, shard_trainable = trainable + count, shard_trainable + shard
+                if is_hidden_matrix(chunk.canonical_name(name), ndims[name]):
+                    matrices, shard_matrices = matrices + count, shard_matrices + shard
             unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
             units[unit] = units.get(unit, 0) + count
             if name == "tok_embeddings.weight" and tp > 1 and trains[name]:
                 full_grad = not (chunk.tied and chunk.output is not None)
     root = units.pop("", 0)
-    return LocalParams(total, trainable, shard_total, shard_trainable, max(units.values(), default=0), root,
+    return LocalParams(total, trainable, shard_total, shard_trainable, matrices, shard_matrices,
+                       max(units.values(), default=0), root,
                        quantized, quantized_bytes, largest_projection, full_grad)  # fmt: skip
 
 
@@ -188,6 +196,13 @@ def in_flight(cfg: JobConfig) -> int:
     return min(chunks, micro * p.virtual_stages) / p.virtual_stages  # activation_bytes sums all local chunks
 
 
+def rule_state_bytes(rule: type[UpdateRule], owned: int, trainable: int, matrices: int) -> int:
+    """The update rule's state for `owned` of a rank's `trainable` elements (a ZeRO slice: the owned share
+    of hidden-layer matrices taken as the whole's)."""
+    owned_matrices = owned * matrices // trainable if trainable else 0
+    return rule.planned_state_bytes(True) * owned_matrices + rule.planned_state_bytes(False) * (owned - owned_matrices)
+
+
 def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     """Bytes per rank by category. Stages 1-2 shard the optimizer state (and stage 2 the gradients) in
     the optimizer; stage 3 shards the parameters too (FSDP2), so it counts its dim-0 shards exactly and
@@ -201,7 +216,8 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     element, compute = precision_policy(cfg).param_bytes, compute_bytes(cfg)
     if cls.shards_params:  # the fp32 shards are the master weights
         param_bytes = 4 * local.shard_total
-        grads, optimizer = cls.planned_bytes(local.shard_trainable, 1, element, o.overlap_grad_reduce)
+        trainable, matrices = local.shard_trainable, local.shard_trainable_matrices
+        grads, masters, owned = cls.planned_bytes(trainable, 1, element, o.overlap_grad_reduce)
         if dims.pp > 1:  # torch's schedules keep the stage gathered, its fp32 gradients whole, to the last backward
             comm = (compute + 4) * local.total
         elif reshards_after_forward(cfg):
@@ -212,10 +228,12 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         frozen = local.total - local.trainable - local.quantized
         frozen_bytes = precision_policy(cfg).frozen_dtype.itemsize if cfg.finetune.method != "full" else element
         param_bytes = local.trainable * element + frozen * frozen_bytes + local.quantized_bytes
-        grads, optimizer = cls.planned_bytes(local.trainable, dims.dp, element, o.overlap_grad_reduce)
+        trainable, matrices = local.trainable, local.trainable_matrices
+        grads, masters, owned = cls.planned_bytes(trainable, dims.dp, element, o.overlap_grad_reduce)
         comm = int(2 * o.bucket_mb * 2**20)  # a flat bucket being reduced and its gathered copy
         if o.overlap_grad_reduce and not cls.shards_state:  # every bucket's flat copy stays in flight to the end
             comm = max(comm, 4 * local.trainable)
+    optimizer = masters + rule_state_bytes(rule_class(o), owned, trainable, matrices)
     if local.quantized:  # one projection dequantized to bf16 at a time, forward and backward
         comm += 2 * local.largest_projection
     if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.takes_grads_in_backward):

@@ -83,13 +83,19 @@ def world4_runs(cfg_for, small_corpus):
     dp4_stage = lambda run, stage: cfg_for(run, "train.micro_batch_size=2", f"optim.zero_stage={stage}",
                                            "optim.bucket_mb=0.05", "train.steps=2", "parallel.nproc=4",
                                            *(evaluate if stage == 3 else []))  # fmt: skip
+    muon = lambda run, steps: cfg_for(run, *TP2_DP2_ZERO1, "optim.name=muon", f"train.steps={steps}",
+                                      "parallel.nproc=4")  # fmt: skip
     launch(4, full, first, resumed, to_tp1, dp4, dp4_stage("reshard_zero3_zero1", 3),
-           dp4_stage("reshard_zero3_tp", 3), dp4_stage("reshard_zero2_zero3", 2))  # fmt: skip
-    return full.run_dir, resumed.run_dir
+           dp4_stage("reshard_zero3_tp", 3), dp4_stage("reshard_zero2_zero3", 2),
+           muon("muon_full", 4), muon("muon_split", 2), muon("muon_split", 4))  # fmt: skip
+    return {"adamw": (full.run_dir, resumed.run_dir), "muon": (muon("muon_full", 4).run_dir,
+                                                               muon("muon_split", 4).run_dir)}  # fmt: skip
 
 
-def test_tp2_dp2_zero1_resume_is_bit_exact(world4_runs):
-    full, resumed = world4_runs
+@pytest.mark.parametrize("rule", ["adamw", "muon"])
+def test_tp2_dp2_zero1_resume_is_bit_exact(world4_runs, rule):
+    """Muon's momentum buffers, like AdamW's moments, are saved per parameter from the owned slices."""
+    full, resumed = world4_runs[rule]
     assert [(r["step"], r["layout"]["tp"], r["layout"]["dp"]) for r in resumed_from(resumed)] == [(2, 2, 2)]
     assert losses(resumed) == losses(full)
     assert max_param_diff(read_final_model(resumed), read_final_model(full)) == 0.0

@@ -51,8 +51,10 @@ def _zero_checks(rank_env, cfg):
             <= sum(b.shard_numel for b in optimizer.buckets)
             <= math.ceil(local_params / 2) + len(optimizer.buckets)
         )
-        runs = [r for b in optimizer.buckets for r in b.runs]
-        assert all(r.master.untyped_storage().data_ptr() == optimizer.master.untyped_storage().data_ptr() for r in runs)
+        spans = [s for b in optimizer.buckets for s in b.spans]
+        assert all(
+            s.master.untyped_storage().data_ptr() == optimizer.master.untyped_storage().data_ptr() for s in spans
+        )
 
         # A planted overflow on one rank only: every rank skips the step and halves the scale.
         before = [_local(p).clone() for p in model.parameters]

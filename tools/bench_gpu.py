@@ -26,7 +26,8 @@ from hpc_train.builder import build_run
 from hpc_train.config import JobConfig, load_config
 from hpc_train.launch.local import single_process_group
 from hpc_train.models import get_spec
-from hpc_train.optim.adamw import adamw
+from hpc_train.optim.rules import Target
+from hpc_train.optim.rules.adamw import AdamW
 from hpc_train.train.metrics import device_peak_flops
 from hpc_train.train.step import train_step
 
@@ -47,7 +48,7 @@ def plain_loop(cfg: JobConfig, device: torch.device, compiled: bool) -> Callable
     spec = get_spec(cfg.model.arch)
     model = spec.build_stage(model_cfg).to(device)
     spec.init_weights(model, cfg.train.seed)
-    optimizer = adamw(list(model.parameters()), cfg.optim, device)
+    optimizer = AdamW([Target(p, p.ndim >= 2) for p in model.parameters()], cfg.optim).optimizer
     forward = torch.compile(model) if compiled else model
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
 

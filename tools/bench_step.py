@@ -19,7 +19,8 @@ from hpc_train.builder import build_run
 from hpc_train.config import load_config
 from hpc_train.launch.local import single_process_group
 from hpc_train.models.decoder import count_params
-from hpc_train.optim.adamw import adamw
+from hpc_train.optim.rules import Target
+from hpc_train.optim.rules.adamw import AdamW
 from hpc_train.optim.schedule import lr_at
 from hpc_train.train.step import train_step
 
@@ -62,7 +63,7 @@ def compare(cfg, run, rounds: int, steps: int) -> None:
     targets = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
     plain = run.model.spec.build_stage(cfg.model)
     run.model.spec.init_weights(plain, cfg.train.seed)
-    plain_opt = adamw(list(plain.parameters()), cfg.optim, run.device)
+    plain_opt = AdamW([Target(p, p.ndim >= 2) for p in plain.parameters()], cfg.optim).optimizer
 
     def run_ours(step: int) -> None:
         lr = lr_at(step, cfg.optim, cfg.train.steps)

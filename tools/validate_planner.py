@@ -87,6 +87,9 @@ LAYOUTS = {  # name -> (world size, overrides)
     "compile_selective": (1, ["train.compile=true", "model.recompute=selective"]),
     "tp2_sp_compile": (2, ["parallel.tp=2", SP, "train.compile=true"]),
     "tp2_sp_chunked_loss": (2, ["parallel.tp=2", SP, "model.loss_chunk_tokens=64"]),
+    # Muon: one fp32 momentum buffer per hidden-layer matrix element, AdamW's two moments elsewhere
+    "muon": (1, ["optim.name=muon"]),
+    "tp2_sp_zero1_bf16_muon": (2, ["parallel.tp=2", SP, *ZERO1_BF16, "optim.name=muon"]),
 }
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
 RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",

@@ -1,8 +1,10 @@
-"""Optimizers over the data-parallel group, selected by `optim.zero_stage`.
+"""Optimizers: a data-parallel strategy, selected by `optim.zero_stage`, holding an update rule, selected by
+`optim.name` (optim/rules).
 
-Every optimizer follows `Optimizer` (optim/protocol.py): it takes a parallelized model's trainable
-parameters, reduces their gradients over dp, steps, and hands its state to checkpoints per parameter.
-A new ZeRO stage (or FSDP) is a new class in `OPTIMIZERS`, not a new branch elsewhere.
+Every strategy follows `Optimizer` (optim/protocol.py): it takes a parallelized model's trainable
+parameters, reduces their gradients over dp, lets its rule update them (or its sharded fp32 masters), and
+hands the state to checkpoints per parameter. A new ZeRO stage (or FSDP) is a new class in `OPTIMIZERS`,
+a new rule a module in optim/rules and a line in `RULES`, not a new branch elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from hpc_train.optim.data_parallel import DataParallelOptimizer
 from hpc_train.optim.fsdp import FullyShardedOptimizer
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
+from hpc_train.optim.rules import choices, rule_class
 from hpc_train.optim.zero import Zero2Optimizer, ZeroOptimizer
 
 OPTIMIZERS: dict[int, type[Optimizer]] = {
@@ -24,10 +27,10 @@ OPTIMIZERS: dict[int, type[Optimizer]] = {
 
 
 def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
-    """The class for `optim.zero_stage`, checked against what it supports."""
+    """The class for `optim.zero_stage`, checked against what it supports (and its rule, `optim.name`)."""
+    rule_class(cfg)
     if cfg.zero_stage not in OPTIMIZERS:
-        *most, last = map(str, OPTIMIZERS)
-        raise ConfigError(f"optim.zero_stage={cfg.zero_stage} is not supported; use {', '.join(most)} or {last}")
+        raise ConfigError(f"optim.zero_stage={cfg.zero_stage} is not supported; use {choices(OPTIMIZERS)}")
     cls = OPTIMIZERS[cfg.zero_stage]
     if cfg.offload != "none" and not cls.shards_state:
         stage = next(stage for stage, c in OPTIMIZERS.items() if c.shards_state)

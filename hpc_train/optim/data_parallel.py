@@ -1,5 +1,6 @@
 """zero_stage 0: plain data parallelism. Every dp rank averages the full gradients (all-reduce, bucket by
-bucket) and runs the same AdamW on its (tensor-parallel) parameters."""
+bucket) and runs the same update rule on its (tensor-parallel) parameters; a rule that needs whole
+matrices gets them gathered over tp."""
 
 from __future__ import annotations
 
@@ -7,12 +8,31 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
 from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.optim.adamw import MOMENTS, adam_step_tensor, adamw, moment_bytes, set_lr
+from hpc_train.distributed.placement import distribute_like
 from hpc_train.optim.buckets import BucketedReduction, bucketize, flat_allreduce
+from hpc_train.optim.rules import Target, UpdateRule, rule_class, target
+from hpc_train.optim.rules.protocol import MatrixFn
+
+
+def whole_dtensors(fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`WholeMatrices` for pieces laid out like their parameters (DTensor shards over tp, and over dp under
+    FSDP): each gathered whole, and this rank's part of `fn`'s result cut out again locally."""
+    out = []
+    for piece in pieces:
+        whole = piece.full_tensor() if isinstance(piece, DTensor) else piece
+        out.append(distribute_like(fn(whole), piece))
+    return out
+
+
+def build_rule(model: ParallelModel, params: list[torch.nn.Parameter], cfg: OptimConfig) -> UpdateRule:
+    """The configured rule over `params`, updated in place (their own shards)."""
+    names = {id(p): n for n, p in model.named_parameters}
+    return rule_class(cfg)([target(names[id(p)], p) for p in params], cfg, whole_dtensors)
 
 
 class DataParallelOptimizer:
@@ -21,20 +41,19 @@ class DataParallelOptimizer:
     shards_params = False
     takes_grads_in_backward = False
     grads_before_backward = False
-    state_keys = MOMENTS
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):
         self.model, self.params = model, model.trainable_parameters
         self.dp_group = model.mesh.group("dp")
-        self.optimizer = adamw(self.params, cfg, local(self.params[0]).device)
+        self.rule = build_rule(model, self.params, cfg)
         limit = int(cfg.bucket_mb * 2**20)
         buckets = [[self.params[i] for i in b] for b in bucketize([local(p) for p in self.params], limit)]
         self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy)
 
     @staticmethod
-    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
-        """(gradient, optimizer-state) bytes for `params` local elements: fp32 gradients and two moments."""
-        return 4 * params, 8 * params
+    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int, int]:
+        """For `params` local elements: fp32 gradients, no master weights, the rule's state for all of them."""
+        return 4 * params, 0, params
 
     def _launch(self, bucket: int) -> Callable[[], None]:
         params = self.reduction.buckets[bucket]
@@ -57,28 +76,28 @@ class DataParallelOptimizer:
         return GradGroups.of(grads, dp_sharded=self.shards_params)  # FSDP's are shards of the dp mean
 
     def step(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
+        self.rule.step(lr)
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.rule.zero_grad()
 
     def state_bytes(self) -> int:
-        """Bytes of the AdamW moments this rank holds (its tp shards)."""
-        return moment_bytes(self.optimizer)
+        """Bytes of the rule's state this rank holds (its tp shards)."""
+        return self.rule.state_bytes()
 
     def grad_buffer_bytes(self) -> int:
         return 0  # reduces the parameters' own gradients in place
 
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return self.rule.state_keys
+
     def param_states(self) -> list[dict[str, torch.Tensor]]:
-        """Per trainable parameter, in the parameter's own shape and placement: exp_avg, exp_avg_sq (none
+        """Per trainable parameter, in the parameter's own shape and placement: the rule's state (none
         before the parameter's first update)."""
-        return [{k: t for k, t in self.optimizer.state.get(p, {}).items() if k in MOMENTS} for p in self.params]
+        return [self.rule.state(p) for p in self.params]
 
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
-        """Takes the loaded tensors as the moments themselves (they are the load's own: no copy)."""
+        """Takes the loaded tensors as the rule's state itself (they are the load's own: no copy)."""
         for p, state in zip(self.params, states, strict=True):
-            if not all(k in state for k in MOMENTS):  # not saved (e.g. frozen then): fresh moments
-                continue
-            moments = {k: state[k].to(p.dtype) for k in MOMENTS}
-            self.optimizer.state[p] = {"step": adam_step_tensor(step, self.optimizer, p), **moments}
+            self.rule.load_state(p, {k: t.to(p.dtype) for k, t in state.items()}, step)

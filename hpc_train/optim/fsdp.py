@@ -2,9 +2,10 @@
 
 FSDP2 all-gathers each block's parameters for its forward and backward and reduce-scatters its gradients
 (the mean over dp, in fp32) as backward leaves the block, once per micro-batch (pipeline stages: once per
-step, as torch's schedules drive it). What is left to the optimizer is torch's AdamW on the sharded fp32
-parameters (they are the master weights: every rank updates only its shard) and, with tied embeddings
-across pipeline stages, summing the two copies' gradient shards.
+step, as torch's schedules drive it). What is left to the optimizer is the update rule on the sharded fp32
+parameters (they are the master weights: every rank updates only its shard; a rule that needs whole
+matrices gets them gathered over dp and tp) and, with tied embeddings across pipeline stages, summing the
+two copies' gradient shards.
 """
 
 from __future__ import annotations
@@ -14,16 +15,14 @@ import math
 from torch.distributed.fsdp import FSDPModule
 
 from hpc_train.config import OptimConfig
-from hpc_train.distributed.grads import local
 from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.optim.adamw import adamw
-from hpc_train.optim.data_parallel import DataParallelOptimizer
+from hpc_train.optim.data_parallel import DataParallelOptimizer, build_rule
 
 
 class FullyShardedOptimizer(DataParallelOptimizer):
-    """AdamW over FSDP2's sharded parameters (in host memory with offload: the update runs there). Shares
-    zero_stage 0's per-parameter AdamW state (step, state bytes, checkpoints), not its bucketed reduction:
-    every method that would use one is overridden."""
+    """The update rule over FSDP2's sharded parameters (in host memory with offload: the update runs there).
+    Shares zero_stage 0's per-parameter rule state (step, state bytes, checkpoints), not its bucketed
+    reduction: every method that would use one is overridden."""
 
     master_weights = False  # the sharded parameters stay fp32; FSDP's policy gathers them in the compute dtype
     shards_state = True
@@ -34,13 +33,13 @@ class FullyShardedOptimizer(DataParallelOptimizer):
         if not all(isinstance(chunk, FSDPModule) for chunk in model.chunks):
             raise TypeError("zero_stage 3 needs a model parallelized with optim.zero_stage=3 (FSDP2 units)")
         self.model, self.params = model, model.trainable_parameters
-        self.optimizer = adamw(self.params, cfg, local(self.params[0]).device)
+        self.rule = build_rule(model, self.params, cfg)
 
     @staticmethod
-    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
-        """fp32 gradient shards and two fp32 moments per owned element."""
+    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int, int]:
+        """fp32 gradient shards; the shards are the master weights; the rule's state per owned element."""
         shard = math.ceil(params / dp)
-        return 4 * shard, 8 * shard
+        return 4 * shard, 0, shard
 
     def begin_step(self, micro_batches: int) -> None:
         pass  # FSDP's own backward hooks reduce

@@ -18,14 +18,15 @@ class Optimizer(Protocol):
     shards_params: ClassVar[bool]  # parameters split over dp (the model is parallelized for it: FSDP2)
     takes_grads_in_backward: ClassVar[bool]  # a gradient leaves its parameter as backward produces it
     grads_before_backward: ClassVar[bool]  # gradient memory allocated at begin_step, before any backward
-    state_keys: ClassVar[tuple[str, ...]]  # what `param_states` holds per parameter
+    state_keys: tuple[str, ...]  # what `param_states` may hold per parameter (its rule's state, ZeRO's master)
     params: list[nn.Parameter]  # the trainable parameters, in the order of `param_states`
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig) -> None: ...
 
     @staticmethod
-    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
-        """(gradient, optimizer-state) bytes on a rank holding `params` trainable elements."""
+    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int, int]:
+        """On a rank holding `params` trainable elements: (gradient bytes, fp32 master-weight bytes, elements
+        whose update-rule state it keeps)."""
         ...
 
     def begin_step(self, micro_batches: int) -> None:

@@ -7,11 +7,12 @@ reduce-scattered over dp in place, so rank r's contiguous 1/dp slice of the buff
 gradients it owns (with dp=1 the buffer is the slice: nothing is copied). A bucket's buffer lives from
 the first gradient added to it to `zero_grad`: with one micro-batch and no pipeline it is not there at the
 activation peak, where backward starts, and grows as the activations are freed (as a plain loop's
-gradients do). Rank r keeps fp32 master weights and AdamW moments for its slice only
-(12 bytes per owned element), updates it with torch's AdamW (the same arithmetic as zero_stage 0),
-casts it to the parameters' dtype and all-gathers each bucket back into the model: bf16 weights,
-an fp32 gradient buffer and the sharded state are 2 + 4 + 12/dp bytes per parameter. With
-`offload="cpu"` the master weights and moments live in host memory and the update runs there
+gradients do). Rank r keeps fp32 master weights and the update rule's state for its slice only
+(AdamW: 12 bytes per owned element), updates it with the rule (the same arithmetic as zero_stage 0; a
+rule that needs whole matrices, as Muon does, gets them all-gathered from the dp ranks' slices and over
+tp), casts it to the parameters' dtype and all-gathers each bucket back into the model: bf16 weights,
+an fp32 gradient buffer and the sharded AdamW state are 2 + 4 + 12/dp bytes per parameter. With
+`offload="cpu"` the master weights and the rule's state live in host memory and the update runs there
 (ZeRO-Offload).
 
 zero_stage 2 (`Zero2Optimizer`): with overlap_grad_reduce each bucket's gradients are copied to an fp32
@@ -33,9 +34,10 @@ from torch.distributed.tensor import DTensor
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
 from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.distributed.placement import like_param
-from hpc_train.optim.adamw import MOMENTS, adam_step_tensor, adamw, moment_bytes, set_lr
+from hpc_train.distributed.placement import distribute_like, like_param
 from hpc_train.optim.buckets import BucketedReduction, bucketize
+from hpc_train.optim.rules import Target, is_hidden_matrix, rule_class, target
+from hpc_train.optim.rules.protocol import MatrixFn
 
 # torch >= 2.13 names these *_single for gloo; older releases only have the *_tensor names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -54,19 +56,18 @@ class _Bucket:
     grad: torch.Tensor | None  # fp32, the whole bucket: stage 1's accumulation buffer (begin_step to zero_grad)
     grad_shard: torch.Tensor  # fp32, this rank's reduced 1/dp slice (stage 1: a view of `grad`)
     shard_numel: int
-    runs: list[_Run] = field(default_factory=list)
+    spans: list[_Span] = field(default_factory=list)
 
 
 @dataclass
-class _Run:
-    """A stretch of the owned slice lying inside one parameter: one fp32 master view for AdamW."""
+class _Span:
+    """A stretch of the owned slice lying inside one parameter: one fp32 master view for the update rule."""
 
     shard_start: int  # offset in the bucket's owned slice
     numel: int
     param: nn.Parameter  # the model parameter it lies in
     param_offset: int  # where it starts in that parameter's flattened local tensor
     master: nn.Parameter  # view into the master buffer
-    decay: bool
     tp_sharded: bool
     counted_in_norm: bool
 
@@ -79,7 +80,6 @@ class ZeroOptimizer:
     shards_params = False
     takes_grads_in_backward = True  # into the fp32 buffers
     grads_before_backward = False
-    state_keys = (*MOMENTS, "master")
     every_micro_batch = False  # reduce once per step, after the last micro-batch
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):
@@ -95,16 +95,22 @@ class ZeroOptimizer:
         self.slot = {id(p): (b, start) for b in self.buckets for p, start in zip(b.params, b.offsets, strict=True)}
         self.partial_sums: set[int] = set()  # parameters whose gradients arrive as partial sums over tp
         self.hooked = self.accumulating = False
-        self.master = self._make_runs()
-        decay = [r.master for b in self.buckets for r in b.runs if r.decay]
-        no_decay = [r.master for b in self.buckets for r in b.runs if not r.decay]
-        self.optimizer = adamw(decay + no_decay, cfg, self.state_device, decay_params=set(map(id, decay)))
+        self.master = self._make_spans()
+        names = {id(p): n for n, p in model.named_parameters}
+        self.matrices = {id(p) for p in self.params if is_hidden_matrix(names[id(p)], p.ndim)}
+        targets = [target(names[id(s.param)], s.param, s.master) for b in self.buckets for s in b.spans]
+        self.rule = rule_class(cfg)(targets, cfg, self._whole_matrices)
 
     @staticmethod
-    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
-        """(gradient, optimizer-state) bytes for `params` local elements: the fp32 accumulation buffers
-        (the reduced slice is a view of them); 12 bytes (master + moments) per owned element."""
-        return 4 * params, 12 * math.ceil(params / dp)
+    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int, int]:
+        """For `params` local elements: the fp32 accumulation buffers (the reduced slice is a view of them),
+        fp32 master weights and the rule's state per owned element."""
+        owned = math.ceil(params / dp)
+        return 4 * params, 4 * owned, owned
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return (*self.rule.state_keys, "master")
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
         buckets = []
@@ -118,9 +124,9 @@ class ZeroOptimizer:
             buckets.append(_Bucket(group, offsets[:-1], numel, None, none_yet, numel // self.dp))
         return buckets
 
-    def _make_runs(self) -> torch.Tensor:
+    def _make_spans(self) -> torch.Tensor:
         """Cut the owned slice of every bucket at parameter boundaries; return the fp32 master weights
-        (one buffer, filled from the parameters), each run's master a view into it."""
+        (one buffer, filled from the parameters), each span's master a view into it."""
         spans = []  # (bucket, parameter, its start in the bucket, owned begin, owned end)
         for bucket in self.buckets:
             lo, hi = self.dp_rank * bucket.shard_numel, (self.dp_rank + 1) * bucket.shard_numel
@@ -135,9 +141,9 @@ class ZeroOptimizer:
             view = master[offset : offset + end - begin]
             view.copy_(local(p).detach().reshape(-1)[begin - start : end - start])
             lo = self.dp_rank * bucket.shard_numel
-            run_master = nn.Parameter(view)  # shares the master buffer's storage
-            bucket.runs.append(_Run(begin - lo, end - begin, p, begin - start, run_master, p.ndim >= 2,
-                                    is_tp_sharded(p), self.model.counted_in_norm(p)))  # fmt: skip
+            span_master = nn.Parameter(view)  # shares the master buffer's storage
+            bucket.spans.append(_Span(begin - lo, end - begin, p, begin - start, span_master, is_tp_sharded(p),
+                                      self.model.counted_in_norm(p)))  # fmt: skip
             offset += end - begin
         return master
 
@@ -211,28 +217,27 @@ class ZeroOptimizer:
         self.reduction.finish()
 
     def _owned_grads(self, bucket: _Bucket) -> list[torch.Tensor]:
-        return [bucket.grad_shard[r.shard_start : r.shard_start + r.numel] for r in bucket.runs]
+        return [bucket.grad_shard[s.shard_start : s.shard_start + s.numel] for s in bucket.spans]
 
     def grad_groups(self) -> GradGroups:
-        grads = [(g, r.tp_sharded, r.counted_in_norm)
-                 for b in self.buckets for r, g in zip(b.runs, self._owned_grads(b), strict=True)]  # fmt: skip
+        grads = [(g, s.tp_sharded, s.counted_in_norm)
+                 for b in self.buckets for s, g in zip(b.spans, self._owned_grads(b), strict=True)]  # fmt: skip
         return GradGroups.of(grads, dp_sharded=True)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        """Update the owned slice (fp32 master + moments), then all-gather every bucket into the params
-        (with dp=1 every run is a whole parameter: one multi-tensor copy casts the masters into them)."""
+        """Update the owned slice (fp32 master + the rule's state), then all-gather every bucket into the
+        params (with dp=1 every span is a whole parameter: one multi-tensor copy casts the masters into them)."""
         for bucket in self.buckets:
-            for run, grad in zip(bucket.runs, self._owned_grads(bucket), strict=True):
-                run.master.grad = grad.to(self.state_device)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
+            for span, grad in zip(bucket.spans, self._owned_grads(bucket), strict=True):
+                span.master.grad = grad.to(self.state_device)
+        self.rule.step(lr)
         if self.dp == 1 and self.state_device == self.device:
-            runs = [r for b in self.buckets for r in b.runs]
-            torch._foreach_copy_([local(r.param).view(-1) for r in runs], [r.master for r in runs])
+            spans = [s for b in self.buckets for s in b.spans]
+            torch._foreach_copy_([local(s.param).view(-1) for s in spans], [s.master for s in spans])
             return
         for bucket in self.buckets:
-            full = self._gather_bucket(bucket, [r.master for r in bucket.runs], local(bucket.params[0]).dtype)
+            full = self._gather_bucket(bucket, [s.master for s in bucket.spans], local(bucket.params[0]).dtype)
             for p, start in zip(bucket.params, bucket.offsets, strict=True):
                 tensor = local(p)
                 tensor.copy_(full[start : start + tensor.numel()].view_as(tensor))
@@ -244,8 +249,8 @@ class ZeroOptimizer:
             p.grad = None
         for bucket in self.buckets:
             bucket.grad, bucket.grad_shard = None, bucket.grad_shard.new_empty(0)
-            for run in bucket.runs:
-                run.master.grad = None
+            for span in bucket.spans:
+                span.master.grad = None
 
     def grad_buffer_bytes(self) -> int:
         """This rank's fp32 accumulation buffers (its reduced slices are views of them)."""
@@ -256,56 +261,78 @@ class ZeroOptimizer:
     ) -> torch.Tensor:
         """All-gather the dp ranks' owned slices of one quantity into the whole bucket, in `dtype`."""
         shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=self.device)
-        for run, values in zip(bucket.runs, owned, strict=True):
-            shard[run.shard_start : run.shard_start + run.numel].copy_(values)
+        for span, values in zip(bucket.spans, owned, strict=True):
+            shard[span.shard_start : span.shard_start + span.numel].copy_(values)
         full = torch.empty(bucket.numel, dtype=dtype, device=self.device)
         _all_gather(full, shard, group=self.dp_group)
         return full
 
-    def param_states(self) -> list[dict[str, torch.Tensor]]:
-        """Per parameter, in the parameter's own shape and placement: exp_avg, exp_avg_sq and the fp32
-        master weights, gathered over dp (checkpoints store them per parameter so they can be resharded;
-        this holds the whole local optimizer state once, for the save). No moments before the first
-        update (an fp16 overflow may skip it)."""
-        states: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
-        stepped = bool(self.optimizer.state)
+    def _whole_matrices(self, fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`WholeMatrices` over the owned slices: every bucket holding a hidden-layer matrix is all-gathered
+        over dp (every rank, whatever it owns), each matrix this rank owns a part of is gathered over tp and
+        transformed whole, and the span this rank owns is cut out of the result."""
+        given = {id(t.tensor): piece for t, piece in zip(targets, pieces, strict=True)}
+        out: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:
-            owned = {"master": [r.master.detach() for r in bucket.runs]}
-            if stepped:
-                owned.update({k: [self.optimizer.state[r.master][k] for r in bucket.runs] for k in MOMENTS})
-            for key, values in owned.items():
-                full = self._gather_bucket(bucket, values)
+            if not any(id(p) in self.matrices for p in bucket.params):
+                continue
+            owned = [given.get(id(s.master), s.master.new_zeros(s.numel)) for s in bucket.spans]
+            full = self._gather_bucket(bucket, owned)
+            starts = {id(p): start for p, start in zip(bucket.params, bucket.offsets, strict=True)}
+            for span in bucket.spans:
+                if id(span.master) in given:
+                    p, start = span.param, starts[id(span.param)]
+                    piece = like_param(p, full[start : start + local(p).numel()].view(local(p).shape))
+                    whole = piece.full_tensor() if isinstance(piece, DTensor) else piece
+                    result = local(distribute_like(fn(whole), p)).reshape(-1)
+                    out[id(span.master)] = result[span.param_offset : span.param_offset + span.numel]
+        return [out[id(t.tensor)] for t in targets]
+
+    def param_states(self) -> list[dict[str, torch.Tensor]]:
+        """Per parameter, in the parameter's own shape and placement: the rule's state and the fp32 master
+        weights, gathered over dp (checkpoints store them per parameter so they can be resharded; this
+        holds the whole local optimizer state once, for the save). No rule state before the first update
+        (an fp16 overflow may skip it)."""
+        states: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
+        stepped = any(self.rule.state(s.master) for b in self.buckets for s in b.spans)
+        for bucket in self.buckets:
+            keys = {id(p): ("master", *(self._rule_keys(p) if stepped else ())) for p in bucket.params}
+            for key in dict.fromkeys(k for ks in keys.values() for k in ks):  # the same keys on every dp rank
+                full = self._gather_bucket(bucket, [self._span_state(s, key) for s in bucket.spans])
                 for p, start in zip(bucket.params, bucket.offsets, strict=True):
-                    shape = local(p).shape
-                    states[id(p)][key] = like_param(p, full[start : start + shape.numel()].view(shape).clone())
+                    if key in keys[id(p)]:
+                        shape = local(p).shape
+                        states[id(p)][key] = like_param(p, full[start : start + shape.numel()].view(shape).clone())
         return [states[id(p)] for p in self.params]
+
+    def _span_state(self, span: _Span, key: str) -> torch.Tensor:
+        """A span's `key` (the master, or the rule's state; zeros where its parameter has no such state)."""
+        if key == "master":
+            return span.master.detach()
+        value = self.rule.state(span.master).get(key)
+        return span.master.new_zeros(span.numel) if value is None else value
+
+    def _rule_keys(self, p: nn.Parameter) -> tuple[str, ...]:
+        return self.rule.keys(id(p) in self.matrices)
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
         """Take each rank's owned slices of per-parameter states, after the model's weights were loaded. A
         master not in the checkpoint (zero_stage 0 saved it, or the parameter was frozen) is taken from the
-        loaded weights; missing moments start as AdamW starts them (zeros, step 0), so that every master
-        has state again and the next save holds all of it."""
+        loaded weights; missing rule state starts as the rule starts it (AdamW: zeros, step 0), so that
+        every master has state again and the next save holds all of it."""
         by_param = {id(p): s for p, s in zip(self.params, states, strict=True)}
         for bucket in self.buckets:
-            for run in bucket.runs:
-                state, offset = by_param[id(run.param)], run.param_offset
-                run.master.copy_(_flat_slice(state.get("master", run.param), offset, run.numel))
-                saved = all(k in state for k in MOMENTS)
-                moments = {
-                    k: _flat_slice(state[k], offset, run.numel).to(self.state_device).clone()
-                    if saved
-                    else torch.zeros_like(run.master)
-                    for k in MOMENTS
-                }
-                self.optimizer.state[run.master] = {
-                    "step": adam_step_tensor(step if saved else 0, self.optimizer, run.master),
-                    **moments,
-                }
+            for span in bucket.spans:
+                state, offset = by_param[id(span.param)], span.param_offset
+                span.master.copy_(_flat_slice(state.get("master", span.param), offset, span.numel))
+                saved = {k: _flat_slice(state[k], offset, span.numel).to(self.state_device).clone()
+                         for k in self._rule_keys(span.param) if k in state}  # fmt: skip
+                self.rule.load_state(span.master, saved, step)
 
     def state_bytes(self) -> int:
-        """Exact bytes of optimizer state on this rank: fp32 master weights + the two AdamW moments."""
-        return self.master.nbytes + moment_bytes(self.optimizer)
+        """Exact bytes of optimizer state on this rank: fp32 master weights + the rule's state."""
+        return self.master.nbytes + self.rule.state_bytes()
 
 
 class Zero2Optimizer(ZeroOptimizer):
@@ -318,11 +345,12 @@ class Zero2Optimizer(ZeroOptimizer):
     grads_before_backward = True  # the owned slices, from begin_step
 
     @staticmethod
-    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int]:
+    def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int, int]:
         """The fp32 owned gradient slice, plus the parameters' own gradients without overlap (with it, two
-        buckets' fp32 copies at a time: communication buffers); 12 bytes per owned element."""
+        buckets' fp32 copies at a time: communication buffers); fp32 masters and the rule's state per
+        owned element."""
         shard = math.ceil(params / dp)
-        return 4 * shard + (0 if overlap else params * param_bytes), 12 * shard
+        return 4 * shard + (0 if overlap else params * param_bytes), 4 * shard, shard
 
     def begin_step(self, micro_batches: int) -> None:
         """The parameters keep their own gradients until each launch takes them."""

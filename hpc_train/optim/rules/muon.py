@@ -1,0 +1,87 @@
+"""Muon (torch.optim.Muon's arithmetic) for hidden-layer matrices, AdamW for every other parameter.
+
+Muon's momentum and Nesterov step are elementwise, so they run on whatever part of a matrix a rank holds;
+its Newton-Schulz orthogonalization needs the whole matrix, so that one step runs on the matrix gathered by
+the strategy's `WholeMatrices` (over tp, and over dp under ZeRO/FSDP) and each rank keeps its part of the
+result. The iteration and the learning-rate adjustment are torch's own functions, so one process updates
+exactly as `torch.optim.Muon` does (tests/test_rules.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpc_train.config import ConfigError, OptimConfig
+from hpc_train.distributed.grads import local
+from hpc_train.optim.rules.adamw import MOMENTS, AdamW
+from hpc_train.optim.rules.protocol import Target, WholeMatrices, local_matrices
+
+try:  # torch >= 2.9
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
+except ImportError:  # pragma: no cover - older torch
+    _zeropower_via_newtonschulz = None
+
+MOMENTUM = "momentum_buffer"
+
+
+def check_available() -> None:
+    if _zeropower_via_newtonschulz is None:
+        raise ConfigError(f"optim.name=muon needs torch>=2.9 (torch.optim.Muon); this is torch {torch.__version__}: "
+                          "upgrade torch or use optim.name=adamw")  # fmt: skip
+
+
+class Muon:
+    state_keys = (MOMENTUM, *MOMENTS)
+
+    def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices):
+        check_available()
+        self.cfg, self.whole = cfg, whole
+        self.matrices = [t for t in targets if t.matrix_shape is not None]
+        self.others = AdamW([t for t in targets if t.matrix_shape is None], cfg)
+        self.matrix_ids = {id(t.tensor) for t in self.matrices}
+        self.buffers: dict[torch.Tensor, torch.Tensor] = {}
+
+    @staticmethod
+    def planned_state_bytes(matrix: bool) -> int:
+        return 4 if matrix else 8  # one fp32 momentum buffer; AdamW's two moments
+
+    def keys(self, matrix: bool) -> tuple[str, ...]:
+        return (MOMENTUM,) if matrix else MOMENTS
+
+    def _orthogonalize(self, update: torch.Tensor) -> torch.Tensor:
+        return _zeropower_via_newtonschulz(update, (DEFAULT_A, DEFAULT_B, DEFAULT_C), self.cfg.ns_steps, EPS)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        self.others.step(lr)
+        cfg, targets, updates = self.cfg, [], []
+        for target in self.matrices:
+            grad = target.tensor.grad
+            if grad is None:
+                continue
+            buf = self.buffers.setdefault(target.tensor, torch.zeros_like(grad))
+            buf.lerp_(grad, 1 - cfg.momentum)
+            targets.append(target)
+            updates.append(grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf)
+        for target, update in zip(targets, self.whole(self._orthogonalize, targets, updates), strict=True):
+            target.tensor.mul_(1 - lr * cfg.weight_decay)
+            target.tensor.add_(update, alpha=-_adjust_lr(lr, cfg.muon_adjust_lr, target.matrix_shape))
+
+    def zero_grad(self) -> None:
+        self.others.zero_grad()
+        for target in self.matrices:
+            target.tensor.grad = None
+
+    def state(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if tensor in self.buffers:
+            return {MOMENTUM: self.buffers[tensor]}
+        return self.others.state(tensor)
+
+    def load_state(self, tensor: torch.Tensor, state: dict[str, torch.Tensor], step: int) -> None:
+        if id(tensor) in self.matrix_ids:
+            self.buffers[tensor] = state[MOMENTUM] if MOMENTUM in state else torch.zeros_like(tensor)
+        else:
+            self.others.load_state(tensor, state, step)
+
+    def state_bytes(self) -> int:
+        return self.others.state_bytes() + sum(local(b).nbytes for b in self.buffers.values())

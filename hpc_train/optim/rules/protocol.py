@@ -1,0 +1,73 @@
+"""What an update rule is: the arithmetic that turns gradients into a parameter update (AdamW, Muon),
+kept apart from the data-parallel strategy (optim/data_parallel.py, zero.py, fsdp.py) that decides where
+the tensors it updates live (whole parameters, tp or FSDP shards, ZeRO's flat fp32 slices) and how their
+gradients were reduced. A strategy hands its rule `Target`s and, for rules that need whole matrices, a
+`WholeMatrices` that gathers them across whatever the strategy shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from hpc_train.config import OptimConfig
+
+
+@dataclass(frozen=True)
+class Target:
+    """One tensor a rule updates in place; its `.grad` is the reduced gradient."""
+
+    tensor: torch.Tensor  # a parameter (or its tp / FSDP shard), or a ZeRO slice's fp32 master weights
+    decay: bool  # weight decay applies (matrices; not norms or biases)
+    matrix_shape: torch.Size | None = None  # the whole hidden-layer matrix it is (part of); None: not one
+
+
+MatrixFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class WholeMatrices(Protocol):
+    def __call__(self, fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`pieces[i]` is matrix target i's part of some quantity, shaped like its tensor: apply `fn` to each
+        whole matrix and return each target's part of the result. A collective over the ranks that share
+        the matrices: every rank passes its targets in the same order."""
+        ...
+
+
+def local_matrices(fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`WholeMatrices` where every piece already is its whole matrix."""
+    return [fn(piece) for piece in pieces]
+
+
+class UpdateRule(Protocol):
+    state_keys: ClassVar[tuple[str, ...]]  # every key `state` may hold, for checkpoints
+
+    def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices) -> None: ...
+
+    @staticmethod
+    def planned_state_bytes(matrix: bool) -> int:
+        """State bytes per element of a target (a hidden-layer matrix's or another's), for the planner."""
+        ...
+
+    def keys(self, matrix: bool) -> tuple[str, ...]:
+        """What `state` holds for a target that is (part of) a hidden-layer matrix, or for another."""
+        ...
+
+    def step(self, lr: float) -> None:
+        """Update every target with a gradient; a rule with `whole` matrices calls it on every rank."""
+
+    def zero_grad(self) -> None: ...
+
+    def state(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A target's state by key, shaped like it ({} before its first update)."""
+        ...
+
+    def load_state(self, tensor: torch.Tensor, state: dict[str, torch.Tensor], step: int) -> None:
+        """Take a target's saved state (the tensors are given away: kept, not copied); keys not given
+        start fresh, as before a first update, so that every target has state again."""
+
+    def state_bytes(self) -> int:
+        """Exact bytes of state this rule holds on this rank."""
+        ...
