@@ -1,0 +1,226 @@
+"""The config schema: one dataclass per section, each field with its default and, beside it, the rule its
+value must follow (`choice`, `positive`, `non_negative`, `fraction`; checks.py applies them all). What
+depends on the model family, the optimizer or the layout is checked by them (`layout.check_run`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpc_train.errors import UserError
+
+RANGES = {  # a field's `range` rule -> (test, what the message says it must be)
+    "positive": (lambda v: v > 0, "> 0"),
+    "non_negative": (lambda v: v >= 0, ">= 0"),
+    "fraction": (lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.9 or 0.95"),
+}
+
+
+def choice(*options: str) -> Any:
+    """A field that takes one of `options`; the first is its default."""
+    return field(default=options[0], metadata={"choices": options})
+
+
+def positive(default: float | None) -> Any:
+    return field(default=default, metadata={"range": "positive"})
+
+
+def non_negative(default: float | None) -> Any:
+    return field(default=default, metadata={"range": "non_negative"})
+
+
+def fraction(default: float) -> Any:
+    return field(default=default, metadata={"range": "fraction"})
+
+
+BUILTIN_DATA = "stdlib"  # data path naming the embedded corpus (the interpreter's own standard library)
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem, with a message that names the key and what to change."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"  # model family: llama | gpt2 (hpc_train/models)
+    vocab_size: int = positive(257)  # byte-level tokenizer: 256 bytes + end-of-document
+    vocab_multiple: int = positive(128)  # embedding rows are padded to a multiple of this (x tp), as Megatron does
+    n_layers: int = positive(4)
+    n_heads: int = positive(4)
+    n_kv_heads: int | None = positive(None)  # grouped-query attention; None = n_heads
+    d_model: int = positive(128)
+    # None = the family's: llama 8/3 * d_model rounded up to ffn_multiple, gpt2 4x
+    ffn_hidden: int | None = positive(None)
+    ffn_multiple: int = positive(64)
+    seq_len: int = positive(128)
+    rope_theta: float = positive(10000.0)
+    norm_eps: float = positive(1e-5)
+    tie_embeddings: bool | None = None  # output head shares the embedding; None = the family's (gpt2 ties)
+    init_std: float = positive(0.02)
+    recompute: str = choice("none", "selective", "full")  # selective: the attention core; full: whole layers
+    recompute_every: int = positive(1)  # with a policy: recompute every k-th layer of each pipeline stage
+    # with a policy: only the first M layers of each stage (None = all)
+    recompute_first: int | None = non_negative(None)
+    # the head and loss run on this many tokens at a time, each chunk's logits recomputed in backward, so the
+    # whole micro-batch's logits never exist at once (under sequence parallelism: whole sequences); 0 = one go
+    loss_chunk_tokens: int = non_negative(2048)
+    # start from these weights (step 0, fresh optimizer): a Hugging Face folder (config.json + safetensors) or
+    # an hpc_train checkpoint / run directory; the architecture keys above are taken from it
+    init_from: str | None = None
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = positive(1)  # local processes when not started by Slurm or torchrun
+    tp: int = positive(1)
+    pp: int = positive(1)
+    dp: int | None = None  # None = world_size / (tp * pp)
+    virtual_stages: int = positive(1)
+    schedule: str = choice("1f1b", "interleaved_1f1b")
+    sequence_parallel: bool = False
+    backend: str = choice("auto", "nccl", "gloo")  # auto: nccl on CUDA, gloo on CPU
+    timeout_s: int = positive(600)  # collective timeout: a dead rank ends the job instead of hanging it
+    rendezvous_timeout_s: int = positive(300)  # every rank must have joined by then; the error names who did not
+    # a step unfinished this long: every rank's stack to run_dir/hang, then stop; 0 = off
+    hang_timeout_s: int = non_negative(300)
+    # a rank process that dies: restart every rank in the job from the newest checkpoint
+    max_restarts: int = non_negative(0)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = positive(100)
+    micro_batch_size: int = positive(8)
+    grad_accum: int = positive(1)
+    global_batch_size: int | None = positive(None)  # None = micro_batch_size * grad_accum * dp; if set it must match
+    precision: str = choice("fp32", "bf16", "fp16")
+    initial_loss_scale: float = positive(65536.0)  # fp16 only: dynamic loss scaling
+    loss_scale_window: int = positive(1000)  # fp16: clean steps before the scale doubles
+    seed: int = 1234
+    device: str = choice("auto", "cpu", "cuda")
+    eval_interval: int = non_negative(50)  # 0 = never
+    eval_batches: int = positive(4)
+    save_final_model: bool = True  # write run_dir/model_final.pt (consolidated weights) at the end
+    freeze: list[str] = field(default_factory=list)  # parameter names (fnmatch patterns) held fixed
+    skip_nonfinite: int = non_negative(0)  # steps with a non-finite loss or gradient skipped before the run stops
+    compile: bool = False  # torch.compile each block and, without tp, the loss chunk (regional compile)
+
+
+@dataclass
+class OptimConfig:
+    # the update rule (optim/rules): adamw, or muon (hidden-layer matrices by Muon, everything else by AdamW)
+    name: str = "adamw"
+    lr: float = non_negative(3e-4)
+    min_lr: float = non_negative(3e-5)
+    warmup_steps: int = non_negative(10)
+    decay_steps: int | None = positive(None)  # None = train.steps
+    weight_decay: float = non_negative(0.1)
+    beta1: float = fraction(0.9)
+    beta2: float = fraction(0.95)
+    eps: float = positive(1e-8)
+    grad_clip: float = non_negative(1.0)  # 0 = no clipping
+    # 0 = plain data parallelism; sharded over dp: 1 = optimizer state, 2 = + gradients, 3 = + parameters (FSDP2)
+    zero_stage: int = 0
+    bucket_mb: float = non_negative(25.0)  # gradient reduction bucket size (stages 0-2)
+    # cpu: the sharded optimizer state (stage 3: also the parameters) in host memory
+    offload: str = choice("none", "cpu")
+    # stage 3: free each block's gathered parameters after its forward (and all-gather them again for its
+    # backward); None = true without pipeline parallelism, false with it (torchtitan's default: a pipeline
+    # stage runs several forwards per step, and torch's schedules keep its parameters gathered until the
+    # step's last backward anyway)
+    reshard_after_forward: bool | None = None
+    overlap_grad_reduce: bool = False  # start each bucket's dp reduction from backward, as soon as it is ready
+    # muon: momentum, Nesterov, Newton-Schulz iterations, and how its lr is scaled per matrix shape
+    # (match_rms_adamw: Moonlight's 0.2 sqrt(max(rows, cols)), so optim.lr serves AdamW's parameters and
+    # Muon's alike; original: Keller Jordan's sqrt(max(1, rows / cols)))
+    momentum: float = fraction(0.95)
+    nesterov: bool = True
+    ns_steps: int = positive(5)
+    muon_adjust_lr: str = choice("match_rms_adamw", "original")
+
+
+@dataclass
+class FinetuneConfig:
+    """Which parameters train: all of them, or low-rank adapters on frozen base weights (LoRA; QLoRA keeps
+    the frozen base in 4-bit NF4)."""
+
+    method: str = choice("full", "lora", "qlora")
+    lora_rank: int = positive(8)
+    lora_alpha: float = positive(16.0)  # the adapter's output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = fraction(0.0)  # on the adapter's input
+    lora_targets: list[str] = field(default_factory=lambda: ["wq", "wv"])  # projections (e.g. wq wk wv wo w1 w2 w3)
+
+
+@dataclass
+class DataConfig:
+    train_path: str = BUILTIN_DATA  # prefix of a .bin/.idx pair, or "stdlib" for the embedded corpus
+    valid_path: str | None = None  # None with "stdlib" = its held-out split; None otherwise = no eval
+    cache_dir: str = "${oc.env:HPC_TRAIN_CACHE,'~/.cache/hpc_train'}"  # where the embedded corpus is built
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded, verified checkpoints. A run resumes from the newest one that verifies in `dir`."""
+
+    dir: str = "${run_dir}/checkpoints"
+    interval: int = non_negative(0)  # save every N steps (and at the end); 0 = only when preempted
+    keep_last: int = non_negative(3)  # committed checkpoints kept (the newest complete one is never deleted)
+    keep_every: int = non_negative(0)  # also keep every K-th step forever; 0 = off
+    async_save: bool = False  # write in the background while training continues
+    verify: str = choice("full", "sizes")  # full: sizes + checksums, every rank checking its share
+    resume: bool = True
+    io_threads: int = positive(1)  # per rank: files written, read and checksummed in parallel
+
+
+@dataclass
+class SlurmConfig:
+    """The sbatch job `hpc-train submit` generates (through submitit): one task per rank (per GPU)."""
+
+    nodes: int = positive(1)
+    tasks_per_node: int = positive(1)
+    gpus_per_node: int = non_negative(0)  # 0 = CPU job; otherwise must equal tasks_per_node
+    gpu_mem_gb: float = positive(80.0)  # per GPU (GiB): `submit` refuses a layout the planner says does not fit
+    cpus_per_task: int | None = None
+    mem: str | None = None  # e.g. 200G, or 0 for all of a node's memory
+    time: str = "01:00:00"  # MM, HH:MM:SS or D-HH:MM:SS
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclusive: bool = False
+    job_name: str | None = None  # None = name
+    log_dir: str | None = None  # None = <run_dir>/slurm
+    # Slurm sends the preemption/time-limit warning signal this long before the end
+    signal_delay_s: int = non_negative(120)
+    max_requeues: int = non_negative(3)  # how often a preempted or timed-out job is requeued
+    setup: list[str] = field(default_factory=list)  # shell lines before srun: module loads, exports
+    extra: dict[str, str] = field(default_factory=dict)  # more #SBATCH directives, e.g. {mail-type: END}
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = positive(1)
+    progress: str = choice("auto", "bar", "lines", "none")  # auto: a bar on a terminal, lines otherwise
+    breakdown: bool = False  # per-step time of forward+backward, gradient reduction, optimizer, bubble estimate
+    profile_steps: list[int] = field(default_factory=list)  # [a, b]: torch.profiler trace of steps a..b
+    tensorboard: bool = False  # also write the metrics to <run_dir>/tensorboard
+    # every N steps: name the ranks whose compute is slower than the median; 0 = off
+    straggler_interval: int = non_negative(50)
+    straggler_threshold: float = non_negative(0.2)  # ... by more than this fraction
+    # a straggler this many times the median has its node excluded next time; 0 = never
+    straggler_blame: float = non_negative(0.0)
+
+
+@dataclass
+class JobConfig:
+    name: str = "run"
+    run_dir: str = "runs/${name}"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
