@@ -105,7 +105,7 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         shared={name: part for name, part in shared.items() if part is not None},
         per_rank={"rng": RNGState()},
         report=report,
-        data={"tokens": len(train_set.tokens), "documents": len(train_set.doc_offsets) - 1} if train_set else None,
+        data=train_set.identity() if train_set else None,
         base_weights=base_fingerprint(cfg) if is_logger and model.quantized else None,
     )
     return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,

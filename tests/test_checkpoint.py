@@ -359,7 +359,7 @@ def _frozen_checks(rank_env, cfg):
         batch = run.train_set.batch(run.sampler.next_micro_batches()[0])
         from hpc_train.train.step import train_step
 
-        train_step(run.model, run.optimizer, [batch], 1e-3, 1.0)
+        train_step(run.model, run.optimizer, [batch], 1e-3)
         assert all(torch.equal(local(params[n]), frozen[n]) for n in FROZEN)
         run.checkpointer.save(1)
 

@@ -21,7 +21,8 @@ def test_indexed_roundtrip_and_dtypes(tmp_path):
     assert ds.tokens.dtype == np.uint32 and ds.header["num_docs"] == 3
     assert list(ds.doc_offsets) == [0, 10, 15, 17]
     assert np.array_equal(np.asarray(ds.tokens), np.concatenate(docs))
-    x, y = ds.batch(np.array([0, 3]))
+    batch = ds.batch(np.array([0, 3]))
+    x, y = batch.tokens, batch.labels
     assert x.tolist() == [[0, 1, 2, 3], [102, 103, 104, 70000]]
     assert y[0].tolist() == [1, 2, 3, 4]
     small = IndexedDatasetWriter(tmp_path / "small", vocab_size=257, tokenizer="byte")
@@ -105,7 +106,7 @@ def test_builtin_corpus_is_built_once(tmp_path):
 def test_instruction_jsonl_keeps_a_loss_mask_on_the_responses(tmp_path):
     """{prompt, response} lines: only the response and its end-of-document count; {text} lines count
     whole; an example longer than a sample is refused at load, or cut to its last --max-tokens."""
-    from hpc_train.data.indexed import IGNORE
+    from hpc_train.data.batch import IGNORE
     from hpc_train.data.prepare import prepare_data
 
     lines = [{"prompt": "Q: two? ", "response": "A: 2"}, {"text": "plain"}, {"prompt": "x" * 40, "response": "yz"}]
@@ -116,7 +117,7 @@ def test_instruction_jsonl_keeps_a_loss_mask_on_the_responses(tmp_path):
     tokens, mask = bytes(np.asarray(ds.tokens[:13]).astype(np.uint8)), np.asarray(ds.loss_mask)
     assert tokens[:12] == b"Q: two? A: 2" and mask[:8].sum() == 0 and mask[8:13].all()  # + end-of-document
     assert mask[13:19].all() and mask[19:29].sum() == 0 and mask[29:].all()  # "plain" + EOD; 40 x's cut to 10
-    _, targets = ds.batch(np.array([0]))
+    targets = ds.batch(np.array([0])).labels
     assert (targets[0] == IGNORE).tolist() == [True] * 7 + [False] * 6  # targets are the next tokens
     with pytest.raises(ValueError, match="longer than a sample"):
         IndexedDataset(tmp_path / "sft", 8)

@@ -28,9 +28,10 @@ import torch.distributed.checkpoint as dcp
 
 from hpc_train.builder import build_run
 from hpc_train.config import load_config
+from hpc_train.data.batch import Batch
 from hpc_train.launch.local import single_process_group
 from hpc_train.models.decoder import count_params
-from hpc_train.train.step import train_step
+from hpc_train.train.step import StepOptions, train_step
 
 BLOCK = 16 * 2**20
 
@@ -74,8 +75,8 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
     cfg = load_config(None, overrides)
     run = build_run(cfg, rank_env, device, with_data=False)
     seq = cfg.model.seq_len
-    batch = [(torch.zeros(1, seq, dtype=torch.long, device=device),) * 2]
-    train_step(run.model, run.optimizer, batch, 1e-4, 1.0)  # creates the AdamW moments
+    batch = [Batch(*(torch.zeros(1, seq, dtype=torch.long, device=device),) * 2)]
+    train_step(run.model, run.optimizer, batch, 1e-4)  # creates the AdamW moments
     for p in run.model.parameters:
         p.grad = None
     run.report = run.checkpointer.report = lambda message: None
@@ -117,7 +118,7 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
     background.wait()
 
     def step() -> None:  # waits for an async save's copy before its update, as in training
-        train_step(fresh.model, fresh.optimizer, batch, 1e-4, 1.0, before_update=background.staged)
+        train_step(fresh.model, fresh.optimizer, batch, 1e-4, StepOptions(before_update=background.staged))
 
     t_step = min(timed(step)[0] for _ in range(3))
     start = time.perf_counter()

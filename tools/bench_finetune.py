@@ -19,11 +19,12 @@ import torch
 
 from hpc_train.builder import build_run
 from hpc_train.config import load_config
+from hpc_train.data.batch import Batch
 from hpc_train.launch.bootstrap import distributed, select_device
 from hpc_train.launch.local import launch_local
 from hpc_train.layout import check_run
 from hpc_train.planner import estimate
-from hpc_train.train.step import train_step
+from hpc_train.train.step import StepOptions, train_step
 
 MODEL = ["model.vocab_size=8192", "model.n_layers=12", "model.n_heads=12", "model.d_model=768", "model.seq_len=256",
          "train.micro_batch_size=2"]  # fmt: skip
@@ -37,14 +38,14 @@ def worker(rank_env, cfg, warmup: int, steps: int) -> dict:
         run = build_run(cfg, rank_env, device, with_data=False)
         gen = torch.Generator().manual_seed(0)
         shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
-        batch = [(torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device),
-                  torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device))]  # fmt: skip
+        batch = [Batch(torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device),
+                       torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device))]  # fmt: skip
         times, result = [], None
         for i in range(warmup + steps):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            result = train_step(run.model, run.optimizer, batch, cfg.optim.lr, cfg.optim.grad_clip)
+            result = train_step(run.model, run.optimizer, batch, cfg.optim.lr, StepOptions(cfg.optim.grad_clip))
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= warmup:

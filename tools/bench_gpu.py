@@ -24,12 +24,13 @@ import torch
 
 from hpc_train.builder import build_run
 from hpc_train.config import JobConfig, load_config
+from hpc_train.data.batch import Batch
 from hpc_train.launch.local import single_process_group
 from hpc_train.models import get_spec
 from hpc_train.optim.rules import Target
 from hpc_train.optim.rules.adamw import AdamW
 from hpc_train.train.metrics import device_peak_flops
-from hpc_train.train.step import train_step
+from hpc_train.train.step import StepOptions, train_step
 
 MODELS = {  # name -> model and batch keys
     "tiny": ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=128",
@@ -65,8 +66,8 @@ def plain_loop(cfg: JobConfig, device: torch.device, compiled: bool) -> Callable
 
 def hpc_train_step(cfg: JobConfig, device: torch.device, rank_env) -> Callable[[torch.Tensor, torch.Tensor], None]:
     run = build_run(cfg, rank_env, device, with_data=False)
-    return lambda tokens, targets: train_step(run.model, run.optimizer, [(tokens, targets)], cfg.optim.lr,
-                                              cfg.optim.grad_clip, run.scaler)  # fmt: skip
+    options = StepOptions(cfg.optim.grad_clip, run.scaler)
+    return lambda tokens, targets: train_step(run.model, run.optimizer, [Batch(tokens, targets)], cfg.optim.lr, options)
 
 
 def measure(step, tokens, targets, device: torch.device, warmup: int, steps: int, before: int) -> dict[str, float]:

@@ -17,12 +17,13 @@ import torch
 
 from hpc_train.builder import build_run
 from hpc_train.config import load_config
+from hpc_train.data.batch import Batch
 from hpc_train.launch.local import single_process_group
 from hpc_train.models.decoder import count_params
 from hpc_train.optim.rules import Target
 from hpc_train.optim.rules.adamw import AdamW
 from hpc_train.optim.schedule import lr_at
-from hpc_train.train.step import train_step
+from hpc_train.train.step import StepOptions, train_step
 
 
 def plain_step(model, optimizer, tokens, targets, grad_clip, autocast_dtype):
@@ -67,7 +68,7 @@ def compare(cfg, run, rounds: int, steps: int) -> None:
 
     def run_ours(step: int) -> None:
         lr = lr_at(step, cfg.optim, cfg.train.steps)
-        train_step(run.model, run.optimizer, [(tokens, targets)], lr, cfg.optim.grad_clip, run.scaler)
+        train_step(run.model, run.optimizer, [Batch(tokens, targets)], lr, StepOptions(cfg.optim.grad_clip, run.scaler))
 
     def run_plain(step: int) -> None:
         plain_step(plain, plain_opt, tokens, targets, cfg.optim.grad_clip, run.policy.autocast_dtype)

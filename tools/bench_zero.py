@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from hpc_train.builder import build_run
 from hpc_train.config import load_config
+from hpc_train.data.batch import Batch
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local
 from hpc_train.models import get_spec
 from hpc_train.models.decoder import count_params
 from hpc_train.train.memory import storage_key_and_bytes
-from hpc_train.train.step import train_step
+from hpc_train.train.step import StepOptions, train_step
 
 MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "model.seq_len=128"]
 WARMUP = 3
@@ -42,7 +43,9 @@ def live_storages() -> dict[int, int]:
 def hpc_train_variant(cfg, rank_env, zero_stage: int):
     cfg = replace(cfg, optim=replace(cfg.optim, zero_stage=zero_stage, overlap_grad_reduce=zero_stage == 2))
     run = build_run(cfg, rank_env, torch.device("cpu"), with_data=False)
-    return lambda batch: train_step(run.model, run.optimizer, [batch], cfg.optim.lr, cfg.optim.grad_clip)
+    return lambda batch: train_step(
+        run.model, run.optimizer, [Batch(*batch)], cfg.optim.lr, StepOptions(cfg.optim.grad_clip)
+    )
 
 
 def deepspeed_variant(cfg, rank_env, zero_stage: int):

@@ -17,10 +17,10 @@ import struct
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from hpc_train.data.batch import Batch, collate
 
 MAGIC = b"HPCTIDX1"
-IGNORE = -100  # a target the loss skips (F.cross_entropy's ignore_index)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -104,7 +104,7 @@ def _read_header(idx_path: str) -> tuple[dict, int]:
     return header, offsets_at
 
 
-class IndexedDataset:
+class IndexedDataset:  # a data.batch.Source
     """Fixed-length training samples over the token stream: sample i is tokens[i*s : i*s + s + 1],
     giving inputs x = [:-1] and next-token targets y = [1:]. Documents are separated by their EOD token."""
 
@@ -141,19 +141,17 @@ class IndexedDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Sample i's tokens, and the loss mask of its next-token labels (None without one)."""
         start = i * self.seq_len
-        return self.tokens[start : start + self.seq_len + 1]
+        mask = None if self.loss_mask is None else self.loss_mask[start + 1 : start + self.seq_len + 1]
+        return self.tokens[start : start + self.seq_len + 1], mask
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets; a target the loss mask excludes is IGNORE."""
-        rows = torch.from_numpy(np.stack([self[int(i)] for i in indices]).astype(np.int64))
-        inputs, targets = rows[:, :-1], rows[:, 1:]
-        if self.loss_mask is not None:
-            starts = [int(i) * self.seq_len + 1 for i in indices]
-            counted = np.stack([self.loss_mask[s : s + self.seq_len] for s in starts]).astype(bool)
-            targets = targets.masked_fill(torch.from_numpy(~counted), IGNORE)
-        return inputs, targets
+    def identity(self) -> dict[str, int]:
+        return {"tokens": len(self.tokens), "documents": len(self.doc_offsets) - 1}
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        return collate(self, indices)
 
 
 def check_token_ids(dataset: IndexedDataset, vocab_size: int, chunk: int = 2**26) -> None:

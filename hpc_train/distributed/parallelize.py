@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import JobConfig
-from hpc_train.data.indexed import IGNORE
+from hpc_train.data.batch import Batch
 from hpc_train.distributed.fsdp import apply_fsdp, reshard, reshards_after_forward
 from hpc_train.distributed.grads import fix_grad_placements, local
 from hpc_train.distributed.mesh import Mesh
@@ -33,7 +33,7 @@ from hpc_train.distributed.tensor_parallel import apply_tensor_parallel
 from hpc_train.models.lora import apply_lora, init_adapters, is_adapter, quantize_projections
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 
-MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+MicroBatches = list[Batch]
 
 
 @dataclass
@@ -181,20 +181,20 @@ def step_context(model: ParallelModel, device: torch.device) -> contextlib.ExitS
 
 def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> torch.Tensor:
     """Mean (unscaled) loss over this rank's micro-batches (zero on pipeline stages without the loss)."""
-    device = micro_batches[0][0].device
+    device = micro_batches[0].tokens.device
     total = torch.zeros((), device=device)
     if model.masked_loss:
         model.loss_tokens = counted_targets(model, micro_batches)
     with step_context(model, device):
         if model.schedule is None:
-            for tokens, targets in micro_batches:
-                loss = model.chunks[0](tokens, targets, model.loss_tokens) / len(micro_batches)
+            for batch in micro_batches:
+                loss = model.chunks[0](batch.tokens, batch.labels, model.loss_tokens) / len(micro_batches)
                 if backward:
                     (loss * model.loss_scale).backward()
                 total += local(loss.detach())
             return total
-        tokens = torch.cat([t for t, _ in micro_batches])
-        targets = torch.cat([t for _, t in micro_batches])
+        tokens = torch.cat([b.tokens for b in micro_batches])
+        targets = torch.cat([b.labels for b in micro_batches])
         inputs = (tokens,) if model.mesh.is_first_stage else ()
         target = targets if model.mesh.is_last_stage else None
         losses: list[torch.Tensor] = []
@@ -207,7 +207,7 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
 
 def counted_targets(model: ParallelModel, micro_batches: MicroBatches) -> float:
     """The global batch's targets the loss mask counts, per micro-batch (one all-reduce over dp)."""
-    count = sum((targets != IGNORE).sum() for _, targets in micro_batches).double()
+    count = sum(b.loss_mask.sum() for b in micro_batches).double()
     if model.mesh.size("dp") > 1:
         dist.all_reduce(count, group=model.mesh.group("dp"))
     return max(count.item(), 1.0) / (len(micro_batches) * model.mesh.size("dp"))

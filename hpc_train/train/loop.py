@@ -24,7 +24,7 @@ from hpc_train.train.metrics import peak_memory_bytes
 from hpc_train.train.preemption import StopRequest, requeue_slurm_job
 from hpc_train.train.profiling import ProfileWindow, write_oom_report
 from hpc_train.train.report import TrainResult, announce, finish
-from hpc_train.train.step import NonFiniteStep, StepResult, evaluate, rank_micro_batches, train_step
+from hpc_train.train.step import NonFiniteStep, StepOptions, StepResult, evaluate, rank_micro_batches, train_step
 from hpc_train.train.stragglers import StragglerMonitor, describe_stragglers
 
 
@@ -126,8 +126,10 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
         try:
-            stats = train_step(run.model, run.optimizer, micro_batches, lr, cfg.optim.grad_clip, run.scaler, step,
-                               timings, monitor.clock, run.checkpointer.staged)  # fmt: skip
+            options = StepOptions(
+                cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged
+            )
+            stats = train_step(run.model, run.optimizer, micro_batches, lr, options)
         except NonFiniteStep as err:
             nonfinite_steps += 1
             stats, timings = _nonfinite(run, step, err, nonfinite_steps), None

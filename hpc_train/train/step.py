@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.config import JobConfig
-from hpc_train.data.indexed import IndexedDataset
+from hpc_train.data.batch import Source, collate
 from hpc_train.distributed import watchdog
 from hpc_train.distributed.grads import clip_grad_norm, local
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
@@ -31,25 +31,30 @@ class NonFiniteStep(UserError, RuntimeError):
 
 
 @dataclass
+class StepOptions:
+    """What a step takes besides the model, the optimizer, the batches and the learning rate."""
+
+    grad_clip: float = 1.0  # 0: no clipping
+    scaler: LossScaler | None = None  # fp16's dynamic loss scale
+    step: int = 0  # its number, for the hang watchdog and planted faults
+    timings: dict[str, float] | None = None  # when given, the seconds of each phase are added to it
+    clock: ComputeClock | None = None  # times the compute (straggler report)
+    before_update: Callable[[], None] | None = None  # runs before the weights change (an async save's copy)
+
+
+@dataclass
 class StepResult:
     loss: float  # mean over the global batch
     grad_norm: float
     memory: dict[str, int] = field(default_factory=dict)  # this rank's bytes by category
 
 
-def apply_gradients(
-    model: ParallelModel,
-    optimizer: Optimizer,
-    lr: float,
-    grad_clip: float,
-    scaler: LossScaler | None = None,
-    timings: dict[str, float] | None = None,
-    before_update: Callable[[], None] | None = None,
-) -> float | None:
+def apply_gradients(model: ParallelModel, optimizer: Optimizer, lr: float, options: StepOptions) -> float | None:
     """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step
     (`before_update` first: an async checkpoint's copy must be done). Returns the gradient norm, or None
     when the step was skipped for an overflow; raises NonFiniteStep (with the gradients dropped, nothing
     updated) for a non-finite norm, or an overflow at the smallest loss scale."""
+    scaler, timings = options.scaler, options.timings
     device = local(model.parameters[0]).device
     with timed(timings, "grad_reduce", device):
         optimizer.reduce_gradients()
@@ -66,12 +71,12 @@ def apply_gradients(
             return None
         scaler.unscale(grads.all)
     with timed(timings, "optimizer", device):
-        grad_norm = clip_grad_norm(grads, grad_clip, model.mesh)
+        grad_norm = clip_grad_norm(grads, options.grad_clip, model.mesh)
         if not math.isfinite(grad_norm):
             optimizer.zero_grad()
             raise NonFiniteStep(f"the gradient norm is {grad_norm}")
-        if before_update is not None:
-            before_update()
+        if options.before_update is not None:
+            options.before_update()
         optimizer.step(lr)
         optimizer.zero_grad()
     return grad_norm
@@ -82,21 +87,20 @@ def train_step(
     optimizer: Optimizer,
     micro_batches: MicroBatches,
     lr: float,
-    grad_clip: float,
-    scaler: LossScaler | None = None,
-    step: int = 0,
-    timings: dict[str, float] | None = None,
-    clock: ComputeClock | None = None,
-    before_update: Callable[[], None] | None = None,
+    options: StepOptions | None = None,
 ) -> StepResult:
-    """One optimizer step on this rank's micro-batches; the loss is the global-batch mean. With
-    `timings`, the seconds of each phase are added to it; `clock` times the compute (straggler report);
-    `before_update` runs before the weights change."""
+    """One optimizer step on this rank's micro-batches; the loss is the global-batch mean."""
+    options = options or StepOptions()
+    scaler, step = options.scaler, options.step
     model.loss_scale = scaler.scale if scaler else 1.0
     params = model.parameters
     optimizer.begin_step(len(micro_batches))
-    device = micro_batches[0][0].device
-    with SavedActivations(params) as saved, timed(timings, "forward_backward", device), clock or nullcontext():
+    device = micro_batches[0].tokens.device
+    with (
+        SavedActivations(params) as saved,
+        timed(options.timings, "forward_backward", device),
+        options.clock or nullcontext(),
+    ):
         loss = forward_backward(model, micro_batches)
         fault_point("compute", step, dist.get_rank())
     fault_point("mid_step", step, dist.get_rank())
@@ -107,7 +111,7 @@ def train_step(
         "activations_per_microbatch": saved.bytes // len(micro_batches),
         "activations_peak": saved.peak_bytes,
     }
-    grad_norm = apply_gradients(model, optimizer, lr, grad_clip, scaler, timings, before_update)
+    grad_norm = apply_gradients(model, optimizer, lr, options)
     memory["optimizer"] = optimizer.state_bytes()
     mean_loss = reduce_loss(model, loss)
     if grad_norm is not None and not math.isfinite(mean_loss):
@@ -115,11 +119,11 @@ def train_step(
     return StepResult(mean_loss, grad_norm if grad_norm is not None else float("nan"), memory)
 
 
-def rank_micro_batches(dataset: IndexedDataset, indices: list[np.ndarray], device: torch.device) -> MicroBatches:
-    return [tuple(t.to(device, non_blocking=True) for t in dataset.batch(idx)) for idx in indices]
+def rank_micro_batches(source: Source, indices: list[np.ndarray], device: torch.device) -> MicroBatches:
+    return [collate(source, idx).to(device) for idx in indices]
 
 
-def evaluate(model: ParallelModel, dataset: IndexedDataset, cfg: JobConfig) -> float:
+def evaluate(model: ParallelModel, dataset: Source, cfg: JobConfig) -> float:
     """Mean loss over the first eval_batches global batches of the held-out set, read in order: the same
     samples, in the same micro-batch shapes as training, whatever the layout."""
     model.train(False)

@@ -1,0 +1,54 @@
+"""What a run samples and trains on: the `Source` protocol every dataset follows (a length, a sample at an
+index, an identity for the checkpoint manifest) and the `Batch` a micro-batch is. Context parallelism,
+packed documents and blended sources extend these (positions, a source per sample) rather than tuples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+IGNORE = -100  # a label the loss skips (F.cross_entropy's ignore_index)
+
+
+class Source(Protocol):
+    def __len__(self) -> int:
+        """Samples it holds."""
+        ...
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Sample `index`: its seq_len + 1 token ids, and which of its seq_len next-token labels the loss
+        counts (None: all of them)."""
+        ...
+
+    def identity(self) -> dict[str, int]:
+        """What the checkpoint manifest records so that a resume on other data is refused."""
+        ...
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch on one rank."""
+
+    tokens: torch.Tensor  # (micro-batch, seq_len) input ids
+    labels: torch.Tensor  # (micro-batch, seq_len) next-token targets; IGNORE where the loss mask leaves one out
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.labels != IGNORE
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.tokens.to(device, non_blocking=True), self.labels.to(device, non_blocking=True))
+
+
+def collate(source: Source, indices: np.ndarray) -> Batch:
+    """The samples at `indices` as one batch: inputs, next-token labels, IGNORE where the mask says so."""
+    samples = [source.sample(int(i)) for i in indices]
+    rows = torch.from_numpy(np.stack([tokens for tokens, _ in samples]).astype(np.int64))
+    labels = rows[:, 1:]
+    if samples[0][1] is not None:
+        counted = torch.from_numpy(np.stack([mask for _, mask in samples]).astype(bool))
+        labels = labels.masked_fill(~counted, IGNORE)
+    return Batch(rows[:, :-1], labels)
