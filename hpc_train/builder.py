@@ -30,10 +30,11 @@ from hpc_train.data.prepare import load_datasets
 from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.parallelize import ParallelModel, parallelize
+from hpc_train.distributed.transforms import StagePlan
 from hpc_train.launch.bootstrap import RankEnv
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
-from hpc_train.optim import build_optimizer, precision_policy
+from hpc_train.optim import build_optimizer, optimizer_class, precision_policy
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
@@ -77,10 +78,11 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
 
     spec = get_spec(cfg.model.arch)
     policy = precision_policy(cfg)
-    model = parallelize(cfg, spec, mesh, device, policy.autocast_dtype)
+    shards_params = optimizer_class(cfg.optim).shards_params
+    model = parallelize(StagePlan(cfg, spec, mesh, device, policy.autocast_dtype, shards_params))
     model.masked_loss = any(ds is not None and ds.loss_mask is not None for ds in (train_set, valid_set))
     load_base(model, cfg, cfg.checkpoint.io_threads)
-    adapters = cfg.finetune.method != "full"
+    adapters = cfg.finetune.adapters
     optimizer = build_optimizer(model, cfg.optim)
     # after the optimizer took its fp32 master copy; LoRA's frozen base in the compute dtype
     policy.cast_parameters(model.trainable_parameters if adapters else model.parameters)

@@ -25,7 +25,7 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
                lambda: _check_zero(cfg, dp)])  # fmt: skip
     if cfg.train.freeze:
         _check_freeze(cfg, spec)
-    if cfg.finetune.method != "full":
+    if cfg.finetune.adapters:
         _check_adapters(cfg, spec)
     return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)
 
@@ -33,7 +33,7 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
 def _check_zero(cfg: JobConfig, dp: int) -> None:
     """Options that only one side of ZeRO-3 (FSDP2) has, and what it cannot do yet."""
     o = cfg.optim
-    if o.zero_stage == 3:
+    if optimizer_class(o).shards_params:
         if dp == 1:
             raise ConfigError(
                 "optim.zero_stage=3 shards over dp, and dp=1 here: use optim.zero_stage=1 (or more ranks)"
@@ -60,13 +60,13 @@ def _check_adapters(cfg: JobConfig, spec: ModelSpec) -> None:
     if cfg.finetune.lora_dropout and cfg.parallel.tp > 1:
         raise ConfigError("finetune.lora_dropout with parallel.tp > 1 would draw another mask on each tp rank of a "
                           "replicated input: set finetune.lora_dropout=0 or parallel.tp=1")  # fmt: skip
-    if cfg.optim.zero_stage == 3:
+    if optimizer_class(cfg.optim).shards_params:
         raise ConfigError(f"finetune.method={cfg.finetune.method} trains only small adapters, with nothing worth "
                           "sharding by FSDP2: use optim.zero_stage=1 (or 0)")  # fmt: skip
     with torch.device("meta"):
         stage = spec.build_stage(cfg.model)
     check_targets(stage, cfg.finetune.lora_targets)
-    if cfg.finetune.method == "qlora":
+    if cfg.finetune.quantized_base:
         _check_qlora(cfg, stage)
 
 

@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from hpc_train.config import ConfigError, JobConfig, ModelConfig
-from hpc_train.distributed.fsdp import reshards_after_forward
+from hpc_train.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import bubble_fraction, stage_ids
-from hpc_train.distributed.tensor_parallel import sharded_parameter_names
+from hpc_train.distributed.transforms.fsdp import reshards_after_forward
+from hpc_train.distributed.transforms.tensor_parallel import sharded_parameter_names
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.models.decoder import recompute_choice
@@ -92,6 +92,7 @@ def _param_count(
     `finetune`: (method, LoRA rank, LoRA targets)."""
     model_cfg = ModelConfig(**dict(model))
     method, rank, targets = finetune
+    ft = FinetuneConfig(method, rank, lora_targets=list(targets))
     spec = get_spec(model_cfg.arch)
     total = trainable = shard_total = shard_trainable = quantized = quantized_bytes = largest_projection = 0
     matrices = shard_matrices = 0
@@ -105,15 +106,15 @@ def _param_count(
         elements = {name: p.numel() // tp if name in sharded else p.numel() for name, p in chunk.named_parameters()}
         rows = {name: p.shape[-1] if p.ndim > 1 else 1 for name, p in chunk.named_parameters()}  # FSDP: whole rows
         ndims = {name: p.ndim for name, p in chunk.named_parameters()}
-        trains = {name: method == "full" and not is_frozen(chunk.canonical_name(name), list(freeze))
+        trains = {name: not ft.adapters and not is_frozen(chunk.canonical_name(name), list(freeze))
                   for name in elements}  # fmt: skip
         for module_name, module in projections(chunk).items():
             weight = f"{module_name}.weight"
             largest_projection = max(largest_projection, elements[weight])
-            if method == "qlora":
+            if ft.quantized_base:
                 quantized += elements[weight]
                 quantized_bytes += nf4_bytes(elements[weight])
-            if method != "full" and module_name.rsplit(".", 1)[-1] in targets:  # A (rank, in), B (out, rank)
+            if ft.adapters and module_name.rsplit(".", 1)[-1] in targets:  # A (rank, in), B (out, rank)
                 column = isinstance(plan.get(module_name), ColwiseParallel)
                 row = isinstance(plan.get(module_name), RowwiseParallel)
                 out_features, in_features = module.weight.shape
@@ -161,7 +162,7 @@ def activation_parts(cfg: JobConfig) -> StageActivations:
     """The family's activation formulas for one micro-batch of this run, by part of a stage."""
     m, p = cfg.model, cfg.parallel
     f, policy, compute = cfg.finetune, precision_policy(cfg), compute_bytes(cfg)
-    adapters = f.method != "full"
+    adapters = f.adapters
     casts = policy.autocast_dtype is not None and compute == 4 and not adapters  # autocast over fp32 weights
     shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len, tp=p.tp,
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
@@ -226,7 +227,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
             comm = compute * local.total + (compute + 4) * local.largest_block
     else:  # LoRA's frozen base in the compute dtype, QLoRA's projections in NF4
         frozen = local.total - local.trainable - local.quantized
-        frozen_bytes = precision_policy(cfg).frozen_dtype.itemsize if cfg.finetune.method != "full" else element
+        frozen_bytes = precision_policy(cfg).frozen_dtype.itemsize if cfg.finetune.adapters else element
         param_bytes = local.trainable * element + frozen * frozen_bytes + local.quantized_bytes
         trainable, matrices = local.trainable, local.trainable_matrices
         grads, masters, owned = cls.planned_bytes(trainable, dims.dp, element, o.overlap_grad_reduce)
@@ -315,7 +316,7 @@ def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int) -> float:
         return 0.0
     ring = params * (dp - 1) / dp
     compute, weights = compute_bytes(cfg), precision_policy(cfg).param_bytes
-    if o.zero_stage == 3:
+    if optimizer_class(o).shards_params:
         pp = cfg.parallel.pp > 1
         all_gathers = 2 * t.grad_accum if reshards_after_forward(cfg) else (1 if pp else t.grad_accum)
         return ring * (compute * all_gathers + 4 * (1 if pp else t.grad_accum))
@@ -344,7 +345,7 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
     tp_bytes = 0 if p.tp == 1 else 4 * m.n_layers / p.pp * tokens * m.d_model * elt * (p.tp - 1) / p.tp
     n = local_param_count(cfg).trainable
     dp_time = dp_traffic_bytes(cfg, dims, n) / (ib_gbps * 1e9)
-    if o.zero_stage == 3:
+    if optimizer_class(o).shards_params:  # FSDP prefetches
         dp_time = max(0.0, dp_time - compute)
     elif o.overlap_grad_reduce:
         dp_time = max(0.0, dp_time - 2 / 3 * compute / t.grad_accum)
@@ -373,7 +374,7 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "
             f"zero={cfg.optim.zero_stage}, offload={cfg.optim.offload}, {cfg.train.precision}")  # fmt: skip
     lines = [head]
-    if cfg.finetune.method != "full":
+    if cfg.finetune.adapters:
         local = local_param_count(cfg)
         frozen = (local.total - local.trainable) / 1e6
         line = f"{cfg.finetune.method} (a rank of the first stage): {local.trainable / 1e6:.1f}M trainable "

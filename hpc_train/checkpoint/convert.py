@@ -23,6 +23,7 @@ from hpc_train.checkpoint.store import CheckpointError
 from hpc_train.config import ConfigError, JobConfig, load_config
 from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import ParallelModel, full_state_dict, parallelize
+from hpc_train.distributed.transforms import StagePlan
 from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
 from hpc_train.models import get_spec
 from hpc_train.models.lora import merge_adapters
@@ -67,8 +68,8 @@ def load_model(source: str, base: str | None = None) -> tuple[JobConfig, Paralle
     else:
         moved = [f"model.init_from={base}"] if base else []
         cfg = load_config(None, [*SINGLE_PROCESS, *moved], saved=info.manifest["config"])
-    model = parallelize(cfg, get_spec(cfg.model.arch), Mesh(ParallelDims(), "cpu"), torch.device("cpu"))
-    qlora = cfg.finetune.method == "qlora"
+    model = parallelize(StagePlan(cfg, get_spec(cfg.model.arch), Mesh(ParallelDims(), "cpu"), torch.device("cpu")))
+    qlora = cfg.finetune.quantized_base
     if info is None or qlora:  # a checkpoint holds its weights, except QLoRA's NF4 base: rebuilt as in training
         if qlora and (fingerprint := base_fingerprint(cfg)) != info.manifest.get("base_weights"):
             raise CheckpointError(f"{info.path} was trained on the base weights {info.manifest.get('base_weights')}"
@@ -98,7 +99,7 @@ def export_hf(source: str, out: str, adapters_only: bool = False, base: str | No
     spec = get_spec(cfg.model.arch)
     if adapters_only:
         return save_peft_adapters(out, cfg, state)
-    if cfg.finetune.method != "full":
+    if cfg.finetune.adapters:
         state = merge_adapters(state, cfg.finetune)
     return save_hf(out, spec, cfg.model, state)
 
@@ -108,7 +109,7 @@ def save_peft_adapters(out: str, cfg: JobConfig, state: dict[str, torch.Tensor])
     the Hugging Face modules they sit beside."""
     save_file = require_module("safetensors.torch").save_file
     spec, ft = get_spec(cfg.model.arch), cfg.finetune
-    if ft.method == "full":
+    if not ft.adapters:
         raise CheckpointError("--adapters-only: this checkpoint was trained with finetune.method=full; it has none")
     rules = {rule.ours: rule for rule in spec.hf.rules(cfg.model)}
     tensors, targets = {}, set()

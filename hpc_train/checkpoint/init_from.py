@@ -77,7 +77,7 @@ def load_base(model: ParallelModel, cfg: JobConfig, io_threads: int = 1) -> None
     """The base a run starts from: `model.init_from`'s weights, if any, then for QLoRA its projections in NF4."""
     if cfg.model.init_from:
         load_initial_weights(model, cfg.model.init_from, io_threads)
-    if cfg.finetune.method == "qlora":
+    if cfg.finetune.quantized_base:
         quantize_frozen_base(model)
 
 

@@ -150,6 +150,16 @@ class FinetuneConfig:
     lora_dropout: float = fraction(0.0)  # on the adapter's input
     lora_targets: list[str] = field(default_factory=lambda: ["wq", "wv"])  # projections (e.g. wq wk wv wo w1 w2 w3)
 
+    @property
+    def adapters(self) -> bool:
+        """Only low-rank adapters train (LoRA or QLoRA); the base model is frozen."""
+        return self.method != "full"
+
+    @property
+    def quantized_base(self) -> bool:
+        """The frozen base's projections are held in NF4 (QLoRA)."""
+        return self.method == "qlora"
+
 
 @dataclass
 class DataConfig:

@@ -25,12 +25,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import JobConfig
 from hpc_train.data.batch import Batch
-from hpc_train.distributed.fsdp import apply_fsdp, reshard, reshards_after_forward
 from hpc_train.distributed.grads import fix_grad_placements, local
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
-from hpc_train.distributed.tensor_parallel import apply_tensor_parallel
-from hpc_train.models.lora import apply_lora, init_adapters, is_adapter, quantize_projections
+from hpc_train.distributed.transforms import StagePlan, apply_transforms
+from hpc_train.distributed.transforms.fsdp import reshard
+from hpc_train.models.lora import init_adapters, is_adapter, quantize_projections
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 
 MicroBatches = list[Batch]
@@ -103,7 +103,7 @@ class ParallelModel:
 
 def freeze(model: ParallelModel, patterns: list[str]) -> None:
     """train.freeze's patterns; with LoRA or QLoRA everything but the adapters."""
-    adapters_only = model.cfg.finetune.method != "full"
+    adapters_only = model.cfg.finetune.adapters
     for name, p in model.named_parameters:
         if is_frozen(name, patterns) or (adapters_only and not is_adapter(name)):
             p.requires_grad_(False)
@@ -123,14 +123,12 @@ def _tied_pipeline_copy(chunks: list[StageModule], mesh: Mesh) -> tuple[nn.Param
     return None, None
 
 
-def parallelize(
-    cfg: JobConfig, spec: ModelSpec, mesh: Mesh, device: torch.device, autocast_dtype: torch.dtype | None = None
-) -> ParallelModel:
-    """Build this rank's stages on the meta device, shard them over tp, add LoRA adapters (finetune.method),
-    compile their blocks (train.compile), shard them over dp with ZeRO-3, then
-    allocate only the local shards on `device` and initialize them (identically to the single-process
-    model): no rank ever holds more than its own part of the model, plus one full parameter at a time
-    during init."""
+def parallelize(plan: StagePlan) -> ParallelModel:
+    """Build this rank's stages on the meta device, apply the transforms that the plan calls for
+    (distributed/transforms: tp, recompute, adapters, compile, FSDP...), then allocate only the local
+    shards on the plan's device and initialize them (identically to the single-process model): no rank
+    ever holds more than its own part of the model, plus one full parameter at a time during init."""
+    cfg, spec, mesh, device = plan.cfg, plan.spec, plan.mesh, plan.device
     p = cfg.parallel
     pp, tp = mesh.size("pp"), mesh.size("tp")
     num_stages = pp * p.virtual_stages
@@ -139,21 +137,13 @@ def parallelize(
     for stage in stages:
         with torch.device("meta"):
             chunk = spec.build_stage(cfg.model, stage, num_stages, tp)
-        if tp > 1:
-            apply_tensor_parallel(chunk, spec, mesh.sub("tp"), p.sequence_parallel)
-        if cfg.finetune.method != "full":
-            apply_lora(chunk, cfg.finetune)
-        if cfg.train.compile:
-            chunk.compile_regions()
-        if cfg.optim.zero_stage == 3:
-            offload = cfg.optim.offload == "cpu"
-            apply_fsdp(chunk, mesh.sub("dp"), autocast_dtype, reshards_after_forward(cfg), offload, device)
+        apply_transforms(chunk, plan)
         chunk.to_empty(device=device)
         spec.init_weights(chunk, cfg.train.seed)
         init_adapters(chunk, cfg.train.seed)
         chunks.append(chunk)
     tied_copy, tied_group = _tied_pipeline_copy(chunks, mesh)
-    model = ParallelModel(cfg, spec, chunks, mesh, autocast_dtype, tied_copy=tied_copy, tied_group=tied_group)
+    model = ParallelModel(cfg, spec, chunks, mesh, plan.compute_dtype, tied_copy=tied_copy, tied_group=tied_group)
     freeze(model, cfg.train.freeze)
     if pp > 1:
         if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time

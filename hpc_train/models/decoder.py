@@ -240,13 +240,11 @@ class Decoder(nn.Module):
 
 
 def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, tp: int = 1, *, arch: Architecture) -> Decoder:
-    """Pipeline stage `stage` of `num_stages` (equal layer counts; embeddings first, head last), with its
-    activation recompute applied; stage 0 of 1 is the whole model."""
+    """Pipeline stage `stage` of `num_stages` (equal layer counts; embeddings first, head last); stage 0 of 1
+    is the whole model. Activation recompute is a transform (distributed/transforms/recompute.py)."""
     per_stage = cfg.n_layers // num_stages
     layers = range(stage * per_stage, (stage + 1) * per_stage)
-    model = Decoder(cfg, arch, tp=tp, layer_ids=layers, first=stage == 0, last=stage == num_stages - 1)
-    apply_recompute(model, cfg)
-    return model
+    return Decoder(cfg, arch, tp=tp, layer_ids=layers, first=stage == 0, last=stage == num_stages - 1)
 
 
 def loss_chunk_rows(chunk_tokens: int, targets_shape: tuple[int, ...]) -> int:

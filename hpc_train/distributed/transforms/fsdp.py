@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from hpc_train.config import JobConfig
+from hpc_train.distributed.transforms.plan import StagePlan, Transform
 from hpc_train.models.spec import StageModule
 
 
@@ -51,6 +52,14 @@ def apply_fsdp(
     if device.type != "cuda":  # gloo has neither AVG nor PREMUL_SUM: sum, then divide
         for unit in (*blocks, chunk):
             unit.set_force_sum_reduction_for_comms(True)
+
+
+def _apply(stage: StageModule, plan: StagePlan) -> None:
+    offload = plan.cfg.optim.offload == "cpu"
+    apply_fsdp(stage, plan.mesh.sub("dp"), plan.compute_dtype, reshards_after_forward(plan.cfg), offload, plan.device)
+
+
+TRANSFORM = Transform("fsdp", lambda plan: plan.shards_params, _apply)
 
 
 def reshard(chunks: list[nn.Module]) -> None:

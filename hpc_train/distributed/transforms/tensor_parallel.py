@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from hpc_train.models.spec import ModelSpec
+from hpc_train.distributed.transforms.plan import StagePlan, Transform
+from hpc_train.models.spec import ModelSpec, StageModule
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -21,6 +22,13 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
     if getattr(model, "vocab_mask", None) is not None:  # the -inf padding mask is sharded like the logits
         model.vocab_mask = distribute_tensor(model.vocab_mask, tp_mesh, [Shard(0)])
     model.tie_weights()  # a tied head takes the embedding's (identically sharded) parameter again
+
+
+def _apply(stage: StageModule, plan: StagePlan) -> None:
+    apply_tensor_parallel(stage, plan.spec, plan.mesh.sub("tp"), plan.cfg.parallel.sequence_parallel)
+
+
+TRANSFORM = Transform("tensor_parallel", lambda plan: plan.mesh.size("tp") > 1, _apply)
 
 
 def sharded_parameter_names(model: nn.Module, plan: dict[str, ParallelStyle]) -> set[str]:
