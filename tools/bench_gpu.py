@@ -26,8 +26,8 @@ from hpc_train.builder import build_run
 from hpc_train.config import JobConfig, load_config
 from hpc_train.launch.local import single_process_group
 from hpc_train.models import get_spec
+from hpc_train.observe.metrics import device_peak_flops
 from hpc_train.optim.adamw import adamw
-from hpc_train.train.metrics import device_peak_flops
 from hpc_train.train.step import train_step
 
 MODELS = {  # name -> model and batch keys

@@ -30,7 +30,7 @@ from hpc_train.distributed.grads import fix_grad_placements, local
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.tensor_parallel import apply_tensor_parallel
-from hpc_train.models.lora import apply_lora, init_adapters, is_adapter, quantize_projections
+from hpc_train.finetune.lora import apply_lora, init_adapters, is_adapter, quantize_projections
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]

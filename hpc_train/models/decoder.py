@@ -29,9 +29,9 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ConfigError, ModelConfig
-from hpc_train.distributed.placement import distribute_like
 from hpc_train.models.hf import HFFormat
 from hpc_train.models.spec import ActivationShape, ModelSpec, StageActivations, param_generator
+from hpc_train.placement import distribute_like
 
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 VOCAB_PARAMS = (EMBEDDING, HEAD)  # rows padded to the vocabulary multiple; checkpoints store them unpadded

@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
 from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.distributed.placement import like_param
 from hpc_train.optim.adamw import MOMENTS, adam_step_tensor, adamw, moment_bytes, set_lr
 from hpc_train.optim.buckets import BucketedReduction, bucketize
+from hpc_train.placement import like_param
 
 # torch >= 2.13 names these *_single for gloo; older releases only have the *_tensor names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
