@@ -29,7 +29,7 @@ from hpc_train.distributed.tensor_parallel import sharded_parameter_names
 from hpc_train.finetune.lora import NF4_BLOCK, nf4_scaler_block, projections
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
-from hpc_train.models.decoder import recompute_choice
+from hpc_train.models.common.decoder import recompute_choice
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen
 from hpc_train.optim import optimizer_class, precision_policy
 

@@ -28,7 +28,7 @@ from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.distributed.parallelize import step_context
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
-from hpc_train.models.hf import plan_import
+from hpc_train.models.common.hf import plan_import
 from hpc_train.train.loop import run_training
 from tests.conftest import max_param_diff, read_final_model, read_metrics
 

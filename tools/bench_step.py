@@ -18,7 +18,7 @@ import torch
 from hpc_train.builder import build_run
 from hpc_train.config import load_config
 from hpc_train.launch.local import single_process_group
-from hpc_train.models.decoder import count_params
+from hpc_train.models.common.decoder import count_params
 from hpc_train.optim.adamw import adamw
 from hpc_train.optim.schedule import lr_at
 from hpc_train.train.step import train_step

@@ -25,7 +25,7 @@ from hpc_train.config import load_config
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local
 from hpc_train.models import get_spec
-from hpc_train.models.decoder import count_params
+from hpc_train.models.common.decoder import count_params
 from hpc_train.observe.memory import storage_key_and_bytes
 from hpc_train.train.step import train_step
 
