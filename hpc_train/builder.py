@@ -34,11 +34,11 @@ from hpc_train.distributed.transforms import StagePlan
 from hpc_train.launch.bootstrap import RankEnv
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
+from hpc_train.observe.metrics import MetricsLog
 from hpc_train.optim import build_optimizer, optimizer_class, precision_policy
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
-from hpc_train.train.metrics import MetricsLog
 
 
 @dataclass

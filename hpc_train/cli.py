@@ -37,7 +37,7 @@ def check_inputs(cfg: JobConfig, world: int, starts_here: bool) -> ParallelDims:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from hpc_train.launch.local import check_machine, launch_local
-    from hpc_train.launch.restart import run_task
+    from hpc_train.resilience.restart import run_task
     from hpc_train.train.loop import run_training
 
     cfg = _config_and_overrides(args)
@@ -134,8 +134,8 @@ def _follow(cfg: JobConfig, job) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> None:
+    from hpc_train.commands.doctor import run_doctor
     from hpc_train.launch import slurm
-    from hpc_train.launch.doctor import run_doctor
     from hpc_train.launch.local import check_machine, launch_local
 
     cfg = _config_and_overrides(args)  # a doctor job is never restarted: a failure is its finding
@@ -185,7 +185,7 @@ def cmd_ckpt(args: argparse.Namespace) -> None:
 
 
 def cmd_import_hf(args: argparse.Namespace) -> None:
-    from hpc_train.checkpoint.convert import import_config, import_hf
+    from hpc_train.commands.convert import import_config, import_hf
     from hpc_train.launch.local import check_machine, launch_local
 
     cfg = import_config(args.hf_dir, args.ckpt_dir, args.overrides)
@@ -197,7 +197,7 @@ def cmd_import_hf(args: argparse.Namespace) -> None:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
-    from hpc_train.checkpoint.convert import export_hf
+    from hpc_train.commands.convert import export_hf
     from hpc_train.launch.local import single_process_group
 
     with single_process_group():
@@ -207,8 +207,8 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from hpc_train.checkpoint.convert import load_model
-    from hpc_train.generate import generate, pick_tokenizer
+    from hpc_train.commands.convert import load_model
+    from hpc_train.commands.generate import generate, pick_tokenizer
     from hpc_train.launch.local import single_process_group
 
     if not 0 < args.top_p <= 1 or args.temperature < 0 or args.max_new_tokens < 1:

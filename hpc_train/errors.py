@@ -2,7 +2,7 @@
 be used, a run that must stop. Every such error names the problem and the fix in its message."""
 
 USER_ERROR_EXIT = 2  # a rank that stopped on a UserError, already printed
-HANG_EXIT = 3  # a rank that stopped a hung run, after the stacks and the summary (distributed/watchdog.py)
+HANG_EXIT = 3  # a rank that stopped a hung run, after the stacks and the summary (resilience/watchdog.py)
 
 
 class UserError(Exception):

@@ -11,8 +11,8 @@ import torch
 from hpc_train.config import ConfigError, JobConfig, raise_all, validate
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import stage_ids
+from hpc_train.finetune.lora import NF4_BLOCK, check_targets, nf4_scaler_block, projections
 from hpc_train.models import get_spec
-from hpc_train.models.lora import NF4_BLOCK, check_targets, nf4_scaler_block, projections
 from hpc_train.models.spec import ModelSpec, is_frozen
 from hpc_train.optim import optimizer_class
 

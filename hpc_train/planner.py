@@ -26,10 +26,10 @@ from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import bubble_fraction, stage_ids
 from hpc_train.distributed.transforms.fsdp import reshards_after_forward
 from hpc_train.distributed.transforms.tensor_parallel import sharded_parameter_names
+from hpc_train.finetune.lora import NF4_BLOCK, nf4_scaler_block, projections
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
-from hpc_train.models.decoder import recompute_choice
-from hpc_train.models.lora import NF4_BLOCK, nf4_scaler_block, projections
+from hpc_train.models.common.decoder import recompute_choice
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen
 from hpc_train.optim import optimizer_class, precision_policy
 from hpc_train.optim.rules import UpdateRule, is_hidden_matrix, rule_class

@@ -19,16 +19,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hpc_train.builder import build_run
-from hpc_train.checkpoint.convert import export_hf, import_config, import_hf, load_model
 from hpc_train.checkpoint.hf_io import HFFolder
 from hpc_train.cli import main
+from hpc_train.commands.convert import export_hf, import_config, import_hf, load_model
+from hpc_train.commands.generate import generate
 from hpc_train.config import ConfigError
 from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.distributed.parallelize import step_context
-from hpc_train.generate import generate
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
-from hpc_train.models.hf import plan_import
+from hpc_train.models.common.hf import plan_import
 from hpc_train.train.loop import run_training
 from tests.conftest import max_param_diff, read_final_model, read_metrics
 

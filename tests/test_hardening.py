@@ -20,7 +20,7 @@ from hpc_train.checkpoint.ownership import DirectoryLock
 from hpc_train.checkpoint.safe_load import CheckpointError, load_rank_file, read_dcp_metadata
 from hpc_train.cli import main
 from hpc_train.data.indexed import MAGIC, IndexedDatasetWriter
-from hpc_train.train.metrics import MetricsLog
+from hpc_train.observe.metrics import MetricsLog
 from tests.conftest import ROOT
 
 TINY = "configs/tiny.yaml"

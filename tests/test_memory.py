@@ -9,7 +9,7 @@ from hpc_train.builder import build_run
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.distributed.parallelize import forward_backward
 from hpc_train.launch.local import single_process_group
-from hpc_train.train.memory import SavedActivations
+from hpc_train.observe.memory import SavedActivations
 
 POLICIES = {
     "none": [],

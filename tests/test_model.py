@@ -1,7 +1,7 @@
 import torch
 
 from hpc_train.config import ModelConfig
-from hpc_train.models.decoder import count_params, init_weights, padded_vocab_size
+from hpc_train.models.common.decoder import count_params, init_weights, padded_vocab_size
 from hpc_train.models.llama import LLAMA
 
 GPT = LLAMA.build_stage

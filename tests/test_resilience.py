@@ -73,7 +73,7 @@ def test_hung_rank_is_located_and_the_run_restarts(tmp_path, small_corpus):
     (kept,) = run.glob("hang-*/summary.txt")  # moved aside by the restarted run
     summary = kept.read_text()
     rank1 = next(line for line in summary.splitlines() if line.strip().startswith("rank 1 "))
-    assert "in fault_point (hpc_train/faults.py:" in rank1, summary
+    assert "in fault_point (hpc_train/resilience/faults.py:" in rank1, summary
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
 
 

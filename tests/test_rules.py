@@ -11,10 +11,10 @@ from torch.distributed.tensor import DTensor
 
 from hpc_train.builder import build_run
 from hpc_train.config import ConfigError, load_config
-from hpc_train.distributed.placement import distribute_like
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_sequence
 from hpc_train.optim.rules import RULES, is_hidden_matrix, rule_class, target
+from hpc_train.placement import distribute_like
 
 
 class Tiny(nn.Module):

@@ -30,7 +30,7 @@ from hpc_train.builder import build_run
 from hpc_train.config import load_config
 from hpc_train.data.batch import Batch
 from hpc_train.launch.local import single_process_group
-from hpc_train.models.decoder import count_params
+from hpc_train.models.common.decoder import count_params
 from hpc_train.train.step import StepOptions, train_step
 
 BLOCK = 16 * 2**20

@@ -27,9 +27,9 @@ from hpc_train.config import JobConfig, load_config
 from hpc_train.data.batch import Batch
 from hpc_train.launch.local import single_process_group
 from hpc_train.models import get_spec
+from hpc_train.observe.metrics import device_peak_flops
 from hpc_train.optim.rules import Target
 from hpc_train.optim.rules.adamw import AdamW
-from hpc_train.train.metrics import device_peak_flops
 from hpc_train.train.step import StepOptions, train_step
 
 MODELS = {  # name -> model and batch keys

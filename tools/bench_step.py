@@ -19,7 +19,7 @@ from hpc_train.builder import build_run
 from hpc_train.config import load_config
 from hpc_train.data.batch import Batch
 from hpc_train.launch.local import single_process_group
-from hpc_train.models.decoder import count_params
+from hpc_train.models.common.decoder import count_params
 from hpc_train.optim.rules import Target
 from hpc_train.optim.rules.adamw import AdamW
 from hpc_train.optim.schedule import lr_at

@@ -26,8 +26,8 @@ from hpc_train.data.batch import Batch
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local
 from hpc_train.models import get_spec
-from hpc_train.models.decoder import count_params
-from hpc_train.train.memory import storage_key_and_bytes
+from hpc_train.models.common.decoder import count_params
+from hpc_train.observe.memory import storage_key_and_bytes
 from hpc_train.train.step import StepOptions, train_step
 
 MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "model.seq_len=128"]

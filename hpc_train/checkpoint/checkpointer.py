@@ -46,7 +46,7 @@ from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.state import ShardedPart, Stateful
 from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from hpc_train.config import JobConfig, to_yaml
-from hpc_train.faults import fault_point
+from hpc_train.resilience.faults import fault_point
 
 # of the per-rank files; format 1 (hpc_train 08c1275) kept the sampler's count at top level, formats 1 and
 # 2 the numpy RNG key as a numpy array (3: a tensor, so the files load with weights_only=True alone)

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hpc_train.checkpoint.integrity import file_record, new_digest
 from hpc_train.checkpoint.safe_load import SafeFileSystemReader
-from hpc_train.faults import fault_point
+from hpc_train.resilience.faults import fault_point
 
 
 class _HashingStream:

@@ -17,7 +17,7 @@ import torch
 
 from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.models import MODEL_SPECS
-from hpc_train.models.hf import HFFormat, export_state
+from hpc_train.models.common.hf import HFFormat, export_state
 from hpc_train.models.spec import ModelSpec
 
 CONFIG, INDEX, WEIGHTS = "config.json", "model.safetensors.index.json", "model.safetensors"

@@ -22,9 +22,9 @@ from hpc_train.checkpoint.store import CheckpointError, CheckpointInfo, Checkpoi
 from hpc_train.config import ConfigError, JobConfig, ModelConfig
 from hpc_train.distributed.grads import local
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows, quantize_frozen_base
-from hpc_train.distributed.placement import distribute_like
-from hpc_train.models.hf import ARCH_FIELDS, import_tensor, plan_import
-from hpc_train.models.lora import is_adapter
+from hpc_train.finetune.lora import is_adapter
+from hpc_train.models.common.hf import ARCH_FIELDS, import_tensor, plan_import
+from hpc_train.placement import distribute_like
 
 
 def checkpoint_store(path: str | os.PathLike) -> CheckpointStore:

@@ -19,9 +19,9 @@ import torch
 
 from hpc_train.distributed.grads import local
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows, unpadded
-from hpc_train.distributed.placement import distribute_like
-from hpc_train.models.lora import is_adapter
+from hpc_train.finetune.lora import is_adapter
 from hpc_train.optim.protocol import Optimizer
+from hpc_train.placement import distribute_like
 
 
 class Stateful(Protocol):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from hpc_train.checkpoint.integrity import first_mismatch, record_algorithm
 from hpc_train.checkpoint.safe_load import DCP_METADATA, PLAIN_NAME, CheckpointError, load_rank_file, read_dcp_metadata
-from hpc_train.faults import fault_point
+from hpc_train.resilience.faults import fault_point
 
 MANIFEST = "manifest.json"
 LATEST = "latest"

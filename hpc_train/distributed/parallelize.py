@@ -30,7 +30,7 @@ from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.transforms import StagePlan, apply_transforms
 from hpc_train.distributed.transforms.fsdp import reshard
-from hpc_train.models.lora import init_adapters, is_adapter, quantize_projections
+from hpc_train.finetune.lora import init_adapters, is_adapter, quantize_projections
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 
 MicroBatches = list[Batch]

@@ -19,7 +19,7 @@ from torch.multiprocessing.spawn import ProcessException
 from hpc_train.config import ConfigError, JobConfig
 from hpc_train.errors import HANG_EXIT, USER_ERROR_EXIT, RankFailed
 from hpc_train.launch.bootstrap import RankEnv, distributed
-from hpc_train.launch.restart import Attempt, announce_restart, exit_description, forwarding_stop_signals, run_rank
+from hpc_train.resilience.restart import Attempt, announce_restart, exit_description, forwarding_stop_signals, run_rank
 
 
 def serve_store() -> dist.TCPStore:

@@ -23,9 +23,9 @@ from typing import Any
 import submitit
 
 from hpc_train.config import ConfigError, JobConfig, has_control_chars, to_yaml
-from hpc_train.launch.bad_nodes import exclusion
 from hpc_train.launch.bootstrap import RankEnv, detect_rank_env
-from hpc_train.launch.restart import run_task
+from hpc_train.resilience.bad_nodes import exclusion
+from hpc_train.resilience.restart import run_task
 
 # Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 TIME_FORMATS = (
@@ -174,7 +174,7 @@ def executor_parameters(cfg: JobConfig) -> dict[str, Any]:
         "exclusive": s.exclusive or None,
         "setup": list(s.setup) or None,
         "additional_parameters": dict(s.extra) or None,
-        "exclude": ",".join(exclusion(cfg.run_dir, s.nodes)[0]) or None,  # launch/bad_nodes.py
+        "exclude": ",".join(exclusion(cfg.run_dir, s.nodes)[0]) or None,  # resilience/bad_nodes.py
     }
     params.update({k: v for k, v in optional.items() if v is not None})
     return params

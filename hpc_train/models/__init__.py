@@ -1,4 +1,5 @@
-"""Model families, selected by `model.arch`; each is a `ModelSpec` (models/spec.py)."""
+"""Model families, selected by `model.arch`: one folder each (llama/, gpt2/) exporting its `ModelSpec`
+(models/spec.py), built on what they share (common/)."""
 
 from __future__ import annotations
 

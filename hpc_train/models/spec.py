@@ -1,9 +1,10 @@
 """What a model family supplies to the rest of hpc_train (torchtitan's TrainSpec is the model): how to
-build it (whole or as a pipeline stage), initialize it, shard it over tensor parallelism, count its
-FLOPs and its activation memory, which of its tensors are padded to the vocabulary, and which head is
-tied to which embedding. Parallelize, optimizers, checkpoints and the planner read the model through
-this seam; what they still take from the shared decoder skeleton directly (the recompute
-selection, the embedding's parameter name) is family-neutral there."""
+build it (whole or as a pipeline stage), initialize it, shard it over tensor parallelism (a TP plan, or
+its own hook), count its FLOPs and its activation memory, which of its tensors are padded to the
+vocabulary, and which head is tied to which embedding. Parallelize, optimizers, checkpoints and the
+planner read the model through this seam; what they still take from the shared decoder skeleton
+(models/common) directly (the recompute selection, the embedding's parameter name) is family-neutral
+there."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hpc_train.config import ModelConfig
-from hpc_train.models.hf import HFFormat
+from hpc_train.models.common.hf import HFFormat
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class ModelSpec:
     validate: Callable[[ModelConfig, int], None]  # (cfg, tp): raises ConfigError
     vocab_params: tuple[str, ...]  # padded on their vocabulary rows: checkpoints store them unpadded
     hf: HFFormat | None = None  # its Hugging Face transformers counterpart, for import-hf / export-hf
+    # (stage, tp_mesh, sequence_parallel): shards a stage over tp in place, for a family whose layers a TP dict
+    # cannot describe (e.g. MoE experts); None: `tp_plan` is applied (torchtitan's parallelize_fn)
+    parallelize_fn: Callable[[StageModule, DeviceMesh, bool], None] | None = None
 
 
 def is_frozen(name: str, patterns: list[str]) -> bool:

@@ -13,10 +13,10 @@ from torch.distributed.tensor import DTensor
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
 from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.distributed.placement import distribute_like
 from hpc_train.optim.buckets import BucketedReduction, bucketize, flat_allreduce
 from hpc_train.optim.rules import Target, UpdateRule, rule_class, target
 from hpc_train.optim.rules.protocol import MatrixFn
+from hpc_train.placement import distribute_like
 
 
 def whole_dtensors(fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -15,17 +15,17 @@ import torch.distributed as dist
 from hpc_train.builder import Run, build_run
 from hpc_train.checkpoint.checkpointer import Resumed
 from hpc_train.config import JobConfig
-from hpc_train.distributed import watchdog
-from hpc_train.distributed.watchdog import HangWatchdog
-from hpc_train.launch.bad_nodes import blame
 from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
+from hpc_train.observe.metrics import peak_memory_bytes
+from hpc_train.observe.profiling import ProfileWindow, write_oom_report
 from hpc_train.optim.schedule import lr_at
-from hpc_train.train.metrics import peak_memory_bytes
-from hpc_train.train.preemption import StopRequest, requeue_slurm_job
-from hpc_train.train.profiling import ProfileWindow, write_oom_report
+from hpc_train.resilience import watchdog
+from hpc_train.resilience.bad_nodes import blame
+from hpc_train.resilience.preemption import StopRequest, requeue_slurm_job
+from hpc_train.resilience.stragglers import StragglerMonitor, describe_stragglers
+from hpc_train.resilience.watchdog import HangWatchdog
 from hpc_train.train.report import TrainResult, announce, finish
 from hpc_train.train.step import NonFiniteStep, StepOptions, StepResult, evaluate, rank_micro_batches, train_step
-from hpc_train.train.stragglers import StragglerMonitor, describe_stragglers
 
 
 def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:

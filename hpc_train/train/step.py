@@ -13,16 +13,16 @@ import torch.distributed as dist
 
 from hpc_train.config import JobConfig
 from hpc_train.data.batch import Source, collate
-from hpc_train.distributed import watchdog
 from hpc_train.distributed.grads import clip_grad_norm, local
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
 from hpc_train.errors import UserError
-from hpc_train.faults import fault_point
+from hpc_train.observe.memory import SavedActivations, tensor_bytes
+from hpc_train.observe.profiling import timed
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.protocol import Optimizer
-from hpc_train.train.memory import SavedActivations, tensor_bytes
-from hpc_train.train.profiling import timed
-from hpc_train.train.stragglers import ComputeClock
+from hpc_train.resilience import watchdog
+from hpc_train.resilience.faults import fault_point
+from hpc_train.resilience.stragglers import ComputeClock
 
 
 class NonFiniteStep(UserError, RuntimeError):

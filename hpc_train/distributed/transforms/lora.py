@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hpc_train.distributed.transforms.plan import StagePlan, Transform
-from hpc_train.models.lora import apply_lora
+from hpc_train.finetune.lora import apply_lora
 from hpc_train.models.spec import StageModule
 
 

@@ -4,7 +4,7 @@ family's blocks carry the switches, this sets them per block of the stage."""
 from __future__ import annotations
 
 from hpc_train.distributed.transforms.plan import StagePlan, Transform
-from hpc_train.models.decoder import apply_recompute
+from hpc_train.models.common.decoder import apply_recompute
 from hpc_train.models.spec import StageModule
 
 

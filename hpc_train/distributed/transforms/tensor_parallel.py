@@ -17,8 +17,12 @@ from hpc_train.models.spec import ModelSpec, StageModule
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard `model` (a whole model or one pipeline stage) in place over `tp_mesh`."""
-    parallelize_module(model, tp_mesh, spec.tp_plan(model, sequence_parallel))
+    """Shard `model` (a whole model or one pipeline stage) in place over `tp_mesh`: by the family's own hook
+    where it has one, else by its TP plan."""
+    if spec.parallelize_fn is not None:
+        spec.parallelize_fn(model, tp_mesh, sequence_parallel)
+    else:
+        parallelize_module(model, tp_mesh, spec.tp_plan(model, sequence_parallel))
     if getattr(model, "vocab_mask", None) is not None:  # the -inf padding mask is sharded like the logits
         model.vocab_mask = distribute_tensor(model.vocab_mask, tp_mesh, [Shard(0)])
     model.tie_weights()  # a tied head takes the embedding's (identically sharded) parameter again

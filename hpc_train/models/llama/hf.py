@@ -1,58 +1,11 @@
-"""The Llama family (the default, `model.arch=llama`): RMSNorm, rotary positions, SwiGLU MLP,
-grouped-query attention, no biases, untied embeddings unless `model.tie_embeddings=true`."""
+"""The Llama family's Hugging Face counterpart, `LlamaForCausalLM`: its config keys and its tensor names."""
 
 from __future__ import annotations
 
-import math
-
-import torch.nn.functional as F
-from torch import nn
-
 from hpc_train.config import ModelConfig
-from hpc_train.models import decoder
-from hpc_train.models.hf import HFFormat, TensorRule, require
-
-
-class SwiGLU(nn.Module):
-    column_parallel, row_parallel = ("w1", "w3"), "w2"
-    saved_widths = 4  # w1 and w3 outputs, silu output, their product (w2's input)
-    recomputed_when_compiled = 1  # inductor recomputes the silu output from w1's
-
-    def __init__(self, d_model: int, hidden: int, bias: bool):
-        super().__init__()
-        self.w1 = nn.Linear(d_model, hidden, bias=bias)  # gate
-        self.w3 = nn.Linear(d_model, hidden, bias=bias)  # up
-        self.w2 = nn.Linear(hidden, d_model, bias=bias)  # down (residual projection)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def ffn_size(cfg: ModelConfig) -> int:
-    """ffn_hidden, or 8/3 * d_model rounded up to ffn_multiple."""
-    if cfg.ffn_hidden is not None:
-        return cfg.ffn_hidden
-    return math.ceil(int(8 * cfg.d_model / 3) / cfg.ffn_multiple) * cfg.ffn_multiple
-
-
-def rms_norm_saved_bytes(
-    tokens: int, width: int, element_bytes: int, trainable: bool = True, compiled: bool = False
-) -> int:
-    """RMSNorm keeps its input in fp32 and an fp32 rstd per token, and for its weight's gradient the
-    normalized output in fp32 (compiled, inductor recomputes it from the two)."""
-    return (2 if trainable and not compiled else 1) * tokens * width * 4 + tokens * 4
-
-
-ARCH = decoder.Architecture(
-    norm=lambda width, eps: nn.RMSNorm(width, eps=eps),
-    mlp=SwiGLU,
-    ffn_size=ffn_size,
-    linear_bias=False,
-    rotary=True,
-    tie_embeddings=False,
-    residual_projections=("attn.wo.weight", "mlp.w2.weight"),
-    norm_saved_bytes=rms_norm_saved_bytes,
-)
+from hpc_train.models.common.decoder import ties_embeddings
+from hpc_train.models.common.hf import HFFormat, TensorRule, require
+from hpc_train.models.llama.model import ARCH, ffn_size
 
 
 def _model_fields(config: dict) -> dict:
@@ -77,7 +30,7 @@ def _hf_config(cfg: ModelConfig) -> dict:
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads, "head_dim": cfg.d_model // cfg.n_heads,
             "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.seq_len,
-            "tie_word_embeddings": decoder.ties_embeddings(cfg, ARCH), "hidden_act": "silu",
+            "tie_word_embeddings": ties_embeddings(cfg, ARCH), "hidden_act": "silu",
             "attention_bias": False, "mlp_bias": False}  # fmt: skip
 
 
@@ -85,7 +38,7 @@ def _hf_rules(cfg: ModelConfig) -> list[TensorRule]:
     """HF's Llama applies RoPE in the same rotate-half form as decoder.apply_rotary: no q/k permutation."""
     rules = [TensorRule(("tok_embeddings.weight",), "model.embed_tokens.weight"),
              TensorRule(("norm.weight",), "model.norm.weight")]  # fmt: skip
-    if not decoder.ties_embeddings(cfg, ARCH):
+    if not ties_embeddings(cfg, ARCH):
         rules.append(TensorRule(("output.weight",), "lm_head.weight"))
     names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.wq": "self_attn.q_proj",
              "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
@@ -97,4 +50,3 @@ def _hf_rules(cfg: ModelConfig) -> list[TensorRule]:
 
 
 HF = HFFormat("llama", "LlamaForCausalLM", _model_fields, _hf_config, _hf_rules, derived=("rotary_emb.inv_freq",))
-LLAMA = decoder.decoder_spec("llama", ARCH, HF)

@@ -24,9 +24,9 @@ from hpc_train.config import ConfigError, JobConfig, load_config
 from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import ParallelModel, full_state_dict, parallelize
 from hpc_train.distributed.transforms import StagePlan
+from hpc_train.finetune.lora import merge_adapters
 from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
 from hpc_train.models import get_spec
-from hpc_train.models.lora import merge_adapters
 
 # what a checkpoint of any layout is loaded into for export: one process, whole fp32 weights
 SINGLE_PROCESS = ["parallel.nproc=1", "parallel.tp=1", "parallel.pp=1", "parallel.dp=null",

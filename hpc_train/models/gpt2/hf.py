@@ -1,52 +1,11 @@
-"""The GPT-2 family (`model.arch=gpt2`): LayerNorm with bias, a GELU MLP 4x wide, learned position
-embeddings (as many as model.seq_len), biases in every projection, tied input/output embeddings."""
+"""The GPT-2 family's Hugging Face counterpart, `GPT2LMHeadModel`: its config keys and its tensor names."""
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-from torch import nn
-
 from hpc_train.config import ModelConfig
-from hpc_train.models import decoder
-from hpc_train.models.hf import HFFormat, TensorRule, require
-
-
-class GeluMLP(nn.Module):
-    column_parallel, row_parallel = ("fc",), "proj"
-    saved_widths = 2  # fc output (kept by GELU), GELU output (proj's input)
-    recomputed_when_compiled = 0
-
-    def __init__(self, d_model: int, hidden: int, bias: bool):
-        super().__init__()
-        self.fc = nn.Linear(d_model, hidden, bias=bias)
-        self.proj = nn.Linear(hidden, d_model, bias=bias)  # residual projection
-
-    def forward(self, x):
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
-
-
-def ffn_size(cfg: ModelConfig) -> int:
-    return cfg.ffn_hidden if cfg.ffn_hidden is not None else 4 * cfg.d_model
-
-
-def layer_norm_saved_bytes(
-    tokens: int, width: int, element_bytes: int, trainable: bool = True, compiled: bool = False
-) -> int:
-    """LayerNorm keeps its input, and a mean and rstd per token, in the activation dtype (also frozen, and
-    compiled)."""
-    return tokens * width * element_bytes + 2 * tokens * element_bytes
-
-
-ARCH = decoder.Architecture(
-    norm=lambda width, eps: nn.LayerNorm(width, eps=eps),
-    mlp=GeluMLP,
-    ffn_size=ffn_size,
-    linear_bias=True,
-    rotary=False,
-    tie_embeddings=True,
-    residual_projections=("attn.wo.weight", "mlp.proj.weight"),
-    norm_saved_bytes=layer_norm_saved_bytes,
-)
+from hpc_train.models.common.decoder import ties_embeddings
+from hpc_train.models.common.hf import HFFormat, TensorRule, require
+from hpc_train.models.gpt2.model import ARCH, ffn_size
 
 
 def _model_fields(config: dict) -> dict:
@@ -66,7 +25,7 @@ def _model_fields(config: dict) -> dict:
 def _hf_config(cfg: ModelConfig) -> dict:
     return {"vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
             "n_inner": ffn_size(cfg), "n_positions": cfg.seq_len, "layer_norm_epsilon": cfg.norm_eps,
-            "activation_function": "gelu_new", "tie_word_embeddings": decoder.ties_embeddings(cfg, ARCH)}  # fmt: skip
+            "activation_function": "gelu_new", "tie_word_embeddings": ties_embeddings(cfg, ARCH)}  # fmt: skip
 
 
 def _hf_rules(cfg: ModelConfig) -> list[TensorRule]:
@@ -74,7 +33,7 @@ def _hf_rules(cfg: ModelConfig) -> list[TensorRule]:
     rules = [TensorRule(("tok_embeddings.weight",), "transformer.wte.weight"),
              TensorRule(("pos_embeddings.weight",), "transformer.wpe.weight")]  # fmt: skip
     rules += [TensorRule((f"norm.{p}",), f"transformer.ln_f.{p}") for p in ("weight", "bias")]
-    if not decoder.ties_embeddings(cfg, ARCH):
+    if not ties_embeddings(cfg, ARCH):
         rules.append(TensorRule(("output.weight",), "lm_head.weight"))
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}", f"transformer.h.{i}"
@@ -93,4 +52,3 @@ def _hf_rules(cfg: ModelConfig) -> list[TensorRule]:
 
 HF = HFFormat("gpt2", "GPT2LMHeadModel", _model_fields, _hf_config, _hf_rules,
               derived=(".attn.bias", ".attn.masked_bias"))  # fmt: skip
-GPT2 = decoder.decoder_spec("gpt2", ARCH, HF)

@@ -11,8 +11,8 @@ import os
 import signal
 import subprocess
 
-from hpc_train.launch.bad_nodes import exclusion
 from hpc_train.launch.bootstrap import STOP_SIGNALS
+from hpc_train.resilience.bad_nodes import exclusion
 
 
 class StopRequest:
@@ -35,7 +35,7 @@ class StopRequest:
 
 def requeue_slurm_job(max_requeues: int, report, run_dir: str) -> bool:
     """Rank 0: put this Slurm job back in the queue (it resumes from `latest`), up to max_requeues times,
-    held while the nodes blamed in run_dir (launch/bad_nodes.py) are excluded from its next allocation."""
+    held while the nodes blamed in run_dir (resilience/bad_nodes.py) are excluded from its next allocation."""
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id is None:
         return False

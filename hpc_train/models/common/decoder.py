@@ -5,11 +5,11 @@ A family is an `Architecture`: which norm, which MLP, biases or not, rotary or l
 embeddings by default. Attention reshapes by head dimension, not by head count, so the same code runs on
 the local head shard of a tensor-parallel rank. The embedding and head are padded to `padded_vocab_size`
 rows (Megatron's vocabulary padding); the padded entries get -inf logits, so they never enter the loss.
+Its tensor-parallel plan is tp_plan.py's, its FLOP and activation formulas costs.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,20 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ConfigError, ModelConfig
-from hpc_train.distributed.placement import distribute_like
-from hpc_train.models.hf import HFFormat
-from hpc_train.models.spec import ActivationShape, ModelSpec, StageActivations, param_generator
+from hpc_train.models.spec import param_generator
+from hpc_train.placement import distribute_like
 
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 VOCAB_PARAMS = (EMBEDDING, HEAD)  # rows padded to the vocabulary multiple; checkpoints store them unpadded
@@ -253,13 +245,6 @@ def loss_chunk_rows(chunk_tokens: int, targets_shape: tuple[int, ...]) -> int:
     return max(1, chunk_tokens // length) if chunk_tokens else rows
 
 
-def loss_chunked(cfg: ModelConfig, shape: ActivationShape) -> bool:
-    """Whether `Decoder.loss` cuts a micro-batch of this shape into several chunks (single tokens, or
-    under sequence parallelism whole sequences)."""
-    targets = (shape.tokens // cfg.seq_len, cfg.seq_len) if shape.sequence_parallel else (shape.tokens, 1)
-    return loss_chunk_rows(cfg.loss_chunk_tokens, targets) < targets[0]
-
-
 def recompute_choice(cfg: ModelConfig, index_in_stage: int) -> str:
     """The recompute policy of a stage's `index_in_stage`-th block: none, selective or full. With
     `recompute_every=k` only every k-th block of the stage, with `recompute_first=M` only its first M."""
@@ -275,149 +260,6 @@ def apply_recompute(model: Decoder, cfg: ModelConfig) -> None:
         choice = recompute_choice(cfg, i)
         block.recompute_all = choice == "full"
         block.attn.recompute_core = choice == "selective"
-
-
-def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Megatron's tensor parallelism for the skeleton: column-parallel q/k/v and MLP inputs, row-parallel
-    output projections (one all-reduce per block and direction, or with sequence parallelism one
-    all-gather + one reduce-scatter), a vocab-parallel embedding and a column-parallel head whose logits
-    stay sharded for `loss_parallel`. Between blocks the residual stream is a plain local tensor: full
-    (replicated) without sequence parallelism, this rank's slice of the sequence with it."""
-    stream = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
-        if model.pos_embeddings is None:
-            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-        else:  # learned positions are added to the whole sequence, then scattered
-            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-            if sequence_parallel:
-                plan["sequence_scatter"] = PrepareModuleInput(
-                    input_layouts=(Replicate(),), desired_input_layouts=(stream,), use_local_output=True
-                )
-    if model.output is not None:
-        if sequence_parallel:
-            plan["norm"] = SequenceParallel()
-        plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
-    mlp = model.arch.mlp
-    for name in model.layers:
-        block = {
-            "attn": PrepareModuleInput(
-                input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=stream),
-            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            **{f"mlp.{layer}": ColwiseParallel() for layer in mlp.column_parallel},
-            f"mlp.{mlp.row_parallel}": RowwiseParallel(output_layouts=stream),
-        }
-        if sequence_parallel:
-            block.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
-        plan.update({f"layers.{name}.{key}": style for key, style in block.items()})
-    return plan
-
-
-def block_matmul_weights(cfg: ModelConfig, arch: Architecture) -> int:
-    """Elements of one block's projection weights (biases and norms left out)."""
-    d = cfg.d_model
-    kv = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)
-    mlp_matrices = len(arch.mlp.column_parallel) + 1
-    return d * d * 2 + d * kv * 2 + mlp_matrices * d * arch.ffn_size(cfg)
-
-
-def decoder_flops_per_token(cfg: ModelConfig, *, arch: Architecture) -> int:
-    """Training FLOPs per token, 6N + 12 * L * d * s (Megatron / nanoGPT / PaLM): N counts every weight
-    that takes part in a matmul (the input embeddings are lookups; the head counts once, tied or not)."""
-    d, layers, vocab = cfg.d_model, cfg.n_layers, padded_vocab_size(cfg)
-    return 6 * (layers * block_matmul_weights(cfg, arch) + vocab * d) + 12 * layers * d * cfg.seq_len
-
-
-def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Architecture) -> StageActivations:
-    """Derived from the block's saved-tensor trace, in units of T x d elements (T tokens on the rank, d
-    model width, a heads, f the MLP width) per block:
-
-      two norms       arch.norm_saved_bytes each (the family's module says what its norm keeps)
-      matmul inputs   2 (the normed input of attention and of the MLP, in the activation dtype)
-      q, k, v         1 + 2 kv/a (after RoPE where rotary), kept by SDPA
-      attention out   1 (shared with wo's input), plus SDPA's fp32 logsumexp of T x a
-      MLP             mlp.saved_widths x f/d (e.g. SwiGLU: w1 and w3 outputs, silu output, their product)
-
-    Biases keep nothing; learned positions are a slice of a parameter. Fused SDPA never keeps the s x s
-    attention matrix, so Korthikanti et al.'s 5as/h term does not exist here, and `selective` recompute
-    saves only the logsumexp; `full` keeps only the block's input. Under tp everything after the
-    column-parallel matmuls is divided by tp; with sequence parallelism the norm regions are too (the
-    gathered matmul inputs are not).
-
-    With LoRA (`shape.lora_targets`) a frozen projection keeps no input and a frozen norm no output: only
-    the inputs of adapted projections are kept (once per input, however many adapters read it), plus
-    each adapter's rank-wide hidden; the frozen embeddings let the first block's first norm keep nothing,
-    and the frozen head keeps no input.
-
-    Compiled blocks (`shape.compiled`): inductor's partitioner recomputes cheap pointwise results in
-    backward rather than keeping them; the family's norm and MLP say which (calibrated against CPU
-    inductor, torch 2.13), and selective recompute's attention output is recomputed with its core.
-
-    Autocast over fp32 weights (`shape.autocast_casts`): each projection keeps its own cast of its input
-    (wq, wk and wv one each) and of its weight (measured on CPU; autocast caches only the weights' casts),
-    and the residual stream (the norms' and a full-recompute block's input) is fp32."""
-    tokens, tp, e = shape.tokens, shape.tp, shape.element_bytes
-    d, a, kv, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, arch.ffn_size(cfg)
-    mlp, targets = arch.mlp, set(shape.lora_targets)
-    norm_tokens = tokens // tp if shape.sequence_parallel else tokens
-    casts = shape.autocast_casts and not targets
-    residual_bytes = 4 if casts else e  # the norms' inputs
-    norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, shape.compiled)
-    final_norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, False)  # outside compiled blocks
-    # with LoRA a frozen projection keeps no input: only an adapter's matmul does (and its rank-wide output)
-    inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + bool(targets & set(mlp.column_parallel))
-    if casts:  # one input cast per projection reading a norm's output, and every weight's cast
-        inputs_kept = 3 + len(mlp.column_parallel)
-    weight_casts = block_matmul_weights(cfg, arch) * e // tp if casts else 0
-    mlp_widths = mlp.saved_widths - (bool(targets) and mlp.row_parallel not in targets)
-    mlp_widths -= mlp.recomputed_when_compiled * shape.compiled
-    attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)
-    selective = (
-        2 * norm
-        + inputs_kept * tokens * d * e
-        + tokens * d * e * (1 + 2 * kv / a) // tp
-        + mlp_widths * tokens * f * e // tp
-        + len(targets) * tokens * shape.lora_rank * e
-    )
-    vocab, chunked = padded_vocab_size(cfg, tp), loss_chunked(cfg, shape)
-    # per token, the loss keeps its fp32 log-softmax; compiled (only without tp: loss_parallel does not compile)
-    # it keeps the logits and writes their gradient over them. Chunked, one chunk's recomputed logits and
-    # its fp32 log-softmax and gradient live while the chunk's backward runs (measured on CPU, 8 and e bytes)
-    loss_compiled = shape.compiled and tp == 1
-    logits_kept = tokens * vocab // tp * (e if loss_compiled else 4) * (not chunked)
-    if chunked:
-        length = cfg.seq_len if shape.sequence_parallel else 1  # whole sequences under sp, else tokens
-        chunk_tokens = loss_chunk_rows(cfg.loss_chunk_tokens, (0, length)) * length
-        loss_backward = chunk_tokens * vocab // tp * (e if loss_compiled else 8)
-    else:
-        loss_backward = tokens * vocab // tp * (0 if loss_compiled else 4)
-    # frozen embeddings keep no token ids, and the first block's first norm has no gradient to pass back
-    first = tokens * 8 if not targets else -norm * (recompute_choice(cfg, 0) != "full")
-    return StageActivations(
-        layer={
-            "none": int(selective + attention_out + tokens * a * 4 // tp + weight_casts),
-            # compiled, the selective region's output is recomputed with it rather than kept for wo
-            "selective": int(
-                selective + attention_out * (not targets or "wo" in targets) * (not shape.compiled) + weight_casts
-            ),
-            "full": norm_tokens * d * residual_bytes,
-        },
-        every_stage=2 * cfg.seq_len * (d // a) * 4 if arch.rotary else 0,  # the RoPE tables
-        first_stage=first,
-        # the head's input (not for a frozen head), the loss's (none when chunked: each chunk is recomputed in
-        # backward) and the targets
-        last_stage=final_norm
-        + tokens * d * e * (not targets)
-        + logits_kept
-        + tokens * 8
-        + (vocab * d * e // tp if casts else 0),  # the head weight's cast
-        loss_backward=loss_backward,
-    )
 
 
 def validate_decoder(cfg: ModelConfig, tp: int, *, arch: Architecture) -> None:
@@ -474,19 +316,3 @@ def init_weights(model: Decoder, seed: int) -> None:
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def decoder_spec(name: str, arch: Architecture, hf: HFFormat | None = None) -> ModelSpec:
-    """The registry entry of a family built on this skeleton."""
-    return ModelSpec(
-        name=name,
-        build_stage=functools.partial(build_stage, arch=arch),
-        init_weights=init_weights,
-        tp_plan=decoder_tp_plan,
-        flops_per_token=functools.partial(decoder_flops_per_token, arch=arch),
-        activations=functools.partial(decoder_activations, arch=arch),
-        padded_vocab_size=padded_vocab_size,
-        validate=functools.partial(validate_decoder, arch=arch),
-        vocab_params=VOCAB_PARAMS,
-        hf=hf,
-    )

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from hpc_train.config import ConfigError, FinetuneConfig
-from hpc_train.distributed.placement import distribute_like
 from hpc_train.models.spec import StageModule, param_generator
+from hpc_train.placement import distribute_like
 
 ADAPTERS = ("lora_a", "lora_b")
 NF4_BLOCK = 64  # weights per NF4 scale (QLoRA's)

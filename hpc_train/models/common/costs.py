@@ -1,0 +1,118 @@
+"""What the skeleton costs, for the planner and the MFU figure: training FLOPs per token and the bytes
+one micro-batch keeps for backward (`StageActivations`), derived from the modules in decoder.py; a family's
+norm and MLP say their own share (`Architecture.norm_saved_bytes`, `saved_widths`)."""
+
+from __future__ import annotations
+
+from hpc_train.config import ModelConfig
+from hpc_train.models.common.decoder import Architecture, loss_chunk_rows, padded_vocab_size, recompute_choice
+from hpc_train.models.spec import ActivationShape, StageActivations
+
+
+def loss_chunked(cfg: ModelConfig, shape: ActivationShape) -> bool:
+    """Whether `Decoder.loss` cuts a micro-batch of this shape into several chunks (single tokens, or
+    under sequence parallelism whole sequences)."""
+    targets = (shape.tokens // cfg.seq_len, cfg.seq_len) if shape.sequence_parallel else (shape.tokens, 1)
+    return loss_chunk_rows(cfg.loss_chunk_tokens, targets) < targets[0]
+
+
+def block_matmul_weights(cfg: ModelConfig, arch: Architecture) -> int:
+    """Elements of one block's projection weights (biases and norms left out)."""
+    d = cfg.d_model
+    kv = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)
+    mlp_matrices = len(arch.mlp.column_parallel) + 1
+    return d * d * 2 + d * kv * 2 + mlp_matrices * d * arch.ffn_size(cfg)
+
+
+def decoder_flops_per_token(cfg: ModelConfig, *, arch: Architecture) -> int:
+    """Training FLOPs per token, 6N + 12 * L * d * s (Megatron / nanoGPT / PaLM): N counts every weight
+    that takes part in a matmul (the input embeddings are lookups; the head counts once, tied or not)."""
+    d, layers, vocab = cfg.d_model, cfg.n_layers, padded_vocab_size(cfg)
+    return 6 * (layers * block_matmul_weights(cfg, arch) + vocab * d) + 12 * layers * d * cfg.seq_len
+
+
+def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Architecture) -> StageActivations:
+    """Derived from the block's saved-tensor trace, in units of T x d elements (T tokens on the rank, d
+    model width, a heads, f the MLP width) per block:
+
+      two norms       arch.norm_saved_bytes each (the family's module says what its norm keeps)
+      matmul inputs   2 (the normed input of attention and of the MLP, in the activation dtype)
+      q, k, v         1 + 2 kv/a (after RoPE where rotary), kept by SDPA
+      attention out   1 (shared with wo's input), plus SDPA's fp32 logsumexp of T x a
+      MLP             mlp.saved_widths x f/d (e.g. SwiGLU: w1 and w3 outputs, silu output, their product)
+
+    Biases keep nothing; learned positions are a slice of a parameter. Fused SDPA never keeps the s x s
+    attention matrix, so Korthikanti et al.'s 5as/h term does not exist here, and `selective` recompute
+    saves only the logsumexp; `full` keeps only the block's input. Under tp everything after the
+    column-parallel matmuls is divided by tp; with sequence parallelism the norm regions are too (the
+    gathered matmul inputs are not).
+
+    With LoRA (`shape.lora_targets`) a frozen projection keeps no input and a frozen norm no output: only
+    the inputs of adapted projections are kept (once per input, however many adapters read it), plus
+    each adapter's rank-wide hidden; the frozen embeddings let the first block's first norm keep nothing,
+    and the frozen head keeps no input.
+
+    Compiled blocks (`shape.compiled`): inductor's partitioner recomputes cheap pointwise results in
+    backward rather than keeping them; the family's norm and MLP say which (calibrated against CPU
+    inductor, torch 2.13), and selective recompute's attention output is recomputed with its core.
+
+    Autocast over fp32 weights (`shape.autocast_casts`): each projection keeps its own cast of its input
+    (wq, wk and wv one each) and of its weight (measured on CPU; autocast caches only the weights' casts),
+    and the residual stream (the norms' and a full-recompute block's input) is fp32."""
+    tokens, tp, e = shape.tokens, shape.tp, shape.element_bytes
+    d, a, kv, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, arch.ffn_size(cfg)
+    mlp, targets = arch.mlp, set(shape.lora_targets)
+    norm_tokens = tokens // tp if shape.sequence_parallel else tokens
+    casts = shape.autocast_casts and not targets
+    residual_bytes = 4 if casts else e  # the norms' inputs
+    norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, shape.compiled)
+    final_norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, False)  # outside compiled blocks
+    # with LoRA a frozen projection keeps no input: only an adapter's matmul does (and its rank-wide output)
+    inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + bool(targets & set(mlp.column_parallel))
+    if casts:  # one input cast per projection reading a norm's output, and every weight's cast
+        inputs_kept = 3 + len(mlp.column_parallel)
+    weight_casts = block_matmul_weights(cfg, arch) * e // tp if casts else 0
+    mlp_widths = mlp.saved_widths - (bool(targets) and mlp.row_parallel not in targets)
+    mlp_widths -= mlp.recomputed_when_compiled * shape.compiled
+    attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)
+    selective = (
+        2 * norm
+        + inputs_kept * tokens * d * e
+        + tokens * d * e * (1 + 2 * kv / a) // tp
+        + mlp_widths * tokens * f * e // tp
+        + len(targets) * tokens * shape.lora_rank * e
+    )
+    vocab, chunked = padded_vocab_size(cfg, tp), loss_chunked(cfg, shape)
+    # per token, the loss keeps its fp32 log-softmax; compiled (only without tp: loss_parallel does not compile)
+    # it keeps the logits and writes their gradient over them. Chunked, one chunk's recomputed logits and
+    # its fp32 log-softmax and gradient live while the chunk's backward runs (measured on CPU, 8 and e bytes)
+    loss_compiled = shape.compiled and tp == 1
+    logits_kept = tokens * vocab // tp * (e if loss_compiled else 4) * (not chunked)
+    if chunked:
+        length = cfg.seq_len if shape.sequence_parallel else 1  # whole sequences under sp, else tokens
+        chunk_tokens = loss_chunk_rows(cfg.loss_chunk_tokens, (0, length)) * length
+        loss_backward = chunk_tokens * vocab // tp * (e if loss_compiled else 8)
+    else:
+        loss_backward = tokens * vocab // tp * (0 if loss_compiled else 4)
+    # frozen embeddings keep no token ids, and the first block's first norm has no gradient to pass back
+    first = tokens * 8 if not targets else -norm * (recompute_choice(cfg, 0) != "full")
+    return StageActivations(
+        layer={
+            "none": int(selective + attention_out + tokens * a * 4 // tp + weight_casts),
+            # compiled, the selective region's output is recomputed with it rather than kept for wo
+            "selective": int(
+                selective + attention_out * (not targets or "wo" in targets) * (not shape.compiled) + weight_casts
+            ),
+            "full": norm_tokens * d * residual_bytes,
+        },
+        every_stage=2 * cfg.seq_len * (d // a) * 4 if arch.rotary else 0,  # the RoPE tables
+        first_stage=first,
+        # the head's input (not for a frozen head), the loss's (none when chunked: each chunk is recomputed in
+        # backward) and the targets
+        last_stage=final_norm
+        + tokens * d * e * (not targets)
+        + logits_kept
+        + tokens * 8
+        + (vocab * d * e // tp if casts else 0),  # the head weight's cast
+        loss_backward=loss_backward,
+    )

@@ -1,0 +1,56 @@
+"""The skeleton's tensor-parallel plan (Megatron's), as the TP dict `ModelSpec.tp_plan` returns: which
+projection is column- or row-parallel, where the residual stream is sequence-sharded."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from hpc_train.models.common.decoder import Decoder
+
+
+def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Megatron's tensor parallelism for the skeleton: column-parallel q/k/v and MLP inputs, row-parallel
+    output projections (one all-reduce per block and direction, or with sequence parallelism one
+    all-gather + one reduce-scatter), a vocab-parallel embedding and a column-parallel head whose logits
+    stay sharded for `loss_parallel`. Between blocks the residual stream is a plain local tensor: full
+    (replicated) without sequence parallelism, this rank's slice of the sequence with it."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        if model.pos_embeddings is None:
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        else:  # learned positions are added to the whole sequence, then scattered
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            if sequence_parallel:
+                plan["sequence_scatter"] = PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(stream,), use_local_output=True
+                )
+    if model.output is not None:
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    mlp = model.arch.mlp
+    for name in model.layers:
+        block = {
+            "attn": PrepareModuleInput(
+                input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=stream),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            **{f"mlp.{layer}": ColwiseParallel() for layer in mlp.column_parallel},
+            f"mlp.{mlp.row_parallel}": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            block.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+        plan.update({f"layers.{name}.{key}": style for key, style in block.items()})
+    return plan

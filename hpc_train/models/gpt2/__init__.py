@@ -1,0 +1,12 @@
+"""The GPT-2 family (`model.arch=gpt2`): LayerNorm with bias, a GELU MLP 4x wide, learned position
+embeddings (as many as model.seq_len), biases in every projection, tied input/output embeddings."""
+
+from __future__ import annotations
+
+from hpc_train.models.common.family import decoder_spec
+from hpc_train.models.gpt2.hf import HF
+from hpc_train.models.gpt2.model import ARCH
+
+GPT2 = decoder_spec("gpt2", ARCH, HF)
+
+__all__ = ["GPT2"]
