@@ -1,14 +1,14 @@
 """Memory planner: bytes per rank for a layout before anything runs, and a search over layouts.
 
 Parameters, gradients and optimizer state are counted exactly: the model family's stages are built on the
-meta device, what its tensor-parallel plan shards is divided by tp, and the optimizer class says what it
-keeps per trainable element (optim/). Activations use the family's formula (models/decoder.py
-`decoder_activations`, with the family's norm and MLP), derived from the block's saved-tensor trace, per
-block and recompute choice, times the micro-batches the pipeline schedule keeps in flight on the first
-stage: pp with 1F1B, (v-1)pp + 2(pp-1) + 1 chunks with interleaved 1F1B (torch's warmup; measured 2.00
-and 2.50 micro-batches for pp=2, v=2). Validated against exact CPU measurement in tests/test_planner.py
-(every figure within 5%). On CUDA the caching allocator adds fragmentation on top, which is not
-modelled, and norms may keep fp32 copies CPU autocast does not.
+meta device, what its tensor-parallel plan shards is divided by tp, the data-parallel strategy says what
+it keeps per trainable element and the update rule what state it holds (optim/). Activations use the
+family's formula (models/common/costs.py `decoder_activations`, with the family's norm and MLP), derived
+from the block's saved-tensor trace, per block and recompute choice, times the micro-batches the pipeline
+schedule keeps in flight on the first stage: pp with 1F1B, (v-1)pp + 2(pp-1) + 1 chunks with interleaved
+1F1B (torch's warmup; measured 2.00 and 2.50 micro-batches for pp=2, v=2). Validated against exact CPU
+measurement in tests/test_planner.py (every figure within 5%). On CUDA the caching allocator adds
+fragmentation on top, which is not modelled, and norms may keep fp32 copies CPU autocast does not.
 """
 
 from __future__ import annotations

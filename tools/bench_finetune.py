@@ -1,7 +1,7 @@
 """Full fine-tuning, LoRA and QLoRA side by side on one process (CPU, or train.device=cuda): a ~100M-parameter
 Llama-shaped model, every method in `--precision` (fp32 by default: CPUs without bf16 matmul units run bf16
 about 100x slower), the same batches, each method's exact memory by category (parameters, gradients,
-optimizer state, peak saved activations: hpc_train/train/memory.py, as metrics.jsonl reports them) and its
+optimizer state, peak saved activations: hpc_train/observe/memory.py, as metrics.jsonl reports them) and its
 median step time after a warm-up, with the ratios to full fine-tuning. LoRA uses the finetune defaults
 (rank 8 on wq and wv, the LoRA paper's); QLoRA also keeps every frozen projection in NF4. Overrides apply
 to every method (e.g. finetune.lora_targets=[wq,wk,wv,wo,w1,w2,w3] train.micro_batch_size=4). The

@@ -1,7 +1,7 @@
 """The planner's prediction against exact measurement, for a grid of layouts and recompute policies:
 two real training steps per layout (step 2 is read: a pipeline stage runs one extra forward on its first
 step to infer shapes), rank 0's parameter, gradient, optimizer and saved-activation bytes (per micro-batch,
-and the peak with the pipeline's micro-batches in flight; exact counts on CPU, hpc_train/train/memory.py)
+and the peak with the pipeline's micro-batches in flight; exact counts on CPU, hpc_train/observe/memory.py)
 beside the planner's. tests/test_planner.py asserts
 the same grid within 5%. On a GPU machine, pass train.device=cuda to run the same grid there.
 """
