@@ -285,7 +285,8 @@ class ZeroOptimizer:
                     piece = like_param(p, full[start : start + local(p).numel()].view(local(p).shape))
                     whole = piece.full_tensor() if isinstance(piece, DTensor) else piece
                     result = local(distribute_like(fn(whole), p)).reshape(-1)
-                    out[id(span.master)] = result[span.param_offset : span.param_offset + span.numel]
+                    part = result[span.param_offset : span.param_offset + span.numel]
+                    out[id(span.master)] = part.to(span.master.device)  # offload: the update runs on the host
         return [out[id(t.tensor)] for t in targets]
 
     def param_states(self) -> list[dict[str, torch.Tensor]]:

@@ -142,7 +142,7 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         record = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm}
         if run.valid_set is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             with hang.paused():
-                record["eval_loss"] = result.eval_losses[step] = evaluate(run.model, run.valid_set, cfg)
+                record["eval_loss"] = result.eval_losses[step] = evaluate(run.model, run.valid_set, cfg.train)
         # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
         agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None)],
                               device=run.device)  # fmt: skip

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpc_train.config import JobConfig
+from hpc_train.config import TrainConfig
 from hpc_train.data.batch import Source, collate
 from hpc_train.distributed.grads import clip_grad_norm, local
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
@@ -123,11 +123,10 @@ def rank_micro_batches(source: Source, indices: list[np.ndarray], device: torch.
     return [collate(source, idx).to(device) for idx in indices]
 
 
-def evaluate(model: ParallelModel, dataset: Source, cfg: JobConfig) -> float:
+def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig) -> float:
     """Mean loss over the first eval_batches global batches of the held-out set, read in order: the same
     samples, in the same micro-batch shapes as training, whatever the layout."""
     model.train(False)
-    t = cfg.train
     dp, dp_rank = model.mesh.size("dp"), model.mesh.rank("dp")
     per_rank = t.micro_batch_size * t.grad_accum
     device = local(model.parameters[0]).device

@@ -59,7 +59,9 @@ class Muon:
             grad = target.tensor.grad
             if grad is None:
                 continue
-            buf = self.buffers.setdefault(target.tensor, torch.zeros_like(grad))
+            buf = self.buffers.get(target.tensor)
+            if buf is None:
+                buf = self.buffers[target.tensor] = torch.zeros_like(grad)
             buf.lerp_(grad, 1 - cfg.momentum)
             targets.append(target)
             updates.append(grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf)
