@@ -149,10 +149,12 @@ def _muon_step_check(rank_env, cfg):
 
 
 # zero_stage 0 under tp (whole matrices gathered over tp), ZeRO-1 under tp x dp (over dp from the owned
-# slices, then tp; small buckets cut matrices between ranks), FSDP under tp x dp (2-D DTensors)
+# slices, then tp; small buckets cut matrices between ranks) and at dp=1 (pipeline stages, nothing gathered
+# over dp), FSDP under tp x dp (2-D DTensors)
 MUON_STRATEGIES = {
     "tp2_dp2_zero0": ["optim.zero_stage=0"],
     "tp2_dp2_zero1": ["optim.zero_stage=1", "optim.bucket_mb=0.01"],
+    "pp2_tp2_zero1": ["optim.zero_stage=1", "parallel.pp=2", "train.grad_accum=2"],
     "tp2_dp2_zero3": ["optim.zero_stage=3"],
 }
 

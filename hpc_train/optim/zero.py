@@ -270,19 +270,23 @@ class ZeroOptimizer:
     def _whole_matrices(self, fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """`WholeMatrices` over the owned slices: every bucket holding a hidden-layer matrix is all-gathered
         over dp (every rank, whatever it owns), each matrix this rank owns a part of is gathered over tp and
-        transformed whole, and the span this rank owns is cut out of the result."""
+        transformed whole, and the span this rank owns is cut out of the result. With dp=1 every span is a
+        whole (tp-local) parameter: nothing is gathered over dp."""
         given = {id(t.tensor): piece for t, piece in zip(targets, pieces, strict=True)}
         out: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:
             if not any(id(p) in self.matrices for p in bucket.params):
                 continue
-            owned = [given.get(id(s.master), s.master.new_zeros(s.numel)) for s in bucket.spans]
-            full = self._gather_bucket(bucket, owned)
+            full = None
+            if self.dp > 1:
+                full = self._gather_bucket(bucket, [given.get(id(s.master), s.master.new_zeros(s.numel))
+                                                    for s in bucket.spans])  # fmt: skip
             starts = {id(p): start for p, start in zip(bucket.params, bucket.offsets, strict=True)}
             for span in bucket.spans:
                 if id(span.master) in given:
                     p, start = span.param, starts[id(span.param)]
-                    piece = like_param(p, full[start : start + local(p).numel()].view(local(p).shape))
+                    values = given[id(span.master)] if full is None else full[start : start + local(p).numel()]
+                    piece = like_param(p, values.to(self.device).view(local(p).shape))
                     whole = piece.full_tensor() if isinstance(piece, DTensor) else piece
                     result = local(distribute_like(fn(whole), p)).reshape(-1)
                     part = result[span.param_offset : span.param_offset + span.numel]
