@@ -91,7 +91,7 @@ def load_initial_weights(model: ParallelModel, path: str, io_threads: int = 1) -
 
 
 def _load_hf(model: ParallelModel, folder: HFFolder) -> None:
-    cfg, spec = model.cfg.model, model.spec
+    cfg, spec = model.model_cfg, model.spec
     with torch.device("meta"):
         whole = spec.build_stage(cfg)
     expected = {}

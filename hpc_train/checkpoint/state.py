@@ -56,7 +56,7 @@ def _template_like(model: ParallelModel, name: str, t: torch.Tensor, dtype: torc
     """Where DCP loads `name`: a whole unpadded tensor for vocabulary rows, else a tensor laid out like `t`
     (uninitialised: DCP fills every element of a key it loads, or fails)."""
     if name in model.spec.vocab_params:
-        return torch.empty((model.cfg.model.vocab_size, *t.shape[1:]), dtype=dtype, device=local(t).device)
+        return torch.empty((model.model_cfg.vocab_size, *t.shape[1:]), dtype=dtype, device=local(t).device)
     return torch.empty_like(t, dtype=dtype)
 
 
@@ -76,7 +76,7 @@ class ModelState:
         return [(n, t) for n, t in named if n not in self.model.quantized and (self.adapters or not is_adapter(n))]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        vocab = self.model.cfg.model.vocab_size
+        vocab = self.model.model_cfg.vocab_size
         return {n: unpadded(self.model.spec, n, t.detach(), vocab) for n, t in self._tensors()}
 
     def template(self, stored: set[str]) -> dict[str, torch.Tensor]:
@@ -104,7 +104,7 @@ class OptimizerState:
         self.names = [by_id[id(p)] for p in optimizer.params]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        vocab, states = self.model.cfg.model.vocab_size, self.optimizer.param_states()
+        vocab, states = self.model.model_cfg.vocab_size, self.optimizer.param_states()
         return {f"{name}.{key}": unpadded(self.model.spec, name, t, vocab)
                 for name, state in zip(self.names, states, strict=True) for key, t in state.items()}  # fmt: skip
 

@@ -32,7 +32,7 @@ def generate(
     """New token ids after `prompt_ids`: the most likely one each time (temperature 0), or sampled from the
     smallest set of most likely tokens whose probability reaches `top_p`, at `temperature`."""
     model.train(False)
-    chunk, cfg = model.chunks[0], model.cfg.model
+    chunk, cfg = model.chunks[0], model.model_cfg
     generator = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from hpc_train.config import JobConfig
+from hpc_train.config import ModelConfig
 from hpc_train.data.batch import Batch
 from hpc_train.distributed.grads import fix_grad_placements, local
 from hpc_train.distributed.mesh import Mesh
@@ -38,10 +38,11 @@ MicroBatches = list[Batch]
 
 @dataclass
 class ParallelModel:
-    cfg: JobConfig
+    model_cfg: ModelConfig
     spec: ModelSpec
     chunks: list[StageModule]  # this rank's pipeline stages (one without pipeline parallelism)
     mesh: Mesh
+    grad_accum: int = 1  # micro-batches per step: each one's loss is its share of the batch's
     autocast_dtype: torch.dtype | None = None  # compute dtype under autocast; None = no autocast
     schedule: Any | None = None  # the pipeline schedule when pp > 1
     loss_scale: float = 1.0  # fp16 dynamic loss scale, applied to the loss before backward
@@ -56,7 +57,7 @@ class ParallelModel:
         the fp16 loss scale: its gradients are final as backward leaves them (what lets a dp reduction start
         from inside backward)."""
         loss = self.chunks[-1].loss(hidden, targets, self.loss_tokens)
-        return loss * (self.loss_scale / self.cfg.train.grad_accum)
+        return loss * (self.loss_scale / self.grad_accum)
 
     @property
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -101,9 +102,8 @@ class ParallelModel:
             chunk.train(mode)
 
 
-def freeze(model: ParallelModel, patterns: list[str]) -> None:
-    """train.freeze's patterns; with LoRA or QLoRA everything but the adapters."""
-    adapters_only = model.cfg.finetune.adapters
+def freeze(model: ParallelModel, patterns: list[str], adapters_only: bool) -> None:
+    """train.freeze's patterns; with LoRA or QLoRA (`adapters_only`) everything but the adapters."""
     for name, p in model.named_parameters:
         if is_frozen(name, patterns) or (adapters_only and not is_adapter(name)):
             p.requires_grad_(False)
@@ -143,8 +143,9 @@ def parallelize(plan: StagePlan) -> ParallelModel:
         init_adapters(chunk, cfg.train.seed)
         chunks.append(chunk)
     tied_copy, tied_group = _tied_pipeline_copy(chunks, mesh)
-    model = ParallelModel(cfg, spec, chunks, mesh, plan.compute_dtype, tied_copy=tied_copy, tied_group=tied_group)
-    freeze(model, cfg.train.freeze)
+    model = ParallelModel(cfg.model, spec, chunks, mesh, cfg.train.grad_accum, plan.compute_dtype, tied_copy=tied_copy,
+                          tied_group=tied_group)  # fmt: skip
+    freeze(model, cfg.train.freeze, cfg.finetune.adapters)
     if pp > 1:
         if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time
             chunks[-1].emits_hidden = True
@@ -239,7 +240,7 @@ def pad_rows(rows: torch.Tensor, total: int) -> torch.Tensor:
 def full_state_dict(model: ParallelModel) -> dict[str, torch.Tensor] | None:
     """Consolidated weights on global rank 0 (None elsewhere), in the single-process model's layout
     (vocabulary padded for tp=1; NF4 weights dequantized), whatever the layout they were trained with."""
-    m = model.cfg.model
+    m = model.model_cfg
     state = {}
     for chunk in model.chunks:
         for name, value in chunk.state_dict().items():
