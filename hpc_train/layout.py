@@ -1,5 +1,5 @@
 """The whole check of a run's config for a world size, before any process starts: the schema and the
-parallel layout (config.py), the model family's shapes (models/), the optimizer's capabilities (optim/),
+parallel layout (config/checks.py), the model family's shapes (models/), the optimizer's capabilities (optim/),
 the frozen-parameter patterns and LoRA's targets. The CLI, the Slurm submit path, the planner and the builder use it."""
 
 from __future__ import annotations

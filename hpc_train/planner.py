@@ -303,27 +303,33 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
     return sorted(rows, key=lambda r: (not r["fits"], r["step_s"], r["total_gib"]))
 
 
-def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int) -> float:
+def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int, matrices: int = 0) -> float:
     """Bytes a rank sends over dp per step for `params` local elements (ring collectives: (dp-1)/dp of the
     buffer each). Stage 0: an fp32 all-reduce (reduce-scatter + all-gather). Stages 1-2: an fp32
     reduce-scatter (stage 2 with overlap: one per micro-batch) and an all-gather of the weights in their
     dtype. Stage 3: per micro-batch, an all-gather in the compute dtype for forward and one for backward
     (one per step without reshard_after_forward under pipeline parallelism, where torch's schedules keep
     the stage gathered) and an fp32 reduce-scatter (once per step under pipeline parallelism): three
-    collectives where stage 0 has two, 1.5x its elements."""
+    collectives where stage 0 has two, 1.5x its elements. A rule that needs whole matrices (Muon) adds,
+    where the state is sharded, an fp32 all-gather of the `matrices` elements' updates."""
     t, o, dp = cfg.train, cfg.optim, dims.dp
     if dp == 1:
         return 0.0
     ring = params * (dp - 1) / dp
     compute, weights = compute_bytes(cfg), precision_policy(cfg).param_bytes
-    if optimizer_class(o).shards_params:
+    cls = optimizer_class(o)
+    if cls.shards_params:
         pp = cfg.parallel.pp > 1
         all_gathers = 2 * t.grad_accum if reshards_after_forward(cfg) else (1 if pp else t.grad_accum)
-        return ring * (compute * all_gathers + 4 * (1 if pp else t.grad_accum))
-    if o.zero_stage == 0:
-        return ring * 4 * 2
-    reduce_scatters = t.grad_accum if o.zero_stage == 2 and o.overlap_grad_reduce else 1
-    return ring * (4 * reduce_scatters + weights)
+        traffic = ring * (compute * all_gathers + 4 * (1 if pp else t.grad_accum))
+    elif o.zero_stage == 0:
+        traffic = ring * 4 * 2
+    else:
+        reduce_scatters = t.grad_accum if o.zero_stage == 2 and o.overlap_grad_reduce else 1
+        traffic = ring * (4 * reduce_scatters + weights)
+    if rule_class(o).gathers_matrices and cls.shards_state:
+        traffic += 4 * matrices * (dp - 1) / dp
+    return traffic
 
 
 def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mfu: float = 0.4,
@@ -343,8 +349,9 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
     bubble = compute * bubble_fraction(p, t.grad_accum)
     elt = 2 if t.precision != "fp32" else 4
     tp_bytes = 0 if p.tp == 1 else 4 * m.n_layers / p.pp * tokens * m.d_model * elt * (p.tp - 1) / p.tp
-    n = local_param_count(cfg).trainable
-    dp_time = dp_traffic_bytes(cfg, dims, n) / (ib_gbps * 1e9)
+    local = local_param_count(cfg)
+    n = local.trainable
+    dp_time = dp_traffic_bytes(cfg, dims, n, local.trainable_matrices) / (ib_gbps * 1e9)
     if optimizer_class(o).shards_params:  # FSDP prefetches
         dp_time = max(0.0, dp_time - compute)
     elif o.overlap_grad_reduce:

@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from hpc_train.builder import build_run
+from hpc_train.checkpoint.safe_load import read_dcp_metadata
 from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.cli import main
 from hpc_train.config import load_config
@@ -99,6 +101,10 @@ def test_tp2_dp2_zero1_resume_is_bit_exact(world4_runs, rule):
     assert [(r["step"], r["layout"]["tp"], r["layout"]["dp"]) for r in resumed_from(resumed)] == [(2, 2, 2)]
     assert losses(resumed) == losses(full)
     assert max_param_diff(read_final_model(resumed), read_final_model(full)) == 0.0
+    saved = read_dcp_metadata(Path(resumed) / "checkpoints/step_0000002").state_dict_metadata
+    momentum = {k for k in saved if k.endswith(".momentum_buffer")}
+    assert "optim.layers.0.attn.wq.weight.momentum_buffer" in momentum if rule == "muon" else not momentum
+    assert "optim.tok_embeddings.weight.exp_avg" in saved  # the embedding stays with AdamW under either rule
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,13 @@ from torch.distributed.tensor import DTensor
 
 from hpc_train.builder import build_run
 from hpc_train.config import ConfigError, load_config
+from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_sequence
+from hpc_train.layout import check_run
 from hpc_train.optim.rules import RULES, is_hidden_matrix, rule_class, target
 from hpc_train.placement import distribute_like
+from hpc_train.planner import dp_traffic_bytes, local_param_count
 
 
 class Tiny(nn.Module):
@@ -104,9 +107,11 @@ def test_planned_state_bytes_match_the_rule(name):
     assert rule.state_bytes() == planned
 
 
-def test_unknown_rule_is_refused_with_the_choices():
+def test_unknown_rule_and_impossible_settings_are_refused_before_any_process_starts():
     with pytest.raises(ConfigError, match="optim.name='lion' is not an update rule; use adamw or muon"):
         rule_class(load_config(None, ["optim.name=lion"]).optim)
+    with pytest.raises(ConfigError, match="optim.ns_steps=100 must be at most 99"):
+        check_run(load_config(None, ["optim.name=muon", "optim.ns_steps=100"]), 1, check_paths=False)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -154,6 +159,7 @@ def _muon_step_check(rank_env, cfg):
 MUON_STRATEGIES = {
     "tp2_dp2_zero0": ["optim.zero_stage=0"],
     "tp2_dp2_zero1": ["optim.zero_stage=1", "optim.bucket_mb=0.01"],
+    "tp2_dp2_zero2": ["optim.zero_stage=2", "optim.bucket_mb=0.01", "optim.overlap_grad_reduce=true"],
     "pp2_tp2_zero1": ["optim.zero_stage=1", "parallel.pp=2", "train.grad_accum=2"],
     "tp2_dp2_zero3": ["optim.zero_stage=3"],
 }
@@ -164,3 +170,17 @@ def test_muon_under_every_strategy_updates_as_torch_muon_does(make_cfg):
                      "train.micro_batch_size=2", *extra, run=name)
             for name, extra in MUON_STRATEGIES.items()]  # fmt: skip
     launch_sequence(_muon_step_check, 4, [(cfg,) for cfg in cfgs])
+
+
+def test_planner_counts_muons_matrix_gather_where_state_is_sharded():
+    """ZeRO-1 at dp4: Muon's step all-gathers the matrices' fp32 updates, AdamW's does not; zero 0 holds
+    whole matrices already."""
+    dims = ParallelDims(dp=4)
+    for stage, extra in ((1, True), (0, False)):
+        adamw, muon = (load_config(None, [f"optim.zero_stage={stage}", f"optim.name={name}"]) for name in RULES)
+        local = local_param_count(muon)
+        difference = dp_traffic_bytes(muon, dims, local.trainable, local.trainable_matrices) - dp_traffic_bytes(
+            adamw, dims, local.trainable, local.trainable_matrices
+        )
+        assert difference == (4 * local.trainable_matrices * 3 / 4 if extra else 0)
+        assert 0 < local.trainable_matrices < local.trainable

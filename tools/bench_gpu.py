@@ -28,7 +28,7 @@ from hpc_train.data.batch import Batch
 from hpc_train.launch.local import single_process_group
 from hpc_train.models import get_spec
 from hpc_train.observe.metrics import device_peak_flops
-from hpc_train.optim.rules import Target
+from hpc_train.optim.rules import target
 from hpc_train.optim.rules.adamw import AdamW
 from hpc_train.train.step import StepOptions, train_step
 
@@ -49,7 +49,7 @@ def plain_loop(cfg: JobConfig, device: torch.device, compiled: bool) -> Callable
     spec = get_spec(cfg.model.arch)
     model = spec.build_stage(model_cfg).to(device)
     spec.init_weights(model, cfg.train.seed)
-    optimizer = AdamW([Target(p, p.ndim >= 2) for p in model.parameters()], cfg.optim).optimizer
+    optimizer = AdamW([target(n, p) for n, p in model.named_parameters()], cfg.optim).optimizer
     forward = torch.compile(model) if compiled else model
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
 

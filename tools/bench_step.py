@@ -20,7 +20,7 @@ from hpc_train.config import load_config
 from hpc_train.data.batch import Batch
 from hpc_train.launch.local import single_process_group
 from hpc_train.models.common.decoder import count_params
-from hpc_train.optim.rules import Target
+from hpc_train.optim.rules import target
 from hpc_train.optim.rules.adamw import AdamW
 from hpc_train.optim.schedule import lr_at
 from hpc_train.train.step import StepOptions, train_step
@@ -64,7 +64,7 @@ def compare(cfg, run, rounds: int, steps: int) -> None:
     targets = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
     plain = run.model.spec.build_stage(cfg.model)
     run.model.spec.init_weights(plain, cfg.train.seed)
-    plain_opt = AdamW([Target(p, p.ndim >= 2) for p in plain.parameters()], cfg.optim).optimizer
+    plain_opt = AdamW([target(n, p) for n, p in plain.named_parameters()], cfg.optim).optimizer
 
     def run_ours(step: int) -> None:
         lr = lr_at(step, cfg.optim, cfg.train.steps)

@@ -89,6 +89,7 @@ LAYOUTS = {  # name -> (world size, overrides)
     "tp2_sp_chunked_loss": (2, ["parallel.tp=2", SP, "model.loss_chunk_tokens=64"]),
     # Muon: one fp32 momentum buffer per hidden-layer matrix element, AdamW's two moments elsewhere
     "muon": (1, ["optim.name=muon"]),
+    "dp2_zero1_muon": (2, ["optim.zero_stage=1", "optim.name=muon"]),
     "tp2_sp_zero1_bf16_muon": (2, ["parallel.tp=2", SP, *ZERO1_BF16, "optim.name=muon"]),
 }
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]

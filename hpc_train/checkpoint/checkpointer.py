@@ -46,6 +46,7 @@ from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.state import ShardedPart, Stateful
 from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from hpc_train.config import JobConfig, to_yaml
+from hpc_train.optim import optimizer_class
 from hpc_train.resilience.faults import fault_point
 
 # of the per-rank files; format 1 (hpc_train 08c1275) kept the sampler's count at top level, formats 1 and
@@ -160,7 +161,8 @@ class Checkpointer:
         if torch.cuda.is_available():  # the stager's stream does not wait for this one: gathers, clones
             torch.cuda.current_stream().synchronize()
         staging = self.staging = self.stager.stage(state)  # copied on the stager's thread during the next step
-        if self.cfg.optim.zero_stage in (1, 2):  # the state is a gathered copy (~12 bytes a parameter): not kept
+        strategy = optimizer_class(self.cfg.optim)
+        if strategy.shards_state and not strategy.shards_params:  # ZeRO-1/2 gather a copy of their state: not kept
             self.staged()  # alive through the next step, so copied now
         self.staging_wait_s = 0.0  # the next update's wait (this one's is in blocked_s)
 

@@ -2,9 +2,10 @@
 
 Sharded through DCP, under `<part>.<key>`: the model (every parameter, frozen or not, and every
 persistent buffer; DTensor shards under tp, and dp under ZeRO-3) and the optimizer state *per
-parameter* (exp_avg, exp_avg_sq and, with ZeRO-1 and -2, the fp32 master weights; ZeRO-3's parameters
-are fp32 themselves) in its parameter's placement, so DCP reshards both on load. Vocabulary-padded
-tensors are stored unpadded and whole: their padding depends on tp.
+parameter* (the update rule's: AdamW's exp_avg, exp_avg_sq, Muon's momentum_buffer; with ZeRO-1 and -2
+also the fp32 master weights; ZeRO-3's parameters are fp32 themselves) in its parameter's placement, so
+DCP reshards both on load. Vocabulary-padded tensors are stored unpadded and whole: their padding
+depends on tp.
 Everything else is a small `state_dict` per part in each rank's own file (sampler, loss scaler, metrics
 position, RNG).
 """
@@ -100,8 +101,8 @@ class OptimizerState:
 
     def __init__(self, model: ParallelModel, optimizer: Optimizer):
         self.model, self.optimizer = model, optimizer
-        by_id = {id(p): n for n, p in model.named_parameters}
-        self.names = [by_id[id(p)] for p in optimizer.params]
+        names = model.parameter_names()
+        self.names = [names[id(p)] for p in optimizer.params]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         vocab, states = self.model.model_cfg.vocab_size, self.optimizer.param_states()

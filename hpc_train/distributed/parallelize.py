@@ -65,6 +65,10 @@ class ParallelModel:
         a tied head copy under the embedding's name): the same names whatever the layout."""
         return [(chunk.canonical_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
 
+    def parameter_names(self) -> dict[int, str]:
+        """Each parameter's whole-model name, by the parameter's id."""
+        return {id(p): name for name, p in self.named_parameters}
+
     @property
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters]

@@ -31,7 +31,7 @@ def whole_dtensors(fn: MatrixFn, targets: list[Target], pieces: list[torch.Tenso
 
 def build_rule(model: ParallelModel, params: list[torch.nn.Parameter], cfg: OptimConfig) -> UpdateRule:
     """The configured rule over `params`, updated in place (their own shards)."""
-    names = {id(p): n for n, p in model.named_parameters}
+    names = model.parameter_names()
     return rule_class(cfg)([target(names[id(p)], p) for p in params], cfg, whole_dtensors)
 
 

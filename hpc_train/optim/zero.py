@@ -96,7 +96,7 @@ class ZeroOptimizer:
         self.partial_sums: set[int] = set()  # parameters whose gradients arrive as partial sums over tp
         self.hooked = self.accumulating = False
         self.master = self._make_spans()
-        names = {id(p): n for n, p in model.named_parameters}
+        names = model.parameter_names()
         self.matrices = {id(p) for p in self.params if is_hidden_matrix(names[id(p)], p.ndim)}
         targets = [target(names[id(s.param)], s.param, s.master) for b in self.buckets for s in b.spans]
         self.rule = rule_class(cfg)(targets, cfg, self._whole_matrices)
@@ -281,10 +281,9 @@ class ZeroOptimizer:
             if self.dp > 1:
                 full = self._gather_bucket(bucket, [given.get(id(s.master), s.master.new_zeros(s.numel))
                                                     for s in bucket.spans])  # fmt: skip
-            starts = {id(p): start for p, start in zip(bucket.params, bucket.offsets, strict=True)}
             for span in bucket.spans:
                 if id(span.master) in given:
-                    p, start = span.param, starts[id(span.param)]
+                    p, (_, start) = span.param, self.slot[id(span.param)]
                     values = given[id(span.master)] if full is None else full[start : start + local(p).numel()]
                     piece = like_param(p, values.to(self.device).view(local(p).shape))
                     whole = piece.full_tensor() if isinstance(piece, DTensor) else piece

@@ -122,7 +122,8 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """The whole model, or one pipeline stage of it: `layer_ids` picks the blocks (their names stay global,
     `layers.<i>`), `first` adds the embeddings, `last` the final norm and output head. `tp` only sets the
-    vocabulary padding; the tensor-parallel sharding itself is applied by `distributed.tensor_parallel`.
+    vocabulary padding; the tensor-parallel sharding itself is applied by
+    `distributed.transforms.tensor_parallel`.
     With tied embeddings the head shares the embedding's parameter; a last pipeline stage without the
     embedding holds its own copy of it (kept equal by `distributed.parallelize`)."""
 

@@ -23,6 +23,7 @@ def rule_class(cfg: OptimConfig) -> type[UpdateRule]:
     """The update rule `optim.name` names."""
     if cfg.name not in RULES:
         raise ConfigError(f"optim.name={cfg.name!r} is not an update rule; use {choices(RULES)}")
+    RULES[cfg.name].check(cfg)
     return RULES[cfg.name]
 
 

@@ -20,6 +20,7 @@ class AdamW:
     """Weight decay on the targets marked for it (matrices), none on norms and biases."""
 
     state_keys = MOMENTS
+    gathers_matrices = False
 
     def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices):
         groups = [
@@ -29,6 +30,10 @@ class AdamW:
         cuda = bool(targets) and local(targets[0].tensor).device.type == "cuda"
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                            fused=cuda or None)  # fmt: skip
+
+    @staticmethod
+    def check(cfg: OptimConfig) -> None:
+        pass
 
     @staticmethod
     def planned_state_bytes(matrix: bool) -> int:

@@ -22,24 +22,28 @@ except ImportError:  # pragma: no cover - older torch
     _zeropower_via_newtonschulz = None
 
 MOMENTUM = "momentum_buffer"
-
-
-def check_available() -> None:
-    if _zeropower_via_newtonschulz is None:
-        raise ConfigError(f"optim.name=muon needs torch>=2.9 (torch.optim.Muon); this is torch {torch.__version__}: "
-                          "upgrade torch or use optim.name=adamw")  # fmt: skip
+MAX_NS_STEPS = 99  # torch's Newton-Schulz refuses 100 and more
 
 
 class Muon:
     state_keys = (MOMENTUM, *MOMENTS)
+    gathers_matrices = True
 
     def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices):
-        check_available()
+        self.check(cfg)
         self.cfg, self.whole = cfg, whole
         self.matrices = [t for t in targets if t.matrix_shape is not None]
         self.others = AdamW([t for t in targets if t.matrix_shape is None], cfg)
         self.matrix_ids = {id(t.tensor) for t in self.matrices}
         self.buffers: dict[torch.Tensor, torch.Tensor] = {}
+
+    @staticmethod
+    def check(cfg: OptimConfig) -> None:
+        if _zeropower_via_newtonschulz is None:
+            raise ConfigError(f"optim.name=muon needs torch>=2.9 (torch.optim.Muon); this is torch "
+                              f"{torch.__version__}: upgrade torch or use optim.name=adamw")  # fmt: skip
+        if cfg.ns_steps > MAX_NS_STEPS:
+            raise ConfigError(f"optim.ns_steps={cfg.ns_steps} must be at most {MAX_NS_STEPS} (5 is Muon's usual)")
 
     @staticmethod
     def planned_state_bytes(matrix: bool) -> int:

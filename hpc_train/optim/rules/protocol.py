@@ -43,8 +43,13 @@ def local_matrices(fn: MatrixFn, targets: list[Target], pieces: list[torch.Tenso
 
 class UpdateRule(Protocol):
     state_keys: ClassVar[tuple[str, ...]]  # every key `state` may hold, for checkpoints
+    gathers_matrices: ClassVar[bool]  # calls `whole` each step (a collective where matrices are sharded)
 
     def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices) -> None: ...
+
+    @staticmethod
+    def check(cfg: OptimConfig) -> None:
+        """Raise a ConfigError for settings this rule cannot run with (before any process starts)."""
 
     @staticmethod
     def planned_state_bytes(matrix: bool) -> int:
