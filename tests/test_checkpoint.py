@@ -326,10 +326,11 @@ def test_hung_rank_ends_the_job_with_an_error_naming_it(tmp_path, small_corpus):
     assert time.monotonic() - start < 60
 
 
-def test_checkpoint_written_by_08c1275_resumes_on_its_loss_curve(tmp_path):
-    """The checkpoint format of 08c1275 (tests/fixtures/checkpoint_08c1275) still loads, and training goes on
-    exactly as 08c1275 itself went on from it."""
-    fixture = ROOT / "tests/fixtures/checkpoint_08c1275"
+@pytest.mark.parametrize(("release", "digest"), [("08c1275", "sha256"), ("1364ba4", "xxh3_128")])
+def test_checkpoint_written_by_an_earlier_release_resumes_on_its_loss_curve(tmp_path, release, digest):
+    """The checkpoints of 08c1275 (llama, dp2 ZeRO-1) and 1364ba4 (gpt2, tp2 + SP ZeRO-1), in
+    tests/fixtures, still load, and training goes on exactly as that release itself went on from them."""
+    fixture = ROOT / f"tests/fixtures/checkpoint_{release}"
     expected = json.loads((fixture / "expected.json").read_text())
     shutil.copytree(fixture / "step_0000002", tmp_path / "run/checkpoints/step_0000002")
     cfg = load_config(None, [*expected["overrides"], f"data.train_path={fixture / 'data'}", "train.steps=6",
@@ -342,8 +343,8 @@ def test_checkpoint_written_by_08c1275_resumes_on_its_loss_curve(tmp_path):
         assert m["loss"] == pytest.approx(expected["losses"][str(m["step"])], abs=1e-6), m["step"]
         assert m["grad_norm"] == pytest.approx(expected["grad_norms"][str(m["step"])], abs=1e-6), m["step"]
     checkpoints = CheckpointStore(tmp_path / "run/checkpoints")
-    old, new = (checkpoints.verify(info) for info in checkpoints.scan()[-1::-2])  # step 2 (sha256), step 6
-    assert old.problem is None and "sha256" in old.manifest["files"][".metadata"]
+    old, new = (checkpoints.verify(info) for info in checkpoints.scan()[-1::-2])  # step 2 (its release's), step 6
+    assert old.problem is None and digest in old.manifest["files"][".metadata"]
     assert new.problem is None and "xxh3_128" in new.manifest["files"][".metadata"]
 
 
