@@ -48,6 +48,7 @@ def test_muon_rule_matches_torch_muon_and_adamw():
     matrices = [p for n, p in theirs.named_parameters() if is_hidden_matrix(n, p.ndim)]
     others = [p for n, p in theirs.named_parameters() if not is_hidden_matrix(n, p.ndim)]
     assert len(matrices) == 2 and len(others) == 5  # the embedding, biases and norm stay with AdamW
+    assert is_hidden_matrix("layers.3.attn.wq.lora_a", 2) and not is_hidden_matrix("output.weight", 2)
     muon = torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
                             adjust_lr_fn=cfg.muon_adjust_lr)  # fmt: skip
     decay = [p for p in others if p.ndim >= 2]
