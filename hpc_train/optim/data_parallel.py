@@ -19,14 +19,17 @@ from hpc_train.optim.rules.protocol import MatrixFn
 from hpc_train.placement import distribute_like
 
 
+def on_whole(fn: MatrixFn, piece: torch.Tensor) -> torch.Tensor:
+    """`fn` of the whole matrix that `piece` (laid out like its parameter: a DTensor shard, or whole) is part
+    of: gathered whole, and this rank's part of the result cut out again locally."""
+    whole = piece.full_tensor() if isinstance(piece, DTensor) else piece
+    return distribute_like(fn(whole), piece)
+
+
 def whole_dtensors(fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """`WholeMatrices` for pieces laid out like their parameters (DTensor shards over tp, and over dp under
-    FSDP): each gathered whole, and this rank's part of `fn`'s result cut out again locally."""
-    out = []
-    for piece in pieces:
-        whole = piece.full_tensor() if isinstance(piece, DTensor) else piece
-        out.append(distribute_like(fn(whole), piece))
-    return out
+    FSDP)."""
+    return [on_whole(fn, piece) for piece in pieces]
 
 
 def build_rule(model: ParallelModel, params: list[torch.nn.Parameter], cfg: OptimConfig) -> UpdateRule:

@@ -35,9 +35,10 @@ from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.buckets import BucketedReduction, bucketize
+from hpc_train.optim.data_parallel import on_whole
 from hpc_train.optim.rules import Target, is_hidden_matrix, rule_class, target
 from hpc_train.optim.rules.protocol import MatrixFn
-from hpc_train.placement import distribute_like, like_param
+from hpc_train.placement import like_param
 
 # torch >= 2.13 names these *_single for gloo; older releases only have the *_tensor names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -286,8 +287,7 @@ class ZeroOptimizer:
                     p, (_, start) = span.param, self.slot[id(span.param)]
                     values = given[id(span.master)] if full is None else full[start : start + local(p).numel()]
                     piece = like_param(p, values.to(self.device).view(local(p).shape))
-                    whole = piece.full_tensor() if isinstance(piece, DTensor) else piece
-                    result = local(distribute_like(fn(whole), p)).reshape(-1)
+                    result = local(on_whole(fn, piece)).reshape(-1)
                     part = result[span.param_offset : span.param_offset + span.numel]
                     out[id(span.master)] = part.to(span.master.device)  # offload: the update runs on the host
         return [out[id(t.tensor)] for t in targets]

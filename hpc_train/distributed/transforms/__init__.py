@@ -20,12 +20,11 @@ TRANSFORMS: tuple[Transform, ...] = (
 )
 
 
-def apply_transforms(stage: StageModule, plan: StagePlan) -> list[str]:
-    """Every transform that applies, in order; their names."""
-    applied = [t for t in TRANSFORMS if t.applies(plan)]
-    for transform in applied:
-        transform.apply(stage, plan)
-    return [t.name for t in applied]
+def apply_transforms(stage: StageModule, plan: StagePlan) -> None:
+    """Every transform that applies, in order."""
+    for transform in TRANSFORMS:
+        if transform.applies(plan):
+            transform.apply(stage, plan)
 
 
 __all__ = ["TRANSFORMS", "StagePlan", "Transform", "apply_transforms"]
