@@ -90,7 +90,7 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         frozen = [p for name, p in model.named_parameters if not p.requires_grad and name not in model.quantized]
         policy.cast_parameters(frozen, policy.frozen_dtype)
     t = cfg.train
-    scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if policy.loss_scaling else None
+    scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window, device=device) if policy.loss_scaling else None
     global_batch = t.micro_batch_size * t.grad_accum * dims.dp
     sampler = None
     if train_set is not None:

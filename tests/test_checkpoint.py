@@ -294,11 +294,12 @@ def wait_for_step(run_dir, step, proc=None, timeout=120):
 
 
 def test_sigterm_saves_asynchronously_and_resumes(tmp_path, small_corpus):
-    """SIGTERM to the local launcher reaches both ranks: they finish the step, commit a checkpoint (written
-    by an async save) and exit cleanly; the rerun resumes there and ends on the uninterrupted curve."""
+    """SIGTERM to the local launcher reaches both ranks: at the next log step (every 3rd) they finish the
+    step, commit a checkpoint (written by an async save) and exit cleanly; the rerun resumes there and ends on
+    the uninterrupted curve."""
     args = [*COMMON, f"data.train_path={small_corpus}", "train.steps=400", "train.micro_batch_size=4",
             "parallel.nproc=2", "checkpoint.interval=0", "checkpoint.async_save=true",
-            "logging.progress=lines"]  # fmt: skip
+            "logging.progress=lines", "logging.log_interval=3"]  # fmt: skip
     cmd = [sys.executable, "-m", "hpc_train.cli", "train", *args]
     proc = subprocess.Popen([*cmd, f"run_dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     wait_for_step(tmp_path / "run", 3, proc)
@@ -307,6 +308,7 @@ def test_sigterm_saves_asynchronously_and_resumes(tmp_path, small_corpus):
     assert proc.returncode == 0, out
     stopped_at = len(read_metrics(tmp_path / "run"))
     assert stopped_at < 400 and f"checkpoint of step {stopped_at} committed, stopping" in out
+    assert stopped_at % 3 == 0  # the stop signal is agreed with the figures, once per log interval
     assert CheckpointStore(tmp_path / "run/checkpoints").newest_valid().step == stopped_at
     steps = f"train.steps={stopped_at + 3}"  # the same schedule: only how far it runs differs
     for run in ("run", "uninterrupted"):

@@ -54,7 +54,7 @@ def test_muon_rule_matches_torch_muon_and_adamw():
     decay = [p for p in others if p.ndim >= 2]
     adamw = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                {"params": [p for p in others if p.ndim < 2], "weight_decay": 0.0}],
-                              lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)  # fmt: skip
+                              lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)  # fmt: skip
     for step in range(3):
         for model in (ours, theirs):
             _grads(model, step)
@@ -66,6 +66,16 @@ def test_muon_rule_matches_torch_muon_and_adamw():
         adamw.zero_grad()
         for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
             assert torch.equal(a, b), (step, name)
+    # a step skipped on the device (a non-finite one: NaN gradients) changes no weight and no state
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    state = {n: {k: v.clone() for k, v in rule.state(p).items()} for n, p in ours.named_parameters()}
+    _grads(ours, 3)
+    next(ours.parameters()).grad.fill_(float("nan"))
+    rule.step(cfg.lr, torch.ones(()))
+    rule.zero_grad()
+    for name, p in ours.named_parameters():
+        assert torch.equal(p, before[name]), name
+        assert all(torch.equal(v, state[name][k]) for k, v in rule.state(p).items()), name
     # state: one momentum buffer per matrix, two moments per other parameter, all fp32
     weights = dict(ours.named_parameters())
     assert rule.state(weights["layers.0.weight"]).keys() == {"momentum_buffer"}
@@ -147,7 +157,7 @@ def _muon_step_check(rank_env, cfg):
         others = [p for n, p in ref.items() if not is_hidden_matrix(n, p.ndim)]
         torch.optim.AdamW([{"params": [p for p in others if p.ndim >= 2], "weight_decay": o.weight_decay},
                            {"params": [p for p in others if p.ndim < 2], "weight_decay": 0.0}],
-                          lr=lr, betas=(o.beta1, o.beta2), eps=o.eps).step()  # fmt: skip
+                          lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True).step()  # fmt: skip
         for name, p in named:
             assert torch.equal(_full(p), ref[name].detach()), (cfg.run_dir, name)
             assert not torch.equal(ref[name].detach(), before[name]), name  # every parameter moved

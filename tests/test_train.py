@@ -1,5 +1,7 @@
 """Training correctness: multi-process runs against a single-process reference, numerically."""
 
+import collections
+import math
 import os
 import random
 import subprocess
@@ -7,10 +9,12 @@ import sys
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hpc_train.config import load_config
-from hpc_train.launch.local import launch_local
+from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.models import get_spec
+from hpc_train.resilience import watchdog
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
@@ -152,3 +156,62 @@ def test_tiny_config_learns_on_the_embedded_corpus(tmp_path):
     model = get_spec(model_cfg.arch).build_stage(model_cfg)
     model.load_state_dict(weights)  # the exported weights load into a fresh model
     assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long))[..., :257]).all()
+
+
+def test_a_step_whose_loss_alone_is_nonfinite_is_dropped_on_every_rank(make_cfg, monkeypatch, capfd):
+    """A NaN planted into rank 0's loss at step 2 (its gradients stay finite) under dp2 ZeRO-1: the step is
+    logged as skipped and really is, on both ranks (each updates its own half of the weights): the weights
+    after it are, bit for bit, those of a run that stopped after step 1."""
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "loss@2@0@nan")
+    layout = ["optim.zero_stage=1", "parallel.nproc=2", "train.micro_batch_size=2", "train.skip_nonfinite=1"]
+    one, two = make_cfg(*layout, "train.steps=1", run="one"), make_cfg(*layout, "train.steps=2", run="two")
+    launch_sequence(run_training, 2, [(one,), (two,)])
+    assert "step 2: the loss is nan; step skipped (1 of train.skip_nonfinite=1)" in capfd.readouterr().out
+    assert [r.get("skipped", False) for r in read_metrics(two.run_dir)] == [False, True]
+    assert max_param_diff(read_final_model(two.run_dir), read_final_model(one.run_dir)) == 0.0
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that copy a tensor's value to the host (on a GPU, each waits for the device), by
+    training step: the loop's `watchdog.record(step, 0)` starts a step."""
+
+    READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.step, self.by_step = 0, collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.by_step[self.step] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [["train.precision=fp16", "optim.zero_stage=1"], ["optim.name=muon", "train.precision=bf16"]],
+    ids=["fp16_zero1", "muon_bf16"],
+)
+def test_the_loop_reads_the_device_once_per_log_interval(make_cfg, monkeypatch, keys):
+    """Loss, gradient norm, fp16's overflow flag and scale, the skip decision and the clipping stay on the
+    device: 8 steps at logging.log_interval=4 read it only at steps 4 and 8 (the figures of the interval's
+    steps at once, and the agreed peak memory and stop flag), and every step is still recorded."""
+    cfg = make_cfg(*keys, "train.steps=8", "logging.log_interval=4", "train.save_final_model=false",
+                   "optim.grad_clip=0.5", "logging.straggler_interval=0")  # fmt: skip
+    counter = HostReads()
+    record = watchdog.record
+
+    def starts(step: int, phase: int) -> None:
+        if phase == 0:
+            counter.step = step
+        record(step, phase)
+
+    monkeypatch.setattr(watchdog, "record", starts)
+    with counter:
+        result = launch_local(run_training, 1, cfg)
+    per_step = {step: counter.by_step[step] for step in range(1, 9)}
+    assert per_step == {1: 0, 2: 0, 3: 0, 4: 2, 5: 0, 6: 0, 7: 0, 8: 2}
+    assert sum(per_step.values()) == 4
+    metrics = read_metrics(cfg.run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 9)) and len(result.losses) == 8
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics)

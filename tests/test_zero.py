@@ -17,7 +17,7 @@ from hpc_train.optim import build_optimizer
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.zero import ZeroOptimizer
 from hpc_train.train.loop import run_training
-from hpc_train.train.step import StepOptions, apply_gradients, train_step
+from hpc_train.train.step import StepOptions, StepResult, apply_gradients, read_figures, skip_reason, train_step
 from tests.conftest import ROOT, read_metrics
 
 
@@ -62,14 +62,17 @@ def _zero_checks(rank_env, cfg):
         forward_backward(model, batch)
         if dist.get_rank() == 3:
             _local(model.parameters[2].grad).view(-1)[0] = float("inf")
-        assert apply_gradients(model, optimizer, 1e-3, StepOptions(1.0, scaler)) is None
-        assert (scaler.scale, scaler.skipped_steps) == (512.0, 1)
+        loss = torch.ones(())
+        (figures,) = read_figures([StepResult(apply_gradients(model, optimizer, 1e-3, StepOptions(1.0, scaler), loss))])
+        assert figures["overflow"] == 1 and skip_reason(figures) is None  # absorbed by the scale, not non-finite
+        assert (figures["loss_scale"], figures["skipped_steps"]) == (512.0, 1)
         assert all(torch.equal(b, _local(p)) for b, p in zip(before, model.parameters, strict=True))
 
         # Two clean steps (the window) double the scale again, and the parameters move.
         for _ in range(2):
-            assert math.isfinite(train_step(model, optimizer, batch, 1e-3, StepOptions(1.0, scaler)).grad_norm)
-        assert (scaler.scale, scaler.skipped_steps) == (1024.0, 1)
+            (figures,) = read_figures([train_step(model, optimizer, batch, 1e-3, StepOptions(1.0, scaler))])
+            assert math.isfinite(figures["grad_norm"]) and not figures["overflow"]
+        assert (scaler.scale.item(), scaler.skipped_steps.item()) == (1024.0, 1)
         assert not all(torch.equal(b, _local(p)) for b, p in zip(before, model.parameters, strict=True))
 
 

@@ -10,7 +10,6 @@ over tp once per step (optim/zero.py).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -66,9 +65,10 @@ class GradGroups:
         return self.tp_sharded + self.tp_replicated + self.uncounted
 
 
-def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh) -> float:
+def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh) -> torch.Tensor:
     """Clip by the global L2 norm with every element counted once across tp, pp and dp; returns the norm
-    before clipping (the formula of torch.nn.utils.clip_grad_norm_, with its 1e-6)."""
+    before clipping, on the device (torch.nn.utils.clip_grad_norm_'s formula, with its 1e-6 and its
+    coefficient clamped at 1, so nothing is read to the host)."""
     device = grads.all[0].device
     sq = lambda ts: sum((t.float().pow(2).sum() for t in ts), torch.zeros((), device=device))
     sharded_sq, total_sq = sq(grads.tp_sharded), sq(grads.tp_replicated)
@@ -78,8 +78,7 @@ def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh) -> float:
     for role in ("pp", "dp") if grads.dp_sharded else ("pp",):
         if mesh.size(role) > 1:
             dist.all_reduce(total_sq, group=mesh.group(role))
-    norm = math.sqrt(total_sq.item())
-    coef = max_norm / (norm + 1e-6)
-    if max_norm > 0 and coef < 1.0:
-        torch._foreach_mul_(grads.all, coef)
+    norm = total_sq.double().sqrt()
+    if max_norm > 0:
+        torch._foreach_mul_(grads.all, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm

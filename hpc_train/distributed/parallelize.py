@@ -45,12 +45,12 @@ class ParallelModel:
     grad_accum: int = 1  # micro-batches per step: each one's loss is its share of the batch's
     autocast_dtype: torch.dtype | None = None  # compute dtype under autocast; None = no autocast
     schedule: Any | None = None  # the pipeline schedule when pp > 1
-    loss_scale: float = 1.0  # fp16 dynamic loss scale, applied to the loss before backward
+    loss_scale: float | torch.Tensor = 1.0  # fp16 dynamic loss scale (a device tensor), applied before backward
     tied_copy: nn.Parameter | None = None  # an embedding tied across pipeline stages, as held here
     tied_group: dist.ProcessGroup | None = None  # the (first, last) stage pair that shares it
     quantized: set[str] = field(default_factory=set)  # QLoRA's NF4 weights: rebuilt from their source, not saved
     masked_loss: bool = False  # the data has a loss mask: the loss is a mean over the global batch's counted targets
-    loss_tokens: float | None = None  # with a mask, this step's counted targets per micro-batch (Decoder.loss)
+    loss_tokens: torch.Tensor | None = None  # with a mask, this step's counted targets per micro-batch (Decoder.loss)
 
     def scaled_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A pipeline micro-batch's share of the batch loss (from the last stage's final-norm output), times
@@ -200,12 +200,13 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
     return total
 
 
-def counted_targets(model: ParallelModel, micro_batches: MicroBatches) -> float:
-    """The global batch's targets the loss mask counts, per micro-batch (one all-reduce over dp)."""
-    count = sum(b.loss_mask.sum() for b in micro_batches).double()
+def counted_targets(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
+    """The global batch's targets the loss mask counts, per micro-batch (one all-reduce over dp; left on
+    the device)."""
+    count = sum(b.loss_mask.sum() for b in micro_batches).float()
     if model.mesh.size("dp") > 1:
         dist.all_reduce(count, group=model.mesh.group("dp"))
-    return max(count.item(), 1.0) / (len(micro_batches) * model.mesh.size("dp"))
+    return count.clamp(min=1.0) / (len(micro_batches) * model.mesh.size("dp"))
 
 
 def forward_backward(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
@@ -219,12 +220,13 @@ def forward_only(model: ParallelModel, micro_batches: MicroBatches) -> torch.Ten
     return loss
 
 
-def reduce_loss(model: ParallelModel, loss: torch.Tensor) -> float:
-    """The global-batch mean: taken from the last pipeline stage, averaged over dp."""
+def reduce_loss(model: ParallelModel, loss: torch.Tensor) -> torch.Tensor:
+    """The global-batch mean, the same on every rank: taken from the last pipeline stage, averaged over dp
+    (left on the device)."""
     for role in ("pp", "dp"):
         if model.mesh.size(role) > 1:
             dist.all_reduce(loss, group=model.mesh.group(role))
-    return loss.item() / model.mesh.size("dp")
+    return loss / model.mesh.size("dp")
 
 
 def unpadded(spec: ModelSpec, name: str, t: torch.Tensor, vocab_size: int) -> torch.Tensor:

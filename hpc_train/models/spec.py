@@ -68,7 +68,9 @@ class StageModule(Protocol):
     def tie_weights(self) -> None:
         """Share the embedding's parameter with the head again (after `to_empty` or sharding)."""
 
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, loss_tokens: float | None = None) -> torch.Tensor:
+    def loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor, loss_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The last stage's mean loss of its hidden output (with `emits_hidden` set, forward stops there)."""
         ...
 

@@ -78,8 +78,8 @@ class DataParallelOptimizer:
                  for p in self.params if p.grad is not None]  # fmt: skip
         return GradGroups.of(grads, dp_sharded=self.shards_params)  # FSDP's are shards of the dp mean
 
-    def step(self, lr: float) -> None:
-        self.rule.step(lr)
+    def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
+        self.rule.step(lr, skip)
 
     def zero_grad(self) -> None:
         self.rule.zero_grad()

@@ -1,49 +1,49 @@
-"""Dynamic loss scaling for fp16, agreed over every rank.
+"""Dynamic loss scaling for fp16, agreed over every rank and kept on the device.
 
 The loss is multiplied by `scale` before backward. After the gradients are reduced, any inf/nan on any
 rank (tp, pp or dp) makes every rank skip the step and halve the scale, so no rank ever steps alone;
-after `window` clean steps in a row the scale doubles.
+after `window` clean steps in a row the scale doubles. The flag, the scale and the counters are device
+tensors (torch's own AMP kernels: the check fused with the unscale, the update), so the step makes no host
+read: the loop reads them with the step's other figures, once per log interval.
 """
 
 from __future__ import annotations
-
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass
 class LossScaler:
-    scale: float = 2.0**16
-    window: int = 1000
-    min_scale: float = 1.0
-    clean_steps: int = 0
-    skipped_steps: int = 0
+    def __init__(self, scale: float = 2.0**16, window: int = 1000, min_scale: float = 1.0, device: str = "cpu"):
+        self.window, self.min_scale = window, min_scale
+        self.scale = torch.full((), float(scale), device=device)
+        self.clean_steps = torch.zeros((), dtype=torch.int32, device=device)  # since the last overflow or growth
+        self.skipped_steps = torch.zeros((), device=device)
 
-    def found_inf(self, grads: list[torch.Tensor]) -> bool:
-        """True on every rank when any rank's gradients hold an inf or nan (one all-reduce over the world)."""
-        finite = [torch.isfinite(g).all() for g in grads]  # on the device: one host sync, at the end
-        flag = (~torch.stack(finite)).any().float() if grads else torch.zeros(())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide the gradients by the scale; returns 1.0 on every rank when any rank's gradients hold an inf
+        or nan, else 0.0 (one all-reduce over the world, no host read)."""
+        found, inverse = torch.zeros((), device=self.scale.device), self.scale.reciprocal()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inverse)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return found
 
-    def unscale(self, grads: list[torch.Tensor]) -> None:
-        torch._foreach_mul_(grads, 1.0 / self.scale)
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale = max(self.min_scale, self.scale / 2)
-            self.skipped_steps += 1
-            self.clean_steps = 0
-            return
-        self.clean_steps += 1
-        if self.clean_steps % self.window == 0:
-            self.scale *= 2
+    def update(self, overflow: torch.Tensor) -> None:
+        """Halve on an overflow (not below `min_scale`), double after `window` clean steps."""
+        torch._amp_update_scale_(self.scale, self.clean_steps, overflow, 2.0, 0.5, self.window)
+        self.scale.clamp_(min=self.min_scale)
+        self.skipped_steps += overflow
 
     def state_dict(self) -> dict:
-        return asdict(self)
+        counts = {"clean_steps": int(self.clean_steps.item()), "skipped_steps": int(self.skipped_steps.item())}
+        return {"scale": self.scale.item(), "window": self.window, "min_scale": self.min_scale, **counts}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        self.window, self.min_scale = state["window"], state["min_scale"]
+        self.scale.fill_(state["scale"])
+        self.clean_steps.fill_(state["clean_steps"] % self.window)  # older checkpoints counted past the window
+        self.skipped_steps.fill_(state["skipped_steps"])

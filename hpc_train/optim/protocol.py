@@ -39,8 +39,9 @@ class Optimizer(Protocol):
         """The reduced gradient elements this rank holds, for overflow checks, norms and clipping."""
         ...
 
-    def step(self, lr: float) -> None:
-        """Update the parameters (and whatever copy of them the optimizer keeps)."""
+    def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
+        """Update the parameters (and whatever copy of them the optimizer keeps); a nonzero device flag
+        `skip` leaves everything as it is, decided on the device (no host read)."""
 
     def zero_grad(self) -> None: ...
 

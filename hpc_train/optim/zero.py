@@ -226,13 +226,14 @@ class ZeroOptimizer:
         return GradGroups.of(grads, dp_sharded=True)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
         """Update the owned slice (fp32 master + the rule's state), then all-gather every bucket into the
-        params (with dp=1 every span is a whole parameter: one multi-tensor copy casts the masters into them)."""
+        params (with dp=1 every span is a whole parameter: one multi-tensor copy casts the masters into them).
+        A skipped step leaves the masters as they are, so the gather writes the same weights back."""
         for bucket in self.buckets:
             for span, grad in zip(bucket.spans, self._owned_grads(bucket), strict=True):
                 span.master.grad = grad.to(self.state_device)
-        self.rule.step(lr)
+        self.rule.step(lr, skip)
         if self.dp == 1 and self.state_device == self.device:
             spans = [s for b in self.buckets for s in b.spans]
             torch._foreach_copy_([local(s.param).view(-1) for s in spans], [s.master for s in spans])

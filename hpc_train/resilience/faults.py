@@ -11,32 +11,35 @@ import time
 SLOW_S = 0.2  # what a slow rank loses per step
 
 
-def fault_point(point: str, step: int, rank: int) -> None:
-    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang|@stop|@oom|@slow]] kills this process
-    with SIGKILL there (or makes it hang, as a stuck rank would, or stops it with SIGSTOP, as a frozen node
-    would, or raises an out-of-memory error, or from that step on sleeps SLOW_S there, as a rank on a slow
-    node would). Only the first attempt of a run meets its
-    fault: ranks restarted in the job (HPC_TRAIN_RESTART > 0) run clean."""
+def fault_point(point: str, step: int, rank: int) -> bool:
+    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang|@stop|@oom|@slow|@nan]] kills this
+    process with SIGKILL there (or makes it hang, as a stuck rank would, or stops it with SIGSTOP, as a frozen
+    node would, or raises an out-of-memory error, or from that step on sleeps SLOW_S there, as a rank on a
+    slow node would, or returns True, where the caller makes its value non-finite). Only the first attempt of
+    a run meets its fault: ranks restarted in the job (HPC_TRAIN_RESTART > 0) run clean."""
     spec = os.environ.get("HPC_TRAIN_FAULT", "")
     if not spec or os.environ.get("HPC_TRAIN_RESTART", "0") != "0":
-        return
+        return False
     name, at_step, *rest = spec.split("@")
     kind = rest[1] if len(rest) > 1 else "kill"
     if name != point or int(rest[0] if rest else 0) != rank:
-        return
+        return False
     if kind == "slow":
         if step >= int(at_step):
             time.sleep(SLOW_S)
-        return
+        return False
     if step != int(at_step):
-        return
+        return False
+    if kind == "nan":
+        return True
     if kind == "hang":
         time.sleep(10**6)
     if kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-        return
+        return False
     if kind == "oom":
         import torch
 
         raise torch.OutOfMemoryError(f"injected by HPC_TRAIN_FAULT={spec}")
     os.kill(os.getpid(), signal.SIGKILL)
+    return False

@@ -62,18 +62,24 @@ class StragglerMonitor:
             dist.all_gather_object(self.where, (node_name(), str(device), peers))
 
     def add(self, step_s: float) -> None:
-        """After a step: its wall seconds, and the compute the clock measured during it."""
-        compute_s = self.clock.take()
+        """After a step: its wall seconds (the clock keeps its compute spans until `report`, when the step
+        has finished on the device: reading them sooner would wait for it)."""
         if self.interval:
             self.sums[0] += step_s
-            self.sums[1] += compute_s
             self.count += 1
+        else:
+            self.clock.spans.clear()
+
+    def due(self, step: int) -> bool:
+        """`report` gathers at this step (the loop reads the device first)."""
+        return bool(self.interval) and step % self.interval == 0
 
     def report(self, step: int) -> dict[str, Any] | None:
         """On the interval's last step: every rank's mean step and compute seconds, and the ranks whose compute
         exceeds the median of their peers' by more than `threshold` (a fraction), slowest first."""
-        if not self.interval or step % self.interval:
+        if not self.due(step):
             return None
+        self.sums[1] = self.clock.take()
         means = torch.tensor([s / max(1, self.count) for s in self.sums], dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(means) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, means)

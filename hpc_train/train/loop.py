@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,16 @@ from hpc_train.resilience.preemption import StopRequest, requeue_slurm_job
 from hpc_train.resilience.stragglers import StragglerMonitor, describe_stragglers
 from hpc_train.resilience.watchdog import HangWatchdog
 from hpc_train.train.report import TrainResult, announce, finish
-from hpc_train.train.step import NonFiniteStep, StepOptions, StepResult, evaluate, rank_micro_batches, train_step
+from hpc_train.train.step import (
+    NonFiniteStep,
+    StepOptions,
+    StepResult,
+    evaluate,
+    rank_micro_batches,
+    read_figures,
+    skip_reason,
+    train_step,
+)
 
 
 def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
@@ -65,18 +76,26 @@ def train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainResu
         run.checkpointer.release()
 
 
-def _nonfinite(run: Run, step: int, err: NonFiniteStep, skipped: int) -> StepResult:
-    """A non-finite step: skipped (its update dropped) while train.skip_nonfinite allows, else the end of the
-    run, before anything of it is checkpointed."""
+def _nonfinite(run: Run, step: int, reason: str, skipped: int) -> None:
+    """A non-finite step (its update already dropped on the device): skipped while train.skip_nonfinite
+    allows, else the end of the run, before anything of it is checkpointed."""
     allowed = run.cfg.train.skip_nonfinite
     if skipped > allowed:
         raise NonFiniteStep(
-            f"step {step}: {err}; stopping (no checkpoint of this state is written, the last one stays). Usual "
+            f"step {step}: {reason}; stopping (no checkpoint of this state is written, the last one stays). Usual "
             f"causes: a learning rate too high, bad data or numerics; train.skip_nonfinite={allowed} "
             "allows that many such steps to be skipped"
-        ) from None
-    run.report(f"step {step}: {err}; step skipped ({skipped} of train.skip_nonfinite={allowed})")
-    return StepResult(float("nan"), float("nan"))
+        )
+    run.report(f"step {step}: {reason}; step skipped ({skipped} of train.skip_nonfinite={allowed})")
+
+
+@dataclass
+class Pending:
+    """A step trained but not yet read: what the host knew then, and its figures still on the device."""
+
+    record: dict[str, Any]  # step, lr, consumed_samples...
+    result: StepResult
+    timings: dict[str, float] | None
 
 
 def _restart_figures(run: Run, resumed: Resumed | None) -> dict[str, float] | None:
@@ -116,6 +135,8 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
     result = TrainResult()
     nonfinite_steps = 0
     monitor = StragglerMonitor(cfg.logging, run.device, (run.mesh.rank("pp"), run.mesh.rank("tp")))
+    pending: list[Pending] = []
+    interval_start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
         watchdog.record(step, 0)
         if step > start_step + 1:  # the first step of a process sets up communicators and compiles: untimed
@@ -125,41 +146,57 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device)
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
-        try:
-            options = StepOptions(
-                cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged
-            )
-            stats = train_step(run.model, run.optimizer, micro_batches, lr, options)
-        except NonFiniteStep as err:
-            nonfinite_steps += 1
-            stats, timings = _nonfinite(run, step, err, nonfinite_steps), None
+        options = StepOptions(cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged)
+        stats = train_step(run.model, run.optimizer, micro_batches, lr, options)
         with hang.paused():
             profile.after_step(step)
         last_memory.update(stats.memory)
-        elapsed = time.perf_counter() - start
-        result.losses.append(stats.loss)
-
-        record = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm}
-        if run.valid_set is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
-            with hang.paused():
-                record["eval_loss"] = result.eval_losses[step] = evaluate(run.model, run.valid_set, cfg.train)
-        # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
-        agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None)],
-                              device=run.device)  # fmt: skip
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        stop_requested = bool(agreed[3].item())
-        monitor.add(elapsed)  # after the all-reduce: the step is done on the device
-        if slow := monitor.report(step):
-            record.update(slow)
-            _report_stragglers(run, slow["stragglers"], step)
-        record.update(meter.fields(step, elapsed, stats.memory, tuple(agreed[:3].tolist()), timings))
-        record["consumed_samples"] = run.sampler.consumed_samples
-        if run.scaler:
-            record.update(loss_scale=run.scaler.scale, skipped_steps=run.scaler.skipped_steps)
+        record = {"step": step, "lr": lr, "consumed_samples": run.sampler.consumed_samples}
         if resumed is not None and step == start_step + 1:  # where this run picked up, for the record
             record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout}
         if restart and step == start_step + 1:
             record["restart"] = restart
+        pending.append(Pending(record, stats, timings))
+        monitor.add(time.perf_counter() - start)
+        eval_due = run.valid_set is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps)
+        if not (step % cfg.logging.log_interval == 0 or step == t.steps or eval_due or monitor.due(step)
+                or run.checkpointer.should_save(step, False)):  # fmt: skip
+            watchdog.record(step, 2)
+            hang.disarm()
+            continue
+        # Once per log interval (and at evals, saves and the end): the device is read, every pending step's
+        # figures at once, and the interval's time is shared by its steps.
+        figures = read_figures([p.result for p in pending])
+        elapsed = (time.perf_counter() - interval_start) / len(pending)
+        if eval_due:
+            with hang.paused():
+                result.eval_losses[step] = evaluate(run.model, run.valid_set, cfg.train)
+        # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
+        agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None)],
+                              device=run.device)  # fmt: skip
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        *peak, stop_flag = agreed.tolist()
+        stop_requested = bool(stop_flag)
+        records = []
+        for p, f in zip(pending, figures, strict=True):
+            if reason := skip_reason(f):
+                nonfinite_steps += 1
+                _nonfinite(run, p.record["step"], reason, nonfinite_steps)
+            r = {**p.record, "loss": f["loss"], "grad_norm": float("nan") if f["overflow"] else f["grad_norm"]}
+            if reason or f["overflow"]:
+                r["skipped"] = True  # its update was dropped
+            r.update(meter.fields(r["step"], elapsed, p.result.memory, tuple(peak), p.timings))
+            if run.scaler:
+                r.update(loss_scale=f["loss_scale"], skipped_steps=int(f["skipped_steps"]))
+            result.losses.append(f["loss"])
+            records.append(r)
+        pending.clear()
+        record = records[-1]
+        if eval_due:
+            record["eval_loss"] = result.eval_losses[step]
+        if slow := monitor.report(step):
+            record.update(slow)
+            _report_stragglers(run, slow["stragglers"], step)
         watchdog.record(step, 2)
         hang.disarm()
         if run.checkpointer.should_save(step, stop_requested):
@@ -168,10 +205,12 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
             record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
             if stop_requested or step == t.steps:  # the last save: nothing to overlap, its commit on this record
                 record["checkpoint"].update(run.checkpointer.wait() or {})
-        if committed := run.checkpointer.poll():  # an async save committed during this step
+        if committed := run.checkpointer.poll():  # an async save committed during this interval
             record["checkpoint_committed"] = committed
         if run.metrics:
-            run.metrics.write(record, show=step % cfg.logging.log_interval == 0 or step == t.steps)
+            for r in records:
+                run.metrics.write(r, show=r["step"] % cfg.logging.log_interval == 0 or r["step"] == t.steps)
+        interval_start = time.perf_counter()
         if stop_requested:  # its save was waited for above
             run.report(f"stop signal received: checkpoint of step {step} committed, stopping")
             if run.metrics:

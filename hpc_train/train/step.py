@@ -27,7 +27,7 @@ from hpc_train.resilience.stragglers import ComputeClock
 
 class NonFiniteStep(UserError, RuntimeError):
     """A step whose loss or gradients are not finite for a reason other than an fp16 overflow that the loss
-    scale absorbs. Every rank raises it at the same point (the values it checks are global)."""
+    scale absorbs. Raised by the loop when it reads the step's figures (the same on every rank)."""
 
 
 @dataclass
@@ -42,44 +42,66 @@ class StepOptions:
     before_update: Callable[[], None] | None = None  # runs before the weights change (an async save's copy)
 
 
+# A step's figures, one small vector left on the device: the loss (global-batch mean), the gradient norm
+# before clipping, fp16's overflow flag (the scale absorbed it: the update was skipped) and whether that
+# happened at the smallest scale, the loss scale after the step and the steps skipped so far.
+FIGURES = ("loss", "grad_norm", "overflow", "overflow_at_floor", "loss_scale", "skipped_steps")
+
+
 @dataclass
 class StepResult:
-    loss: float  # mean over the global batch
-    grad_norm: float
+    figures: torch.Tensor  # FIGURES, on the device until `read_figures`
     memory: dict[str, int] = field(default_factory=dict)  # this rank's bytes by category
 
 
-def apply_gradients(model: ParallelModel, optimizer: Optimizer, lr: float, options: StepOptions) -> float | None:
+def read_figures(results: list[StepResult]) -> list[dict[str, float]]:
+    """Every given step's figures copied to the host at once: the training loop's one read of the device
+    per log interval (a step itself reads nothing)."""
+    if not results:
+        return []
+    return [dict(zip(FIGURES, row, strict=True)) for row in torch.stack([r.figures for r in results]).tolist()]
+
+
+def skip_reason(figures: dict[str, float]) -> str | None:
+    """Why a step's update was dropped as non-finite (it was, on the device), or None: a finite step, or an
+    fp16 overflow that the loss scale absorbs (skipped too, but counted in `skipped_steps`, not here)."""
+    if figures["overflow_at_floor"]:
+        return f"the gradients are not finite even at the smallest fp16 loss scale ({figures['loss_scale']})"
+    if figures["overflow"]:
+        return None
+    if not math.isfinite(figures["grad_norm"]):
+        return f"the gradient norm is {figures['grad_norm']}"
+    if not math.isfinite(figures["loss"]):
+        return f"the loss is {figures['loss']}"
+    return None
+
+
+def apply_gradients(
+    model: ParallelModel, optimizer: Optimizer, lr: float, options: StepOptions, loss: torch.Tensor
+) -> torch.Tensor:
     """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step
-    (`before_update` first: an async checkpoint's copy must be done). Returns the gradient norm, or None
-    when the step was skipped for an overflow; raises NonFiniteStep (with the gradients dropped, nothing
-    updated) for a non-finite norm, or an overflow at the smallest loss scale."""
+    (`before_update` first: an async checkpoint's copy must be done). The update is dropped on the device,
+    on every rank alike, when the gradients overflowed or the norm or the global `loss` is not finite: no
+    host read decides it. Returns the step's FIGURES."""
     scaler, timings = options.scaler, options.timings
     device = local(model.parameters[0]).device
     with timed(timings, "grad_reduce", device):
         optimizer.reduce_gradients()
     grads = optimizer.grad_groups()
+    overflow = at_floor = skipped = scale = torch.zeros((), device=device)
     if scaler is not None:
-        overflow = scaler.found_inf(grads.all)
-        at_floor = scaler.scale <= scaler.min_scale
+        overflow = scaler.unscale_and_check(grads.all)
+        at_floor = overflow * (scaler.scale <= scaler.min_scale)
         scaler.update(overflow)
-        if overflow:
-            optimizer.zero_grad()
-            if at_floor:
-                floor = scaler.min_scale
-                raise NonFiniteStep(f"the gradients are not finite even at the smallest fp16 loss scale ({floor})")
-            return None
-        scaler.unscale(grads.all)
+        scale, skipped = scaler.scale.clone(), scaler.skipped_steps.clone()
     with timed(timings, "optimizer", device):
         grad_norm = clip_grad_norm(grads, options.grad_clip, model.mesh)
-        if not math.isfinite(grad_norm):
-            optimizer.zero_grad()
-            raise NonFiniteStep(f"the gradient norm is {grad_norm}")
+        skip = overflow.bool() | ~torch.isfinite(grad_norm) | ~torch.isfinite(loss)
         if options.before_update is not None:
             options.before_update()
-        optimizer.step(lr)
+        optimizer.step(lr, skip)
         optimizer.zero_grad()
-    return grad_norm
+    return torch.stack([t.to(device, torch.float64) for t in (loss, grad_norm, overflow, at_floor, scale, skipped)])
 
 
 def train_step(
@@ -89,7 +111,8 @@ def train_step(
     lr: float,
     options: StepOptions | None = None,
 ) -> StepResult:
-    """One optimizer step on this rank's micro-batches; the loss is the global-batch mean."""
+    """One optimizer step on this rank's micro-batches; the loss is the global-batch mean. Nothing is read
+    to the host: the figures stay on the device (`read_figures`)."""
     options = options or StepOptions()
     scaler, step = options.scaler, options.step
     model.loss_scale = scaler.scale if scaler else 1.0
@@ -103,6 +126,8 @@ def train_step(
     ):
         loss = forward_backward(model, micro_batches)
         fault_point("compute", step, dist.get_rank())
+    if fault_point("loss", step, dist.get_rank()):  # a planted non-finite loss; the gradients stay finite
+        loss = loss + float("nan")
     fault_point("mid_step", step, dist.get_rank())
     watchdog.record(step, 1)
     memory = {
@@ -111,12 +136,10 @@ def train_step(
         "activations_per_microbatch": saved.bytes // len(micro_batches),
         "activations_peak": saved.peak_bytes,
     }
-    grad_norm = apply_gradients(model, optimizer, lr, options)
+    mean_loss = reduce_loss(model, loss)  # before the update: a non-finite loss drops it too
+    figures = apply_gradients(model, optimizer, lr, options, mean_loss)
     memory["optimizer"] = optimizer.state_bytes()
-    mean_loss = reduce_loss(model, loss)
-    if grad_norm is not None and not math.isfinite(mean_loss):
-        raise NonFiniteStep(f"the loss is {mean_loss}")
-    return StepResult(mean_loss, grad_norm if grad_norm is not None else float("nan"), memory)
+    return StepResult(figures, memory)
 
 
 def rank_micro_batches(source: Source, indices: list[np.ndarray], device: torch.device) -> MicroBatches:
@@ -130,11 +153,11 @@ def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig) -> float:
     dp, dp_rank = model.mesh.size("dp"), model.mesh.rank("dp")
     per_rank = t.micro_batch_size * t.grad_accum
     device = local(model.parameters[0]).device
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for b in range(t.eval_batches):
         start = (b * dp + dp_rank) * per_rank
         indices = np.arange(start, start + per_rank) % len(dataset)
         micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device)
         total += reduce_loss(model, forward_only(model, micro))
     model.train(True)
-    return total / t.eval_batches
+    return total.item() / t.eval_batches

@@ -176,7 +176,7 @@ class Decoder(nn.Module):
         return values
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, loss_tokens: float | None = None
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, loss_tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Token ids (or a previous stage's hidden states) -> hidden states, or padded logits on the last
         stage (its final hidden states with `emits_hidden`); with `targets`, the next-token loss (`loss`)."""
@@ -205,7 +205,9 @@ class Decoder(nn.Module):
         logits = self.logits(hidden).flatten(0, 1).float()
         return F.cross_entropy(logits, targets.flatten(), reduction="sum")
 
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, loss_tokens: float | None = None) -> torch.Tensor:
+    def loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor, loss_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The mean next-token loss of the final norm's output `hidden`, computed `model.loss_chunk_tokens` at
         a time (`loss_chunk_rows`): each chunk's logits are freed after its loss and recomputed in backward.
         Without a loss mask the mean is over every target; with one (targets IGNORE where the loss does not

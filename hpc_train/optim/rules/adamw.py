@@ -1,8 +1,10 @@
-"""AdamW with Megatron's weight-decay grouping: torch's own (fused on GPU, foreach on CPU)."""
+"""AdamW with Megatron's weight-decay grouping: torch's own fused kernel (CPU and GPU), which skips a step
+on the device when told to (`found_inf`), so a non-finite step is dropped without a host read."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import local
@@ -23,13 +25,17 @@ class AdamW:
     gathers_matrices = False
 
     def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices):
-        groups = [
-            {"params": [t.tensor for t in targets if t.decay], "weight_decay": cfg.weight_decay},
-            {"params": [t.tensor for t in targets if not t.decay], "weight_decay": 0.0},
-        ]
-        cuda = bool(targets) and local(targets[0].tensor).device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           fused=cuda or None)  # fmt: skip
+        # one group per (decay, DTensor or not): the fused kernel runs once per group, and DTensor refuses a
+        # call that mixes DTensors with plain tensors (under tp, replicated parameters may be plain)
+        groups = []
+        for decay in (True, False):
+            for distributed in (True, False):
+                params = [t.tensor for t in targets if (t.decay, isinstance(t.tensor, DTensor)) == (decay, distributed)]
+                if params:
+                    groups.append({"params": params, "weight_decay": cfg.weight_decay if decay else 0.0})
+        self.device = local(targets[0].tensor).device if targets else None  # where a skip flag must be
+        self.optimizer = torch.optim.AdamW(groups or [{"params": []}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                           eps=cfg.eps, fused=bool(targets) or None)  # fmt: skip
 
     @staticmethod
     def check(cfg: OptimConfig) -> None:
@@ -42,8 +48,11 @@ class AdamW:
     def keys(self, matrix: bool) -> tuple[str, ...]:
         return MOMENTS
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
         set_lr(self.optimizer, lr)
+        if skip is not None and self.device is not None:
+            skip = skip.to(self.device, torch.float32)
+        self.optimizer.found_inf = skip  # read by the fused kernel: nonzero leaves params, moments and step as they are
         self.optimizer.step()
 
     def zero_grad(self) -> None:
@@ -58,9 +67,8 @@ class AdamW:
         self.optimizer.state[tensor] = {"step": self._step_tensor(step if saved else 0, tensor), **moments}
 
     def _step_tensor(self, step: int, tensor: torch.Tensor) -> torch.Tensor:
-        """AdamW's per-parameter step counter as torch keeps it (on the device when fused)."""
-        fused = self.optimizer.param_groups[0].get("fused")
-        return torch.tensor(float(step), dtype=torch.float32, device=local(tensor).device if fused else "cpu")
+        """AdamW's per-parameter step counter as torch keeps it (fused: on the parameter's device)."""
+        return torch.tensor(float(step), dtype=torch.float32, device=local(tensor).device)
 
     def state_bytes(self) -> int:
         return sum(local(t).nbytes for s in self.optimizer.state.values() for k, t in s.items() if k in MOMENTS)

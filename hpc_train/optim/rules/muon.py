@@ -56,8 +56,11 @@ class Muon:
         return _zeropower_via_newtonschulz(update, (DEFAULT_A, DEFAULT_B, DEFAULT_C), self.cfg.ns_steps, EPS)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
-        self.others.step(lr)
+    def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
+        """`skip` (nonzero: leave everything as it is) is applied on the device: the matrices' momentum and
+        weights keep their old values through `torch.where`, as the fused AdamW kernel keeps the others."""
+        self.others.step(lr, skip)
+        keep = None if skip is None else skip.to(torch.bool)
         cfg, targets, updates = self.cfg, [], []
         for target in self.matrices:
             grad = target.tensor.grad
@@ -66,12 +69,14 @@ class Muon:
             buf = self.buffers.get(target.tensor)
             if buf is None:
                 buf = self.buffers[target.tensor] = torch.zeros_like(grad)
-            buf.lerp_(grad, 1 - cfg.momentum)
+            _kept_unless(keep, local(buf), local(buf).lerp(local(grad), 1 - cfg.momentum))
             targets.append(target)
             updates.append(grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf)
         for target, update in zip(targets, self.whole(self._orthogonalize, targets, updates), strict=True):
-            target.tensor.mul_(1 - lr * cfg.weight_decay)
-            target.tensor.add_(update, alpha=-_adjust_lr(lr, cfg.muon_adjust_lr, target.matrix_shape))
+            weight = local(target.tensor)
+            scaled = weight * (1 - lr * cfg.weight_decay)
+            stepped = scaled.add_(local(update), alpha=-_adjust_lr(lr, cfg.muon_adjust_lr, target.matrix_shape))
+            _kept_unless(keep, weight, stepped)
 
     def zero_grad(self) -> None:
         self.others.zero_grad()
@@ -91,3 +96,8 @@ class Muon:
 
     def state_bytes(self) -> int:
         return self.others.state_bytes() + sum(local(b).nbytes for b in self.buffers.values())
+
+
+def _kept_unless(keep: torch.Tensor | None, tensor: torch.Tensor, new: torch.Tensor) -> None:
+    """`tensor` becomes `new`, unless the device flag `keep` is set (NaN-safe, no host read)."""
+    tensor.copy_(new if keep is None else torch.where(keep, tensor, new))

@@ -60,8 +60,10 @@ class UpdateRule(Protocol):
         """What `state` holds for a target that is (part of) a hidden-layer matrix, or for another."""
         ...
 
-    def step(self, lr: float) -> None:
-        """Update every target with a gradient; a rule with `whole` matrices calls it on every rank."""
+    def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
+        """Update every target with a gradient, unless the 0-dim device flag `skip` is nonzero (then nothing
+        changes, state and step counts included; decided on the device). A rule with `whole` matrices
+        calls it on every rank."""
 
     def zero_grad(self) -> None: ...
 
