@@ -306,7 +306,7 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
 def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int, matrices: int = 0) -> float:
     """Bytes a rank sends over dp per step for `params` local elements (ring collectives: (dp-1)/dp of the
     buffer each). Stage 0: an fp32 all-reduce (reduce-scatter + all-gather). Stages 1-2: an fp32
-    reduce-scatter (stage 2 with overlap: one per micro-batch) and an all-gather of the weights in their
+    reduce-scatter (stage 2: one per micro-batch) and an all-gather of the weights in their
     dtype. Stage 3: per micro-batch, an all-gather in the compute dtype for forward and one for backward
     (one per step without reshard_after_forward under pipeline parallelism, where torch's schedules keep
     the stage gathered) and an fp32 reduce-scatter (once per step under pipeline parallelism): three
@@ -325,7 +325,7 @@ def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int, matrices: 
     elif o.zero_stage == 0:
         traffic = ring * 4 * 2
     else:
-        reduce_scatters = t.grad_accum if o.zero_stage == 2 and o.overlap_grad_reduce else 1
+        reduce_scatters = t.grad_accum if o.zero_stage == 2 else 1
         traffic = ring * (4 * reduce_scatters + weights)
     if rule_class(o).gathers_matrices and cls.shards_state:
         traffic += 4 * matrices * (dp - 1) / dp

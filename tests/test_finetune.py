@@ -225,14 +225,18 @@ def test_lora_trains_like_one_process_and_exports(make_cfg, hf_models, instructi
 
 
 QLORA = [*LORA, "finetune.method=qlora", "train.precision=bf16", "optim.decay_steps=3", "checkpoint.interval=2"]
-QLORA_LAYOUTS = {"pp2": ["parallel.pp=2"], "dp2_zero1": ["optim.zero_stage=1", "train.micro_batch_size=2"]}
+QLORA_LAYOUTS = {
+    "pp2": ["parallel.pp=2"],
+    "dp2_zero1": ["optim.zero_stage=1", "train.micro_batch_size=2"],
+    "dp2_zero2": ["optim.zero_stage=2", "train.micro_batch_size=2"],
+}
 BF16_TOL = 2e-3  # bf16 compute in another order (a pipeline's micro-batches, a dp all-reduce)
 
 
 def test_qlora_trains_on_nf4_weights_in_any_layout_and_resumes(make_cfg, hf_models, tmp_path):
     """QLoRA's base projections are torchao NF4 tensors (about 0.52 bytes a weight), left out of its
-    checkpoints and rebuilt from model.init_from, whose fingerprint the checkpoints record: pp2 and dp2 with
-    ZeRO-1 follow one process; a run stopped at step 2 resumes onto the same curve; a changed base is
+    checkpoints and rebuilt from model.init_from, whose fingerprint the checkpoints record: pp2, and dp2 with
+    ZeRO-1 and ZeRO-2, follow one process; a run stopped at step 2 resumes onto the same curve; a changed base is
     refused; the merged export is the dequantized base plus the adapters."""
     source = tmp_path / "base"
     shutil.copytree(hf_models["llama"], source)

@@ -58,6 +58,8 @@ ZERO_LAYOUTS = {
     "tp2_dp2_zero1": "tp2_dp2",
     "pp2_dp2_zero1": "pp2_dp2",
     "dp2_zero2": "dp2",
+    "dp4_zero2": "dp4",
+    "pp2_dp2_zero2": "pp2_dp2",
     "tp2_dp2_zero2_overlap": "tp2_dp2",
     "pp2_dp2_zero2_overlap": "pp2_dp2",
     "dp4_zero3": "dp4",

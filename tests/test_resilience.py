@@ -9,20 +9,35 @@ import sys
 import time
 
 from hpc_train.launch.local import launch_local
+from hpc_train.resilience.stragglers import find_stragglers
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, read_metrics
 
 
+def test_a_rank_is_compared_with_its_peers_not_itself():
+    """Each rank against the median of the other ranks doing the same work: at dp=2 a rank 1.3x its one peer
+    is past a 0.2 threshold (with itself in the median, 1.3 / 1.15 = 1.13 was not); at dp=1 nobody has a
+    peer, so nobody is named; ranks of different stages are never compared."""
+    assert [s["rank"] for s in find_stragglers([1.0, 1.3], [(0,), (0,)], 0.2)] == [1]
+    assert find_stragglers([1.0, 1.3], [(0,), (0,)], 0.2)[0]["median_s"] == 1.0
+    assert find_stragglers([1.0, 1.1], [(0,), (0,)], 0.2) == []
+    assert find_stragglers([5.0], [(0,)], 0.2) == []  # dp=1
+    assert find_stragglers([1.0, 3.0], [(0,), (1,)], 0.2) == []  # pp2 x dp1: two stages, no peers
+    slow = find_stragglers([1.0, 1.0, 2.0, 1.6], [(0,)] * 4, 0.2)  # dp4: slowest first
+    assert [(s["rank"], s["slower"]) for s in slow] == [(2, 2.0), (3, 1.6)]
+
+
 def test_slow_rank_is_named_and_plotted(make_cfg, monkeypatch, capfd, tmp_path):
+    """At dp=2 (one peer each) rank 1, 0.2 s slower per step from step 2 on, is named in both intervals."""
     monkeypatch.setenv("HPC_TRAIN_FAULT", "compute@2@1@slow")  # rank 1 computes 0.2 s longer from step 2 on
-    cfg = make_cfg("parallel.nproc=3", "train.steps=6", "train.micro_batch_size=2", "logging.straggler_interval=3")
-    launch_local(run_training, 3, cfg)
+    cfg = make_cfg("parallel.nproc=2", "train.steps=6", "train.micro_batch_size=2", "logging.straggler_interval=3")
+    launch_local(run_training, 2, cfg)
     reports = [r for r in read_metrics(cfg.run_dir) if "stragglers" in r]
     assert [r["step"] for r in reports] == [3, 6]
     for report in reports:
         assert [s["rank"] for s in report["stragglers"]] == [1], report
         assert report["stragglers"][0]["slower"] > 1.5 and report["stragglers"][0]["device"] == "cpu"
-        assert len(report["rank_compute_s"]) == len(report["rank_step_s"]) == 3
+        assert len(report["rank_compute_s"]) == len(report["rank_step_s"]) == 2
         # its peers wait for it, so their steps are as slow as rank 1's: only compute tells them apart
         assert min(report["rank_step_s"]) > max(report["rank_compute_s"])
     assert "stragglers over steps 4-6: rank 1 (host " in capfd.readouterr().out

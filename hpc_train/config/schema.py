@@ -214,7 +214,7 @@ class LoggingConfig:
     breakdown: bool = False  # per-step time of forward+backward, gradient reduction, optimizer, bubble estimate
     profile_steps: list[int] = field(default_factory=list)  # [a, b]: torch.profiler trace of steps a..b
     tensorboard: bool = False  # also write the metrics to <run_dir>/tensorboard
-    # every N steps: name the ranks whose compute is slower than the median; 0 = off
+    # every N steps: name the ranks whose compute is slower than their peers' median; 0 = off
     straggler_interval: int = non_negative(50)
     straggler_threshold: float = non_negative(0.2)  # ... by more than this fraction
     # a straggler this many times the median has its node excluded next time; 0 = never

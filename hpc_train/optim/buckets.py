@@ -34,9 +34,11 @@ class BucketedReduction:
     its communication runs while backward goes on through earlier layers; `finish` launches whatever
     backward did not (and the buckets `deferred` names: their launch talks to another pipeline stage) and
     completes every bucket. With `every_micro_batch` (ZeRO-2) a bucket is launched as soon as each of its
-    parameters has one more gradient, i.e. once per micro-batch: the launch consumes (and frees) what the
-    parameters hold, so a reduction may take any number of launches; at most `max_in_flight` collectives are
-    left outstanding, so the full-size buffers they reduce are freed as backward goes on."""
+    parameters has one more gradient, i.e. once per micro-batch, with or without `overlap`: the launch
+    consumes (and frees) what the parameters hold, so a reduction may take any number of launches and no
+    gradient is summed in the parameters' dtype. At most `max_in_flight` collectives are left outstanding
+    (without `overlap`, none: each is completed as soon as it is launched), so the full-size buffers they
+    reduce are freed as backward goes on."""
 
     def __init__(
         self,
@@ -69,6 +71,8 @@ class BucketedReduction:
         while self.every_micro_batch and len(self.completions) >= self.max_in_flight:
             self.completions.pop(0)[1]()  # before the launch: at most max_in_flight buffers at once
         self.completions.append((i, self.launch(i)))
+        if not self.overlap:  # launched from backward only to take the gradients: wait for it here
+            self.completions.pop()[1]()
         self.launches[i] += 1
         if self.every_micro_batch:
             threshold = self._threshold(i)
@@ -76,7 +80,8 @@ class BucketedReduction:
 
     def begin_step(self, micro_batches: int) -> None:
         """Expect `micro_batches` backward passes through every parameter before the next `finish`."""
-        if self.overlap and not self.hooked:  # registered late: parameters may be swapped after construction
+        if (self.overlap or self.every_micro_batch) and not self.hooked:  # registered late: parameters may be
+            # swapped after construction
             for bucket in self.buckets:
                 for p in bucket:
                     p.register_post_accumulate_grad_hook(self._arrived)

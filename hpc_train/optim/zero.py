@@ -15,9 +15,10 @@ an fp32 gradient buffer and the sharded AdamW state are 2 + 4 + 12/dp bytes per 
 `offload="cpu"` the master weights and the rule's state live in host memory and the update runs there
 (ZeRO-Offload).
 
-zero_stage 2 (`Zero2Optimizer`): with overlap_grad_reduce each bucket's gradients are copied to an fp32
-buffer and reduce-scattered once per micro-batch, as soon as backward has produced them, at most two at a
-time, and rank r accumulates only its slice (DeepSpeed's stage 2).
+zero_stage 2 (`Zero2Optimizer`): each bucket's gradients are copied to an fp32 buffer and reduce-scattered
+once per micro-batch, as soon as backward has produced them, and rank r accumulates only its fp32 slice
+(DeepSpeed's stage 2): micro-batches never add up in the weights' dtype. With overlap_grad_reduce at most
+two collectives are in flight while backward goes on; without it each is waited for at once.
 """
 
 from __future__ import annotations
@@ -341,21 +342,20 @@ class ZeroOptimizer:
 
 
 class Zero2Optimizer(ZeroOptimizer):
-    """zero_stage 2: ZeRO-1 plus gradients sharded over dp (see the module docstring). Needs
-    optim.overlap_grad_reduce to free gradients during backward; without it the parameters' own gradients
-    live until the step's end, as with stage 1."""
+    """zero_stage 2: ZeRO-1 plus gradients sharded over dp (see the module docstring): a bucket's gradients
+    are taken from the parameters, in fp32, once per micro-batch, with or without overlap_grad_reduce."""
 
     every_micro_batch = True
-    takes_grads_in_backward = False  # the launches take them (from backward with overlap_grad_reduce)
+    takes_grads_in_backward = True  # each micro-batch's launches take them, from backward
     grads_before_backward = True  # the owned slices, from begin_step
 
     @staticmethod
     def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int, int]:
-        """The fp32 owned gradient slice, plus the parameters' own gradients without overlap (with it, two
-        buckets' fp32 copies at a time: communication buffers); fp32 masters and the rule's state per
-        owned element."""
+        """The fp32 owned gradient slice (the buckets' fp32 copies being reduced are communication buffers;
+        a bucket's own gradients are freed each micro-batch as soon as it is launched); fp32 masters and the
+        rule's state per owned element."""
         shard = math.ceil(params / dp)
-        return 4 * shard + (0 if overlap else params * param_bytes), 4 * shard, shard
+        return 4 * shard, 4 * shard, shard
 
     def begin_step(self, micro_batches: int) -> None:
         """The parameters keep their own gradients until each launch takes them."""

@@ -1,7 +1,7 @@
 """Naming slow ranks: every rank times its own compute (forward and backward, without the data-parallel
 waits that make every step as slow as the slowest rank's); every `logging.straggler_interval` steps one
-all-gather of the interval's means shows which ranks compute slower than their peers' median, and by how
-much."""
+all-gather of the interval's means shows which ranks compute slower than their peers' median (the other
+ranks doing the same work), and by how much."""
 
 from __future__ import annotations
 
@@ -75,8 +75,7 @@ class StragglerMonitor:
         return bool(self.interval) and step % self.interval == 0
 
     def report(self, step: int) -> dict[str, Any] | None:
-        """On the interval's last step: every rank's mean step and compute seconds, and the ranks whose compute
-        exceeds the median of their peers' by more than `threshold` (a fraction), slowest first."""
+        """On the interval's last step: every rank's mean step and compute seconds, and `find_stragglers`."""
         if not self.due(step):
             return None
         self.sums[1] = self.clock.take()
@@ -87,24 +86,32 @@ class StragglerMonitor:
         table = torch.stack(gathered).tolist()  # one copy to the host, not one per value
         step_s = [round(row[0], 6) for row in table]
         compute_s = [round(row[1], 6) for row in table]
-        by_peers: dict[tuple[int, ...], list[float]] = {}
-        for c, (_, _, peers) in zip(compute_s, self.where, strict=True):
-            by_peers.setdefault(peers, []).append(c)
-        medians = {peers: statistics.median(values) for peers, values in by_peers.items()}
-        stragglers = []
-        for rank, (node, device, peers) in enumerate(self.where):
-            median = medians[peers]
-            if median > 0 and compute_s[rank] > median * (1 + self.threshold):
-                stragglers.append({"rank": rank, "host": node, "device": device, "compute_s": compute_s[rank],
-                                   "median_s": median, "slower": round(compute_s[rank] / median, 3)})  # fmt: skip
-        stragglers.sort(key=lambda s: -s["slower"])
+        stragglers = find_stragglers(compute_s, [peers for _, _, peers in self.where], self.threshold)
+        for s in stragglers:
+            s["host"], s["device"] = self.where[s["rank"]][:2]
         return {"rank_step_s": step_s, "rank_compute_s": compute_s, "stragglers": stragglers}
+
+
+def find_stragglers(compute_s: list[float], peers: list[tuple[int, ...]], threshold: float) -> list[dict[str, Any]]:
+    """The ranks whose compute exceeds the median of their peers' (the other ranks with the same `peers` key,
+    itself excluded) by more than `threshold`, slowest first. Excluding the rank keeps one slow rank from
+    raising its own yardstick: at dp=2 a rank is named when it is `threshold` slower than its one peer
+    (counting itself, the median of two would need 1 + 2 * threshold). A rank without peers (dp=1) is
+    never named: nothing does the same work to compare it with."""
+    stragglers = []
+    for rank, (compute, key) in enumerate(zip(compute_s, peers, strict=True)):
+        others = [c for r, (c, k) in enumerate(zip(compute_s, peers, strict=True)) if k == key and r != rank]
+        median = statistics.median(others) if others else 0.0
+        if median > 0 and compute > median * (1 + threshold):
+            slower = round(compute / median, 3)
+            stragglers.append({"rank": rank, "compute_s": compute, "median_s": median, "slower": slower})
+    return sorted(stragglers, key=lambda s: -s["slower"])
 
 
 def describe_stragglers(stragglers: list[dict[str, Any]], step: int, interval: int) -> str:
     """One log line naming the slow ranks of the interval that ended at `step`."""
     named = "; ".join(
-        f"rank {s['rank']} (host {s['host']}, {s['device']}) computes {s['slower']:.2f}x the median "
+        f"rank {s['rank']} (host {s['host']}, {s['device']}) computes {s['slower']:.2f}x its peers' median "
         f"({s['compute_s']:.3f} s vs {s['median_s']:.3f} s per step)"
         for s in stragglers
     )
