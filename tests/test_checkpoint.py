@@ -319,12 +319,16 @@ def test_sigterm_saves_asynchronously_and_resumes(tmp_path, small_corpus):
 
 
 def test_hung_rank_ends_the_job_with_an_error_naming_it(tmp_path, small_corpus):
-    """Rank 1 hangs inside step 2: rank 0's collective times out and the error says which rank stopped where."""
+    """Rank 1 hangs inside step 2: rank 0's collective times out, the error says which rank stopped where,
+    and rank 0 writes its stacks, with where the collective was called from."""
     start = time.monotonic()
     out = hpc_train_train(tmp_path, small_corpus, 4, "mid_step@2@1@hang", ["parallel.timeout_s=5"])
     assert out.returncode != 0
     assert "rank 0: a collective timed out after parallel.timeout_s=5s" in out.stderr
     assert "rank 1 started step 2 (the others finished the backward pass of step 2)" in out.stderr
+    stacks = (tmp_path / "hang/rank00000.txt").read_text()
+    assert f"this rank's stacks in {tmp_path / 'hang/rank00000.txt'}" in out.stderr
+    assert "rank 0: a collective timed out" in stacks and "hpc_train/train/step.py" in stacks, stacks
     assert time.monotonic() - start < 60
 
 

@@ -3,11 +3,15 @@ doctor tests an allocation, a rendezvous that cannot complete says why (the in-j
 dies is in test_checkpoint, next to the other resume tests; under Slurm in test_slurm)."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 
+import pytest
+
+from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.launch.local import launch_local
 from hpc_train.resilience.stragglers import find_stragglers
 from hpc_train.train.loop import run_training
@@ -90,6 +94,42 @@ def test_hung_rank_is_located_and_the_run_restarts(tmp_path, small_corpus):
     rank1 = next(line for line in summary.splitlines() if line.strip().startswith("rank 1 "))
     assert "in fault_point (hpc_train/resilience/faults.py:" in rank1, summary
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("fault", "steps", "doing", "rank1_at"),
+    [
+        ("save@2@1@hang", 4, "the checkpoint save of step 2 did not finish within 3s",
+         "saving the checkpoint of step 2"),
+        ("mid_step@1@1@hang", 4, "step 1 did not finish within 12s (parallel.hang_timeout_s=3s)", "started step 1"),
+        ("consolidate@3@1@hang", 3, "the final consolidation of step 3 did not finish within 3s",
+         "consolidating the final weights after step 3"),  # under tp=2: its shards are gathered
+        ("resume@0@1@hang", 4, "the resume did not finish within 12s", "not started training"),
+    ],
+    ids=["save", "first_step", "final_consolidation", "resume"],
+)  # fmt: skip
+def test_a_hang_outside_a_steady_step_is_located(tmp_path, small_corpus, fault, steps, doing, rank1_at):
+    """Rank 1 hangs inside a checkpoint save, the first step of the process, the final consolidation or a
+    resume (each has collectives): the watchdog fires there too (the first step and a resume after 4x
+    parallel.hang_timeout_s), every rank writes its stacks, the summary names what was unfinished and where
+    rank 1 waits, and no checkpoint of a hung save is committed."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpc_train.cli", "train", *TINY_MODEL, f"data.train_path={small_corpus}",
+           f"run_dir={run}", "parallel.nproc=2", "checkpoint.interval=2", "parallel.hang_timeout_s=3"]  # fmt: skip
+    if fault.startswith("resume"):  # a checkpoint of step 2 to resume from
+        subprocess.run([*cmd, "train.steps=2"], cwd=ROOT, check=True, capture_output=True, timeout=120)
+    env = {**os.environ, "HPC_TRAIN_FAULT": fault}
+    tp = ["parallel.tp=2"] if fault.startswith("consolidate") else []
+    out = subprocess.run([*cmd, *tp, f"train.steps={steps}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=180)  # fmt: skip
+    assert out.returncode == 2 and re.search(r"rank \d stopped a hung run", out.stderr), out.stderr
+    summary = (run / "hang/summary.txt").read_text()
+    assert f"hang: {doing}" in summary, summary
+    rank1 = next(line for line in summary.splitlines() if line.strip().startswith("rank 1 "))
+    assert rank1_at in rank1 and "in fault_point (hpc_train/resilience/faults.py:" in rank1, summary
+    assert 'File "' in (run / "hang/rank00000.txt").read_text()
+    if fault.startswith("save"):
+        assert CheckpointStore(run / "checkpoints").newest_valid() is None
 
 
 def test_doctor_reports_every_rank_and_every_group(tmp_path):

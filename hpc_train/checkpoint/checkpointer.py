@@ -145,6 +145,7 @@ class Checkpointer:
         """Save this step; returns what it cost this rank: `blocked_s` (the time training waited) and, once
         committed (a synchronous save), the commit's figures (see `_commit`)."""
         start = time.perf_counter()
+        fault_point("save", step, self.rank)
         self.finished = self.wait() or self.finished
         tmp = self.store.tmp_dir(step)
         if self.rank == 0:
@@ -294,6 +295,7 @@ class Checkpointer:
         path, manifest = self._choose()
         if path is None:
             return None
+        fault_point("resume", 0, self.rank)
         templates = read_parts(path, manifest, self.sharded, self.cfg.checkpoint.io_threads)
         with load_errors_named(path):
             shared = upgrade_rank_state(load_rank_file(Path(path) / rank_file(0)))

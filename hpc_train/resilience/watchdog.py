@@ -1,8 +1,10 @@
 """Naming the rank that stopped. Every rank records where it is (step, and phase within the step) in the
 job's rendezvous store. When a collective times out (a peer hung or died), the error lists the ranks that
-are behind; when a step does not finish within `parallel.hang_timeout_s` (far sooner than a collective
-times out), every rank writes its Python stacks to `run_dir/hang/` and one of them prints a summary: which
-rank is in which step and operation, which ranks never arrived."""
+are behind and the rank writes its stacks; when a step, a checkpoint save or resume, or the final
+consolidation does not finish within `parallel.hang_timeout_s` (far sooner than a collective times out;
+a process's first step and a resume get START_ALLOWANCE times that: communicators, compilation),
+every rank writes its Python stacks to `run_dir/hang/` and one of them prints a summary: which rank is in
+which step and operation, which ranks never arrived."""
 
 from __future__ import annotations
 
@@ -27,8 +29,11 @@ from hpc_train.resilience.bad_nodes import blame
 
 KEY = "hpc_train/progress/{}"
 WHO = "hpc_train/who/{}"  # "<host> <pid> <Slurm node>" of each rank, for the hang summary
-PHASES = ("started", "finished the backward pass of", "finished")
+PHASES = ("started", "finished the backward pass of", "finished", "saving the checkpoint of",
+          "consolidating the final weights after")  # fmt: skip
+SAVING, CONSOLIDATING = 3, 4
 STACK = "rank{:05d}.txt"
+START_ALLOWANCE = 4  # a process's first step and a resume: communicator setup, compilation, a checkpoint read
 
 
 def _store():
@@ -42,6 +47,17 @@ def record(step: int, phase: int) -> None:
 
 def is_timeout(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+
+
+def write_stacks(run_dir: str | Path, header: str) -> Path:
+    """This rank's header and the stacks of all its threads in `run_dir/hang/rank<r>.txt`."""
+    path = Path(run_dir) / "hang" / STACK.format(dist.get_rank())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(header)
+        f.flush()
+        faulthandler.dump_traceback(f, all_threads=True)
+    return path
 
 
 def _read(keys: list[str]) -> list[str | None]:
@@ -86,7 +102,7 @@ class HangWatchdog:
         self.run_dir, self.dir = run_dir, Path(run_dir) / "hang"
         self.rank = dist.get_rank()
         self.deadline: float | None = None
-        self.step = 0
+        self.step, self.what, self.allowed_s = 0, "step", float(timeout_s)
         self.done = threading.Event()
         if not timeout_s:
             return
@@ -97,11 +113,22 @@ class HangWatchdog:
         _store().set(WHO.format(self.rank), f"{socket.gethostname()} {os.getpid()} {node_name()}")
         threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
 
-    def arm(self, step: int) -> None:
-        self.step, self.deadline = step, time.monotonic() + self.timeout_s
+    def arm(self, step: int, what: str = "step", allowance: float = 1.0) -> None:
+        """Time `what` (of `step`) from now: it must end within `allowance` times parallel.hang_timeout_s."""
+        self.step, self.what, self.allowed_s = step, what, allowance * self.timeout_s
+        self.deadline = time.monotonic() + self.allowed_s
 
     def disarm(self) -> None:
         self.deadline = None
+
+    @contextmanager
+    def timed(self, step: int, what: str, allowance: float = 1.0) -> Iterator[None]:
+        """`what` is timed like a step (a save, a resume, the final consolidation: their collectives hang too)."""
+        self.arm(step, what, allowance)
+        try:
+            yield
+        finally:
+            self.disarm()
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -111,7 +138,7 @@ class HangWatchdog:
             yield
         finally:
             if deadline is not None:
-                self.arm(self.step)
+                self.arm(self.step, self.what, self.allowed_s / max(1, self.timeout_s))
 
     def close(self) -> None:
         self.done.set()
@@ -127,13 +154,11 @@ class HangWatchdog:
                     os._exit(HANG_EXIT)
 
     def _fire(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / STACK.format(self.rank), "w") as f:
-            f.write(f"rank {self.rank} on {socket.gethostname()} (pid {os.getpid()}): step {self.step} unfinished "
-                    f"after parallel.hang_timeout_s={self.timeout_s}s; main thread "
-                    f"0x{threading.main_thread().ident:016x}\n")  # fmt: skip
-            f.flush()
-            faulthandler.dump_traceback(f, all_threads=True)
+        allowed = f"{self.allowed_s:g}s (parallel.hang_timeout_s={self.timeout_s}s"
+        allowed += f" x {self.allowed_s / self.timeout_s:g})" if self.allowed_s != self.timeout_s else ")"
+        write_stacks(self.run_dir, f"rank {self.rank} on {socket.gethostname()} (pid {os.getpid()}): "
+                                   f"{self._doing()} unfinished after {allowed}; main thread "
+                                   f"0x{threading.main_thread().ident:016x}\n")  # fmt: skip
         summary = self.dir / "summary.txt"
         deadline = time.monotonic() + self.grace_s  # the others are blocked on this rank, or it on them
         while time.monotonic() < deadline and len(self._stacks()) < self.world and not summary.exists():
@@ -152,6 +177,11 @@ class HangWatchdog:
         while time.monotonic() < deadline and not summary.exists():
             time.sleep(0.2)
 
+    def _doing(self) -> str:
+        if self.what == "step":
+            return f"step {self.step}"
+        return f"the {self.what}" + (f" of step {self.step}" if self.step else "")
+
     def _stacks(self) -> set[int]:
         return {int(p.stem[4:]) for p in self.dir.glob("rank*.txt")}
 
@@ -166,8 +196,8 @@ class HangWatchdog:
             unread = ""
         self._note_frozen(who)
         where, front, behind = _progress(progress)
-        lines = [f"hang: a step did not finish within parallel.hang_timeout_s={self.timeout_s}s{unread}; stacks "
-                 f"in {self.dir}"]  # fmt: skip
+        lines = [f"hang: {self._doing()} did not finish within {self.allowed_s:g}s "
+                 f"(parallel.hang_timeout_s={self.timeout_s}s){unread}; stacks in {self.dir}"]  # fmt: skip
         if behind:
             lines.append(f"ranks that never arrived: {', '.join(map(str, behind))} (the others {_describe(*front)})")
         for node in sorted({who[r][2] for r in behind if who[r]}):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,13 @@ def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
             except RuntimeError as err:
                 if not watchdog.is_timeout(err):
                     raise
+                where = watchdog.stragglers(rank_env.world_size)
+                stacks = watchdog.write_stacks(cfg.run_dir, f"rank {rank_env.rank}: a collective timed out after "
+                                               f"parallel.timeout_s={p.timeout_s}s ({where}), called from:\n"
+                                               f"{''.join(traceback.format_tb(err.__traceback__))}\n")  # fmt: skip
                 raise RuntimeError(
                     f"rank {rank_env.rank}: a collective timed out after parallel.timeout_s="
-                    f"{cfg.parallel.timeout_s}s: a peer stopped responding: {watchdog.stragglers(rank_env.world_size)}"
+                    f"{cfg.parallel.timeout_s}s: a peer stopped responding: {where}; this rank's stacks in {stacks}"
                 ) from err
     finally:
         stop.uninstall()
@@ -127,7 +132,8 @@ def _report_stragglers(run: Run, stragglers: list[dict], step: int) -> None:
 
 def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangWatchdog) -> TrainResult:
     cfg, t = run.cfg, run.cfg.train
-    resumed = run.checkpointer.resume() if cfg.checkpoint.resume else None
+    with hang.timed(0, "resume", watchdog.START_ALLOWANCE):  # collectives: the plan, the checksums' agreement
+        resumed = run.checkpointer.resume() if cfg.checkpoint.resume else None
     start_step = resumed.step if resumed else 0
     meter = announce(run, start_step)
     restart = _restart_figures(run, resumed)
@@ -139,8 +145,8 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
     interval_start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
         watchdog.record(step, 0)
-        if step > start_step + 1:  # the first step of a process sets up communicators and compiles: untimed
-            hang.arm(step)
+        # the first step of a process sets up communicators and compiles: a longer allowance
+        hang.arm(step, allowance=watchdog.START_ALLOWANCE if step == start_step + 1 else 1)
         lr = lr_at(step - 1, cfg.optim, t.steps)
         start = time.perf_counter()
         micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device)
@@ -202,9 +208,11 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         if run.checkpointer.should_save(step, stop_requested):
             if run.metrics:
                 run.metrics.hold(record)
-            record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
-            if stop_requested or step == t.steps:  # the last save: nothing to overlap, its commit on this record
-                record["checkpoint"].update(run.checkpointer.wait() or {})
+            watchdog.record(step, watchdog.SAVING)
+            with hang.timed(step, "checkpoint save"):  # its collectives hang like a step's
+                record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
+                if stop_requested or step == t.steps:  # the last save: nothing to overlap; its commit on this record
+                    record["checkpoint"].update(run.checkpointer.wait() or {})
         if committed := run.checkpointer.poll():  # an async save committed during this interval
             record["checkpoint_committed"] = committed
         if run.metrics:
@@ -218,5 +226,7 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
                 run.metrics.close()
             dist.barrier()
             return result
-    finish(run, result, start_step)  # the last step's save was waited for above
+    watchdog.record(t.steps, watchdog.CONSOLIDATING)
+    with hang.timed(t.steps, "final consolidation"):  # gathers every shard: collectives
+        finish(run, result, start_step)  # the last step's save was waited for above
     return result

@@ -20,6 +20,7 @@ from hpc_train.launch.bootstrap import describe_rank
 from hpc_train.models.common.decoder import count_params
 from hpc_train.observe.metrics import StepMeter, device_peak_flops
 from hpc_train.planner import estimate
+from hpc_train.resilience.faults import fault_point
 
 FINAL_MODEL = "model_final.pt"
 
@@ -73,6 +74,7 @@ def announce(run: Run, start_step: int) -> StepMeter:
 
 def finish(run: Run, result: TrainResult, start_step: int) -> None:
     """The consolidated weights for export (written to a temporary name and renamed: never half-written)."""
+    fault_point("consolidate", run.cfg.train.steps, run.rank_env.rank)
     final_state = full_state_dict(run.model) if run.cfg.train.save_final_model else None
     if run.metrics:
         run_dir = Path(run.cfg.run_dir)
