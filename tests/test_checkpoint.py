@@ -24,6 +24,7 @@ from hpc_train.distributed.grads import local
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.train.loop import run_training
+from hpc_train.train.step import StepOptions, train_step
 from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
 COMMON = [*TINY_MODEL, "model.n_layers=4", "checkpoint.interval=2"]
@@ -370,8 +371,6 @@ def _frozen_checks(rank_env, cfg):
         frozen = {name: local(params[name]).clone() for name in FROZEN}
         assert not {id(params[n]) for n in FROZEN} & {id(p) for p in run.optimizer.params}
         batch = run.train_set.batch(run.sampler.next_micro_batches()[0])
-        from hpc_train.train.step import train_step
-
         train_step(run.model, run.optimizer, [batch], 1e-3)
         assert all(torch.equal(local(params[n]), frozen[n]) for n in FROZEN)
         run.checkpointer.save(1)
@@ -405,6 +404,43 @@ def test_frozen_parameters_survive_save_and_resume_bit_exact(cfg_for):
     cfg = cfg_for("frozen", "parallel.tp=2", SP, "optim.zero_stage=1", "train.micro_batch_size=2",
                   f"train.freeze=[{FROZEN[0]}, {FROZEN[1]}]")  # fmt: skip
     launch_local(_frozen_checks, 2, cfg)
+
+
+def _zero_async_save_checks(rank_env, cfg):
+    """dp=2, ZeRO-1, async save: each parameter's state is sent to one dp rank, which writes it, so a rank
+    holds about half the state for a save, not all of it; the save leaves its copy to the next step (not
+    copied at the save), and what it commits is the state of its step although that next step changed it."""
+    cpu = torch.device("cpu")
+    with distributed(rank_env, cpu, "gloo", 120):
+        run = build_run(cfg, rank_env, cpu)
+        batch = lambda: [run.train_set.batch(run.sampler.next_micro_batches()[0])]
+        train_step(run.model, run.optimizer, batch(), 1e-3)
+        params = run.optimizer.params
+        states = run.optimizer.param_states()
+        written = [i for i, state in enumerate(states) if state]
+        every = [None, None]
+        dist.all_gather_object(every, written)
+        assert sorted(every[0] + every[1]) == list(range(len(params)))  # each parameter's state written once
+        total, largest = sum(p.numel() for p in params), max(p.numel() for p in params)
+        assert sum(params[i].numel() for i in written) <= total / 2 + largest
+        assert all(set(states[i]) == {"master", "exp_avg", "exp_avg_sq"} for i in written)
+
+        run.checkpointer.save(1)
+        assert run.checkpointer.staging is not None  # copied while the next step trains
+        train_step(run.model, run.optimizer, batch(), 1e-3, StepOptions(before_update=run.checkpointer.staged))
+        run.checkpointer.wait()
+        fresh = build_run(cfg, rank_env, cpu)
+        assert fresh.checkpointer.resume().step == 1
+        loaded = fresh.optimizer.param_states()
+        for i in written:
+            assert all(torch.equal(loaded[i][k], states[i][k]) for k in states[i]), i
+        dist.barrier()
+
+
+def test_zero_async_save_sends_each_state_to_one_writer_and_overlaps_its_copy(cfg_for):
+    cfg = cfg_for("zero_async", "optim.zero_stage=1", "parallel.nproc=2", "train.micro_batch_size=2",
+                  "optim.bucket_mb=0.05", *ASYNC)  # fmt: skip
+    launch_local(_zero_async_save_checks, 2, cfg)
 
 
 def _rewrite_manifest(step_dir, edit):

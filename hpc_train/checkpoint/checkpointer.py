@@ -8,8 +8,9 @@ whatever layout this run uses.
 
 With `checkpoint.async_save`, the state is copied into host buffers that are allocated once and reused
 (DCP's DefaultStager; pinned memory on a GPU) while the next step's forward and backward run; training
-waits for the copy, if at all, only before its optimizer update (`staged`). (ZeRO's state, gathered for
-the save, is copied at once instead; vocabulary rows, gathered whole, stay alive until the copy is done.)
+waits for the copy, if at all, only before its optimizer update (`staged`), whatever the ZeRO stage.
+(ZeRO-1/2's state, sent for the save to the dp rank that writes each parameter's, about a rank's own
+share, and vocabulary rows, gathered whole, are new tensors that stay alive until the copy is done.)
 A background thread then
 writes the copy and commits it as soon as every rank's files are durable, over a gloo group of its own;
 a crash before that leaves only a `.tmp` directory.
@@ -46,7 +47,6 @@ from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.state import ShardedPart, Stateful
 from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from hpc_train.config import JobConfig, to_yaml
-from hpc_train.optim import optimizer_class
 from hpc_train.resilience.faults import fault_point
 
 # of the per-rank files; format 1 (hpc_train 08c1275) kept the sampler's count at top level, formats 1 and
@@ -162,9 +162,6 @@ class Checkpointer:
         if torch.cuda.is_available():  # the stager's stream does not wait for this one: gathers, clones
             torch.cuda.current_stream().synchronize()
         staging = self.staging = self.stager.stage(state)  # copied on the stager's thread during the next step
-        strategy = optimizer_class(self.cfg.optim)
-        if strategy.shards_state and not strategy.shards_params:  # ZeRO-1/2 gather a copy of their state: not kept
-            self.staged()  # alive through the next step, so copied now
         self.staging_wait_s = 0.0  # the next update's wait (this one's is in blocked_s)
 
         def write(staging: Future) -> dict[str, Any]:

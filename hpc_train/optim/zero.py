@@ -101,6 +101,7 @@ class ZeroOptimizer:
         names = model.parameter_names()
         self.matrices = {id(p) for p in self.params if is_hidden_matrix(names[id(p)], p.ndim)}
         targets = [target(names[id(s.param)], s.param, s.master) for b in self.buckets for s in b.spans]
+        self.writers = self._writer_ranks()  # which dp rank writes each parameter's state into a checkpoint
         self.rule = rule_class(cfg)(targets, cfg, self._whole_matrices)
 
     @staticmethod
@@ -295,21 +296,59 @@ class ZeroOptimizer:
         return [out[id(t.tensor)] for t in targets]
 
     def param_states(self) -> list[dict[str, torch.Tensor]]:
-        """Per parameter, in the parameter's own shape and placement: the rule's state and the fp32 master
-        weights, gathered over dp (checkpoints store them per parameter so they can be resharded; this
-        holds the whole local optimizer state once, for the save). No rule state before the first update
-        (an fp16 overflow may skip it)."""
+        """Per parameter, in the parameter's own shape and placement, on the dp rank that writes it into a
+        checkpoint (`writers`; an empty dict on the others): the rule's state and the fp32 master weights
+        (checkpoints store them per parameter so they can be resharded). Each bucket's owned slices reach
+        their writers with one all-to-all over dp per key, so a rank holds about its 1/dp share of the
+        state for a save, as it does while training, never the whole: the tensors are new, not views of
+        the live state. No rule state before the first update (an fp16 overflow may skip it)."""
         states: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
         stepped = any(self.rule.state(s.master) for b in self.buckets for s in b.spans)
         for bucket in self.buckets:
             keys = {id(p): ("master", *(self._rule_keys(p) if stepped else ())) for p in bucket.params}
             for key in dict.fromkeys(k for ks in keys.values() for k in ks):  # the same keys on every dp rank
-                full = self._gather_bucket(bucket, [self._span_state(s, key) for s in bucket.spans])
-                for p, start in zip(bucket.params, bucket.offsets, strict=True):
+                mine = self._to_writers(bucket, [self._span_state(s, key) for s in bucket.spans])
+                for p, values in mine.items():
                     if key in keys[id(p)]:
-                        shape = local(p).shape
-                        states[id(p)][key] = like_param(p, full[start : start + shape.numel()].view(shape).clone())
+                        states[id(p)][key] = like_param(p, values.view(local(p).shape))
         return [states[id(p)] for p in self.params]
+
+    def _writer_ranks(self) -> dict[int, int]:
+        """The dp rank that writes each parameter's state: the largest first, each to the rank with the fewest
+        elements so far (whole-tensor sizes: the same answer on every tp and dp rank)."""
+        load, writers = [0] * self.dp, {}
+        for p in sorted(self.params, key=lambda p: -p.numel()):  # stable: ties keep the parameters' order
+            rank = min(range(self.dp), key=load.__getitem__)
+            writers[id(p)], load[rank] = rank, load[rank] + p.numel()
+        return writers
+
+    def _to_writers(self, bucket: _Bucket, owned: list[torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """The whole local (flattened) values of the bucket's parameters this rank writes, from every dp rank's
+        owned spans (`owned`, one tensor per span of this rank): one all-to-all over dp."""
+        if self.dp == 1:  # every span is a whole parameter (copied: the live masters change at the next update)
+            return {s.param: values.to(self.device, copy=True) for s, values in zip(bucket.spans, owned, strict=True)}
+
+        def overlap(rank: int, start: int, numel: int) -> int:
+            lo, hi = rank * bucket.shard_numel, (rank + 1) * bucket.shard_numel
+            return max(0, min(hi, start + numel) - max(lo, start))
+
+        writes = [p for p in bucket.params if self.writers[id(p)] == self.dp_rank]
+        sends = [[] for _ in range(self.dp)]
+        for span, values in zip(bucket.spans, owned, strict=True):
+            sends[self.writers[id(span.param)]].append(values.to(self.device))
+        inputs = [torch.cat(pieces) if pieces else torch.empty(0, device=self.device) for pieces in sends]
+        starts = dict(zip(map(id, bucket.params), bucket.offsets, strict=True))
+        receives = [[overlap(r, starts[id(p)], local(p).numel()) for p in writes] for r in range(self.dp)]
+        output = torch.empty(sum(map(sum, receives)), dtype=torch.float32, device=self.device)
+        dist.all_to_all_single(output, torch.cat(inputs), [sum(r) for r in receives], [t.numel() for t in inputs],
+                               group=self.dp_group)  # fmt: skip
+        pieces: dict[int, list[torch.Tensor]] = {id(p): [] for p in writes}
+        offset = 0
+        for sizes in receives:  # from each rank in order: its pieces of these parameters, in bucket order
+            for p, size in zip(writes, sizes, strict=True):
+                pieces[id(p)].append(output[offset : offset + size])
+                offset += size
+        return {p: torch.cat(pieces[id(p)]) for p in writes}
 
     def _span_state(self, span: _Span, key: str) -> torch.Tensor:
         """A span's `key` (the master, or the rule's state; zeros where its parameter has no such state)."""
