@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,14 +21,16 @@ from torch.distributed.tensor import DTensor
 
 from hpc_train.builder import build_run
 from hpc_train.checkpoint.hf_io import HFFolder
+from hpc_train.checkpoint.init_from import newest_checkpoint, with_source_model
 from hpc_train.cli import main
 from hpc_train.commands.convert import export_hf, import_config, import_hf, load_model
 from hpc_train.commands.generate import generate
-from hpc_train.config import ConfigError
+from hpc_train.config import ConfigError, load_config
 from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.distributed.parallelize import step_context
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
+from hpc_train.layout import check_run
 from hpc_train.models.common.hf import plan_import
 from hpc_train.train.loop import run_training
 from tests.conftest import max_param_diff, read_final_model, read_metrics
@@ -134,6 +137,60 @@ def test_import_at_tp2_then_export_is_bit_exact(hf_models, tmp_path):
         assert original.keys() == exported.keys(), arch
         assert all(torch.equal(original[k], exported[k]) for k in original), arch
     assert torch.equal(hf_logits(str(tmp_path / "gpt2_out")), hf_logits(hf_models["gpt2"]))
+
+
+CONTEXT_KEYS = {"llama": ("max_position_embeddings", "rope_parameters", "rope_scaling"), "gpt2": ("n_positions",)}
+
+
+def _hf_config(path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def test_export_keeps_the_source_context(make_cfg, hf_models, tmp_path):
+    """A model fine-tuned at a shorter model.seq_len than its source's context exports that context, not
+    the training length: Llama through import-hf and a run from the imported checkpoint, GPT-2 from its
+    folder, whose whole learned position table (trained rows and the rest) comes back."""
+    imported = import_config(hf_models["llama"], str(tmp_path / "imported"), ["model.seq_len=16"])
+    launch_local(import_hf, 1, imported)
+    short = ["model.seq_len=16", "train.steps=2", "checkpoint.interval=2"]
+    runs = {
+        "llama": _cfg(make_cfg, f"model.init_from={tmp_path / 'imported'}", *short, run="ctx_llama"),
+        "gpt2": _cfg(make_cfg, f"model.init_from={hf_models['gpt2']}", *short, run="ctx_gpt2"),
+    }
+    for arch, cfg in runs.items():
+        launch_local(run_training, 1, cfg)
+        with single_process_group():
+            export_hf(cfg.run_dir, str(tmp_path / f"{arch}_out"))
+        source, exported = _hf_config(hf_models[arch]), _hf_config(tmp_path / f"{arch}_out")
+        assert {k: exported.get(k) for k in CONTEXT_KEYS[arch]} == {k: source.get(k) for k in CONTEXT_KEYS[arch]}
+    wpe = "transformer.wpe.weight"
+    original = safetensors_torch.load_file(f"{hf_models['gpt2']}/model.safetensors")[wpe]
+    tuned = safetensors_torch.load_file(str(tmp_path / "gpt2_out" / "model.safetensors"))[wpe]
+    assert tuned.shape == original.shape and torch.allclose(tuned[16:], original[16:], rtol=1e-3)
+    assert hf_logits(str(tmp_path / "gpt2_out")).isfinite().all()  # transformers loads the table it describes
+
+
+def test_a_seq_len_beyond_the_source_context_is_refused(make_cfg, hf_models):
+    for arch, path in hf_models.items():
+        cfg = with_source_model(_cfg(make_cfg, f"model.init_from={path}", "model.seq_len=64", run=arch))
+        with pytest.raises(ConfigError, match=r"model.seq_len=64 .*model.max_position_embeddings=32.*model.seq_len"):
+            check_run(cfg, 1)
+
+
+def test_import_hf_starts_the_ranks_its_layout_needs(hf_models, tmp_path, capfd):
+    """`import-hf SRC DST parallel.tp=2` (no parallel.nproc) starts two ranks and writes a tp2 checkpoint,
+    which resumes under tp2 and reshards to tp1, each giving the logits of `transformers`."""
+    out = str(tmp_path / "tp2")
+    main(["import-hf", hf_models["llama"], out, "parallel.tp=2"])
+    assert "tp=2" in capfd.readouterr().out
+    info = newest_checkpoint(out)
+    assert (info.step, info.manifest["layout"]["tp"], info.manifest["layout"]["world_size"]) == (0, 2, 2)
+    for tp in (2, 1):
+        cfg = load_config(None, [f"model.init_from={out}", f"checkpoint.dir={out}", f"run_dir={tmp_path / f'r{tp}'}",
+                                 f"parallel.nproc={tp}", f"parallel.tp={tp}", "model.seq_len=32"])  # fmt: skip
+        launch_local(logits_entry, tp, cfg, str(tmp_path / f"tp{tp}.pt"), True)
+        assert "resumed from" in capfd.readouterr().out, tp
+        assert (torch.load(tmp_path / f"tp{tp}.pt") - hf_logits(hf_models["llama"])).abs().max() < TOL, tp
 
 
 def test_a_checkpoint_that_does_not_match_is_named(hf_models):

@@ -48,7 +48,7 @@ def source_model_fields(path: str) -> dict[str, Any]:
         return HFFolder(path).model_fields()
     info = newest_checkpoint(path, report=lambda message: None, full=False)  # its manifest only
     model = yaml.safe_load(info.manifest["config"])["model"]
-    return {key: model[key] for key in ARCH_FIELDS}
+    return {key: model.get(key) for key in ARCH_FIELDS}  # max_position_embeddings: None before it was recorded
 
 
 def with_source_model(cfg: JobConfig) -> JobConfig:

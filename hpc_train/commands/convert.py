@@ -4,6 +4,7 @@ either loaded whole into one process (`load_model`, for export and `generate`)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from hpc_train.checkpoint.init_from import (
     checkpoint_store,
     load_base,
     newest_checkpoint,
+    source_model_fields,
     with_source_model,
 )
 from hpc_train.checkpoint.state import ModelState
@@ -35,12 +37,23 @@ SINGLE_PROCESS = ["parallel.nproc=1", "parallel.tp=1", "parallel.pp=1", "paralle
                   "train.precision=fp32", "train.device=cpu"]  # fmt: skip
 
 
+def whole_context(source: str) -> list[str]:
+    """A conversion trains nothing: its model.seq_len (RoPE tables, generate's window) is the source's whole
+    context, unless the overrides after this say otherwise."""
+    context = source_model_fields(source).get("max_position_embeddings")
+    return [f"model.seq_len={context}"] if context else []
+
+
 def import_config(hf_dir: str, out: str, overrides: list[str]) -> JobConfig:
-    """The run import-hf builds: the layout of `overrides`, the model of `hf_dir`, checkpoints into `out`."""
+    """The run import-hf builds: the layout of `overrides`, the model of `hf_dir`, checkpoints into `out`.
+    It starts the ranks that layout needs: parallel.nproc is at least tp x pp x dp (dp left out: 1)."""
     if checkpoint_store(out).scan():
         raise ConfigError(f"'{out}' already holds checkpoints; import into a new directory")
     fixed = [f"model.init_from={hf_dir}", f"run_dir={out}", f"checkpoint.dir={out}", "checkpoint.async_save=false"]
-    return with_source_model(load_config(None, [*overrides, *fixed]))
+    cfg = with_source_model(load_config(None, [*whole_context(hf_dir), *overrides, *fixed]))
+    p = cfg.parallel
+    nproc = max(p.nproc, p.tp * p.pp * (p.dp or 1))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, nproc=nproc))
 
 
 def import_hf(rank_env: RankEnv, cfg: JobConfig) -> None:
@@ -64,7 +77,8 @@ def load_model(source: str, base: str | None = None) -> tuple[JobConfig, Paralle
     process group. `base`: where a QLoRA run's base weights are now, if they moved since training."""
     info = None if is_hf_folder(source) else newest_checkpoint(source)
     if info is None:
-        cfg = with_source_model(load_config(None, [*SINGLE_PROCESS, f"model.init_from={source}"]))
+        whole = [*SINGLE_PROCESS, *whole_context(source), f"model.init_from={source}"]
+        cfg = with_source_model(load_config(None, whole))
     else:
         moved = [f"model.init_from={base}"] if base else []
         cfg = load_config(None, [*SINGLE_PROCESS, *moved], saved=info.manifest["config"])

@@ -70,6 +70,8 @@ def _value_problems(cfg: JobConfig) -> list[str]:
         problems.append(f"name={cfg.name!r} may hold only letters, digits, '.', '_' and '-'")
     if not problems and cfg.optim.min_lr > cfg.optim.lr:
         problems.append(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
+    if not problems and cfg.model.seq_len > cfg.model.context_len:
+        problems.append(_context_problem(cfg))
     if cfg.parallel.max_restarts and not (cfg.checkpoint.interval and cfg.checkpoint.resume):
         problems.append(f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the ranks from the newest "
                         "checkpoint: set checkpoint.interval (e.g. 100) and checkpoint.resume=true, or "
@@ -90,6 +92,18 @@ def _value_problems(cfg: JobConfig) -> list[str]:
         if value is not None and has_control_chars(value):
             problems.append(f"{key}={value!r} holds a control character (a newline?); remove it")
     return problems
+
+
+def _context_problem(cfg: JobConfig) -> str:
+    """Training past the model's context: GPT-2 has no learned position for it, and an export would claim
+    less context than was trained. From model.init_from the context is the source's, not the config's."""
+    m = cfg.model
+    whose = f"that of model.init_from={m.init_from}" if m.init_from else "the context the model is made for"
+    fix = f"set model.seq_len={m.max_position_embeddings} or less"
+    if not m.init_from:
+        fix += ", or raise model.max_position_embeddings (left out, it is model.seq_len)"
+    context = f"model.max_position_embeddings={m.max_position_embeddings}"
+    return f"model.seq_len={m.seq_len} is longer than {context}, {whose}: {fix}"
 
 
 def check_values(cfg: JobConfig) -> None:

@@ -52,7 +52,11 @@ class ModelConfig:
     # None = the family's: llama 8/3 * d_model rounded up to ffn_multiple, gpt2 4x
     ffn_hidden: int | None = positive(None)
     ffn_multiple: int = positive(64)
-    seq_len: int = positive(128)
+    seq_len: int = positive(128)  # the length trained on
+    # the context the model is made for (GPT-2: its learned positions' count), which export-hf writes as the
+    # source's max_position_embeddings / n_positions; None = seq_len. model.init_from sets it from the source,
+    # so a model fine-tuned on shorter sequences keeps its context. seq_len may not exceed it
+    max_position_embeddings: int | None = positive(None)
     rope_theta: float = positive(10000.0)
     norm_eps: float = positive(1e-5)
     tie_embeddings: bool | None = None  # output head shares the embedding; None = the family's (gpt2 ties)
@@ -67,6 +71,11 @@ class ModelConfig:
     # start from these weights (step 0, fresh optimizer): a Hugging Face folder (config.json + safetensors) or
     # an hpc_train checkpoint / run directory; the architecture keys above are taken from it
     init_from: str | None = None
+
+    @property
+    def context_len(self) -> int:
+        """Positions the model serves: `max_position_embeddings`, or the trained length when unset."""
+        return self.max_position_embeddings or self.seq_len
 
 
 @dataclass

@@ -142,7 +142,8 @@ class Decoder(nn.Module):
         vocab = padded_vocab_size(cfg, tp)
         layer_ids = range(cfg.n_layers) if layer_ids is None else layer_ids
         self.tok_embeddings = nn.Embedding(vocab, cfg.d_model) if first else None
-        self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.d_model) if first and not arch.rotary else None
+        # learned positions: the model's whole context, of which a run trains the first seq_len
+        self.pos_embeddings = nn.Embedding(cfg.context_len, cfg.d_model) if first and not arch.rotary else None
         # where the embedding sum enters the sequence-parallel region: the TP plan makes it a scatter
         self.sequence_scatter = nn.Identity() if self.pos_embeddings is not None else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, arch) for i in layer_ids})

@@ -13,10 +13,10 @@ import torch
 
 from hpc_train.config import ConfigError, ModelConfig
 
-# what a family's architecture is made of; the rest of ModelConfig (seq_len for rotary families,
-# recompute, init) is the run's choice
+# what a family's architecture is made of, its context included (GPT-2's learned positions; what a Llama
+# was trained to serve); the rest of ModelConfig (seq_len, recompute, init) is the run's choice
 ARCH_FIELDS = ("arch", "vocab_size", "n_layers", "n_heads", "n_kv_heads", "d_model", "ffn_hidden", "rope_theta",
-               "norm_eps", "tie_embeddings")  # fmt: skip
+               "norm_eps", "tie_embeddings", "max_position_embeddings")  # fmt: skip
 
 
 @dataclass(frozen=True)

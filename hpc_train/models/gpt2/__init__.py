@@ -1,5 +1,6 @@
 """The GPT-2 family (`model.arch=gpt2`): LayerNorm with bias, a GELU MLP 4x wide, learned position
-embeddings (as many as model.seq_len), biases in every projection, tied input/output embeddings."""
+embeddings (model.max_position_embeddings of them, or model.seq_len), biases in every projection, tied
+input/output embeddings."""
 
 from __future__ import annotations
 

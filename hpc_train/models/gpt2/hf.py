@@ -9,7 +9,7 @@ from hpc_train.models.gpt2.model import ARCH, ffn_size
 
 
 def _model_fields(config: dict) -> dict:
-    """GPT2LMHeadModel's config.json -> ModelConfig fields (seq_len too: the learned positions' count)."""
+    """GPT2LMHeadModel's config.json -> ModelConfig fields (the learned positions' count too: n_positions)."""
     require(config, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
     require(config, "scale_attn_weights", (True,), True)
     require(config, "scale_attn_by_inverse_layer_idx", (False,), False)
@@ -19,12 +19,13 @@ def _model_fields(config: dict) -> dict:
             "ffn_hidden": config.get("n_inner") or 4 * config["n_embd"],
             "norm_eps": float(config["layer_norm_epsilon"]),
             "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
-            "seq_len": config["n_positions"]}  # fmt: skip
+            "max_position_embeddings": config["n_positions"]}  # fmt: skip
 
 
 def _hf_config(cfg: ModelConfig) -> dict:
+    """n_positions: the rows of the position table exported (model.context_len), whatever seq_len trained."""
     return {"vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
-            "n_inner": ffn_size(cfg), "n_positions": cfg.seq_len, "layer_norm_epsilon": cfg.norm_eps,
+            "n_inner": ffn_size(cfg), "n_positions": cfg.context_len, "layer_norm_epsilon": cfg.norm_eps,
             "activation_function": "gelu_new", "tie_word_embeddings": ties_embeddings(cfg, ARCH)}  # fmt: skip
 
 

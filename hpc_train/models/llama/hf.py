@@ -21,15 +21,16 @@ def _model_fields(config: dict) -> dict:
     return {"arch": "llama", "vocab_size": config["vocab_size"], "n_layers": config["num_hidden_layers"],
             "n_heads": heads, "n_kv_heads": config.get("num_key_value_heads") or heads, "d_model": width,
             "ffn_hidden": config["intermediate_size"], "rope_theta": float(rope["rope_theta"]),
-            "norm_eps": float(config["rms_norm_eps"]),
-            "tie_embeddings": bool(config.get("tie_word_embeddings"))}  # fmt: skip
+            "norm_eps": float(config["rms_norm_eps"]), "tie_embeddings": bool(config.get("tie_word_embeddings")),
+            "max_position_embeddings": config.get("max_position_embeddings")}  # fmt: skip
 
 
 def _hf_config(cfg: ModelConfig) -> dict:
+    """The source's context (model.max_position_embeddings), not the length a fine-tune trained on."""
     return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": ffn_size(cfg),
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads, "head_dim": cfg.d_model // cfg.n_heads,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.seq_len,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.context_len,
             "tie_word_embeddings": ties_embeddings(cfg, ARCH), "hidden_act": "silu",
             "attention_bias": False, "mlp_bias": False}  # fmt: skip
 
