@@ -11,7 +11,9 @@ from hpc_train.config import ConfigError, JobConfig, check_values, load_config, 
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.errors import UserError
 from hpc_train.launch.bootstrap import detect_rank_env
-from hpc_train.layout import check_run
+from hpc_train.layout import check_job
+
+SLURM_WORLD = "slurm.nodes x slurm.tasks_per_node"  # a Slurm job's world size, in its layout errors
 
 
 def _config_and_overrides(args: argparse.Namespace) -> JobConfig:
@@ -23,27 +25,26 @@ def _config_and_overrides(args: argparse.Namespace) -> JobConfig:
     return with_source_model(load_config(path, items))
 
 
-def check_inputs(cfg: JobConfig, world: int, starts_here: bool) -> ParallelDims:
-    """Everything a run reads, before any process starts: the config for this world size, the datasets'
-    contents, and that checkpoint.dir is this run's (and, for a run starting here, not in use)."""
+def check_inputs(cfg: JobConfig, world: int, starts_here: bool, world_from: str = "") -> ParallelDims:
+    """Everything a run reads, before any process starts: the config (`check_job`: for this world size, and
+    this machine's limits for ranks starting here), the datasets' contents, and that checkpoint.dir is this
+    run's (and, for a run starting here, not in use)."""
     from hpc_train.checkpoint.ownership import check_checkpoint_dir
     from hpc_train.data.prepare import check_datasets
 
-    dims = check_run(cfg, world)
+    dims = check_job(cfg, world, starts_here, world_from=world_from)
     check_datasets(cfg.data, cfg.model)
     check_checkpoint_dir(cfg, probe_lock=starts_here)
     return dims
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from hpc_train.launch.local import check_machine, launch_local
+    from hpc_train.launch.local import launch_local
     from hpc_train.resilience.restart import run_task
     from hpc_train.train.loop import run_training
 
     cfg = _config_and_overrides(args)
     rank_env = detect_rank_env()
-    if rank_env is None:
-        check_machine(cfg)
     check_inputs(cfg, rank_env.world_size if rank_env else cfg.parallel.nproc, starts_here=rank_env is None)
     if rank_env is not None:
         run_task(run_training, rank_env, cfg)
@@ -52,11 +53,14 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_config_show(args: argparse.Namespace) -> None:
+    """The resolved config, then `check_job` as `train` here would run it (without reading the data): outside
+    a job, for parallel.nproc local ranks and this machine's limits."""
     cfg = _config_and_overrides(args)
     print(to_yaml(cfg), end="")
     rank_env = detect_rank_env()
     world = rank_env.world_size if rank_env else cfg.parallel.nproc
-    print(f"# valid for world size {world}: {describe(check_run(cfg, world, check_paths=False))}", file=sys.stderr)
+    dims = check_job(cfg, world, starts_here=rank_env is None, check_paths=False)
+    print(f"# valid for world size {world}: {describe(dims)}", file=sys.stderr)
 
 
 def describe(dims: ParallelDims, sep: str = " ") -> str:
@@ -75,11 +79,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
     world = args.world or planner.plan_world(cfg)
     gpu_mem = args.gpu_mem * 2**30 if args.gpu_mem else cfg.slurm.gpu_mem_gb * 2**30
     if args.search:
-        check_values(cfg)
+        check_values(cfg)  # check_job's rules for every key; the layout is what --search varies
         rows = planner.search(cfg, world, gpu_mem, args.peak_tflops * 1e12)
         print(json.dumps(rows, indent=1) if args.json else planner.format_search(rows))
         return
-    dims = check_run(cfg, world, check_paths=False)
+    dims = check_job(cfg, world, starts_here=False, check_paths=False)
     plan = planner.estimate(cfg, dims)
     if args.json:
         print(json.dumps({**plan.as_dict(), "fits": plan.total <= gpu_mem, "gpu_mem": gpu_mem}, indent=1))
@@ -106,11 +110,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
     from hpc_train.train.loop import run_training
 
     cfg = _config_and_overrides(args)
-    world = slurm.slurm_world_size(cfg)
-    try:
-        dims = check_inputs(cfg, world, starts_here=False)
-    except ConfigError as err:
-        raise ConfigError(f"{err} (world size = slurm.nodes x slurm.tasks_per_node = {world})") from None
+    dims = check_inputs(cfg, slurm.slurm_world_size(cfg), starts_here=False, world_from=SLURM_WORLD)
     if not args.force:
         check_fits(cfg, dims)
     if args.dry_run:
@@ -136,16 +136,15 @@ def _follow(cfg: JobConfig, job) -> None:
 def cmd_doctor(args: argparse.Namespace) -> None:
     from hpc_train.commands.doctor import run_doctor
     from hpc_train.launch import slurm
-    from hpc_train.launch.local import check_machine, launch_local
+    from hpc_train.launch.local import launch_local
 
     cfg = _config_and_overrides(args)  # a doctor job is never restarted: a failure is its finding
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, max_restarts=0))
     if args.local:
-        check_machine(cfg)
-        check_run(cfg, cfg.parallel.nproc, check_paths=False)
+        check_job(cfg, cfg.parallel.nproc, starts_here=True, check_paths=False)
         launch_local(run_doctor, cfg.parallel.nproc, cfg)
         return
-    check_run(cfg, slurm.slurm_world_size(cfg), check_paths=False)
+    check_job(cfg, slurm.slurm_world_size(cfg), starts_here=False, check_paths=False, world_from=SLURM_WORLD)
     job = slurm.submit(cfg, run_doctor)
     print(slurm.submission_summary(cfg, job), flush=True)
     _follow(cfg, job)
@@ -186,11 +185,10 @@ def cmd_ckpt(args: argparse.Namespace) -> None:
 
 def cmd_import_hf(args: argparse.Namespace) -> None:
     from hpc_train.commands.convert import import_config, import_hf
-    from hpc_train.launch.local import check_machine, launch_local
+    from hpc_train.launch.local import launch_local
 
     cfg = import_config(args.hf_dir, args.ckpt_dir, args.overrides)
-    check_machine(cfg)
-    dims = check_run(cfg, cfg.parallel.nproc, check_paths=False)
+    dims = check_job(cfg, cfg.parallel.nproc, starts_here=True, check_paths=False)
     launch_local(import_hf, cfg.parallel.nproc, cfg)
     print(f"imported {args.hf_dir} into {args.ckpt_dir} ({describe(dims)}); start a run from it with "
           f"model.init_from={args.ckpt_dir}")  # fmt: skip

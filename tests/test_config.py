@@ -1,9 +1,13 @@
+import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from hpc_train.cli import main
 from hpc_train.config import ConfigError, load_config, validate
+from hpc_train.launch import local, slurm
 from hpc_train.layout import check_run
 from tests.conftest import ROOT
 
@@ -111,3 +115,88 @@ def test_config_show_cli():
     )
     assert layout.returncode == 2 and "world size 2 is not divisible by tp x pp = 4 x 1" in layout.stderr
     assert "hpc_train:" not in layout.stdout  # refused before any rank or process group started
+
+
+# (overrides, text of the one error line, whether only a run launched on this machine is refused)
+BAD_JOB_INPUTS = [
+    (["slurm.cpus_per_task=-1"], "slurm.cpus_per_task=-1 must be > 0 (or left out)", False),
+    (["slurm.mem=abc"], "slurm.mem='abc' is not a Slurm size; use a number with an optional unit", False),
+    (["slurm.time=00:10:00", "slurm.signal_delay_s=900"], "slurm.signal_delay_s=900 must be less than slurm.time",
+     False),
+    (["parallel.nproc=100000"], "parallel.nproc=100000 local processes exceed", True),
+]  # fmt: skip
+
+
+class Started(Exception):
+    """What a command does once its checks have passed: ranks started here, or a job handed to Slurm."""
+
+
+def outcome(argv: list[str], capsys) -> str:
+    """The command's error output if it refused (exit code 2), else what it went on to do."""
+    try:
+        main(argv)
+    except SystemExit as done:
+        err = capsys.readouterr().err
+        return err if done.code == 2 else f"exit {done.code}: {err}"
+    except Started as what:
+        capsys.readouterr()
+        return str(what)
+    capsys.readouterr()
+    return "accepted"
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    """The smallest folder import-hf resolves a config from: a Llama config.json and a safetensors file."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "vocab_size": 257,
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "rms_norm_eps": 1e-5}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"lm_head.weight": torch.zeros(257, 64)}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("overrides, expected, local_only", BAD_JOB_INPUTS, ids=[o[0] for o, _, _ in BAD_JOB_INPUTS])
+def test_every_command_refuses_the_same_bad_input(overrides, expected, local_only, hf_folder, tmp_path, capsys,
+                                                  monkeypatch):  # fmt: skip
+    """Every command that resolves a config runs one set of checks: the same bad input gets the same error
+    from each, before any rank starts or any job is submitted. A limit of this machine applies where ranks
+    are launched here, and in `config show`, which reports what `train` here would refuse."""
+    monkeypatch.chdir(ROOT)
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_ID"):  # as if started alone, not as a rank
+        monkeypatch.delenv(var, raising=False)
+
+    def started(what: str):
+        def refuse(*args, **kwargs):
+            raise Started(what)
+
+        return refuse
+
+    monkeypatch.setattr(local, "launch_local", started("started ranks here"))
+    monkeypatch.setattr(slurm, "submit", started("submitted a Slurm job"))
+    tiny = ["configs/tiny.yaml", f"run_dir={tmp_path / 'run'}"]
+    here = {
+        "config show": ["config", "show", *tiny],
+        "train": ["train", *tiny],
+        "doctor --local": ["doctor", *tiny, "--local"],
+        "import-hf": ["import-hf", hf_folder, str(tmp_path / "imported")],
+    }
+    cluster = {
+        "submit --dry-run": ["submit", *tiny, "--dry-run"],
+        "submit": ["submit", *tiny],
+        "doctor": ["doctor", *tiny],
+        "plan": ["plan", *tiny],
+        "plan --search": ["plan", *tiny, "--search"],
+    }
+    commands = here if local_only else {**here, **cluster}
+    outcomes = {name: outcome([*argv, *overrides], capsys) for name, argv in commands.items()}
+    report = "\n".join(f"{name}: {text!r}" for name, text in outcomes.items())
+    error = outcomes["config show"]
+    assert error.startswith(f"hpc-train: error: {expected}") and error.count("\n") == 1, report
+    assert all(text == error for text in outcomes.values()), report
+    if local_only:  # the cluster's nodes, not this machine, bound a submitted job
+        assert outcome([*cluster["submit --dry-run"], *overrides], capsys) == "accepted"

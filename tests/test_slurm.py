@@ -13,7 +13,7 @@ import time
 import pytest
 
 from hpc_train.cli import main
-from hpc_train.config import load_config
+from hpc_train.config import check_values, load_config
 from hpc_train.launch import slurm
 from hpc_train.launch.local import launch_local
 from hpc_train.train.loop import run_training
@@ -173,7 +173,7 @@ def test_script_from_valid_fields_has_only_the_expected_lines(tmp_path):
         "slurm.extra={mail-type: END, mail-user: me@example.org}", f"slurm.setup={setup}",
         f"run_dir={tmp_path / 'with space'}",
     ])  # fmt: skip
-    assert slurm.check_sbatch_fields(cfg) == []
+    check_values(cfg)  # no field is refused
     logs = tmp_path / "with space" / "slurm"
     directives = [
         "account=proj-1", "constraint=a100", "cpus-per-task=4", f"error='{logs}/%j_0_log.err'", "exclusive",

@@ -2,7 +2,14 @@
 YAML + `key=value` overrides over it (load.py), and the checks omegaconf cannot express (checks.py).
 Every error is a `ConfigError` naming the key and the fix."""
 
-from hpc_train.config.checks import check_values, derive_dp, has_control_chars, raise_all, validate
+from hpc_train.config.checks import (
+    check_values,
+    derive_dp,
+    has_control_chars,
+    raise_all,
+    time_limit_minutes,
+    validate,
+)
 from hpc_train.config.load import load_config, parse_overrides, to_yaml
 from hpc_train.config.schema import (
     BUILTIN_DATA,
@@ -22,5 +29,6 @@ from hpc_train.config.schema import (
 __all__ = [
     "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "FinetuneConfig", "JobConfig", "LoggingConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "SlurmConfig", "TrainConfig", "check_values", "derive_dp",
-    "has_control_chars", "load_config", "parse_overrides", "raise_all", "to_yaml", "validate",
+    "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes", "to_yaml",
+    "validate",
 ]  # fmt: skip

@@ -1,6 +1,6 @@
 """Checks on a loaded config that omegaconf's types cannot express: each field's own rule (declared beside
-it in schema.py), finiteness, paths, and the quantities derived from the parallel layout. Every problem is
-reported at once, one line each."""
+it in schema.py), finiteness, paths, what sbatch accepts in the slurm section, and the quantities derived
+from the parallel layout. Every problem is reported at once, one line each."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def _fields(cfg: JobConfig) -> list[tuple[str, dataclasses.Field]]:
 
 
 def _value_problems(cfg: JobConfig) -> list[str]:
-    """Every key's own rule (schema.py, beside the field): choices, signs, fractions; and finiteness. One line
-    per problem."""
+    """Every key's own rule (schema.py, beside the field): choices, signs, fractions; finiteness; and what
+    sbatch accepts in the slurm section. One line per problem."""
     fields = _fields(cfg)
     choices = {key: f.metadata["choices"] for key, f in fields if "choices" in f.metadata}
     problems = [f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}"
@@ -66,7 +66,7 @@ def _value_problems(cfg: JobConfig) -> list[str]:
         ok, rule = RANGES[f.metadata["range"]]
         if not ok(value):
             problems.append(f"{key}={value} must be {rule}{' (or left out)' if f.default is None else ''}")
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", cfg.name):
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", cfg.name):  # also all sbatch wants of a job name
         problems.append(f"name={cfg.name!r} may hold only letters, digits, '.', '_' and '-'")
     if not problems and cfg.optim.min_lr > cfg.optim.lr:
         problems.append(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
@@ -79,19 +79,106 @@ def _value_problems(cfg: JobConfig) -> list[str]:
     steps = cfg.logging.profile_steps
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
-    for key in (
-        "name",
-        "run_dir",
-        "checkpoint.dir",
-        "data.train_path",
-        "data.valid_path",
-        "data.cache_dir",
-        "model.init_from",
-    ):
+    # a path joined from a bad one (run_dir=runs/${name}, checkpoint.dir=${run_dir}/checkpoints) is not
+    # reported again: its source is
+    bad = [cfg.name] if has_control_chars(cfg.name) else []
+    paths = ("run_dir", "checkpoint.dir", "data.train_path", "data.valid_path", "data.cache_dir", "model.init_from",
+             "slurm.log_dir")  # fmt: skip
+    for key in paths:
         value = _get(cfg, key)
-        if value is not None and has_control_chars(value):
+        if value is None or not has_control_chars(value):
+            continue
+        if not any(value.startswith(f"{source}/") or value.endswith(f"/{source}") for source in bad):
             problems.append(f"{key}={value!r} holds a control character (a newline?); remove it")
-    return problems
+        bad.append(value)
+    return problems + _slurm_problems(cfg)
+
+
+# Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+TIME_FORMATS = (
+    r"(?P<m>\d+)",
+    r"(?P<m>\d+):(?P<s>\d+)",
+    r"(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)",
+    r"(?P<d>\d+)-(?P<h>\d+)",
+    r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+)",
+    r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)",
+)
+TIME_PROBLEM = "slurm.time={value!r} is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS (e.g. 04:00:00)"
+# Slurm sizes: a number with an optional unit (K, M, G, T); 0 asks for all of a node's memory
+MEM_PATTERN = re.compile(r"[0-9]+[KMGTkmgt]?")
+EXTRA_KEY_PATTERN = re.compile(r"[a-z][a-z0-9-]*")
+
+
+def time_limit_seconds(value: str) -> int | None:
+    """Slurm time limit -> seconds; None when it is not one of Slurm's formats (or not positive)."""
+    for pattern in TIME_FORMATS:
+        match = re.fullmatch(pattern, value.strip(), flags=re.ASCII)
+        if match:
+            parts = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+            seconds = ((parts.get("d", 0) * 24 + parts.get("h", 0)) * 60 + parts.get("m", 0)) * 60 + parts.get("s", 0)
+            return seconds if seconds > 0 else None
+    return None
+
+
+def time_limit_minutes(value: str) -> int:
+    """Slurm time limit -> whole minutes (rounded up), or a ConfigError naming the accepted formats."""
+    seconds = time_limit_seconds(value)
+    if seconds is None:
+        raise ConfigError(TIME_PROBLEM.format(value=value))
+    return math.ceil(seconds / 60)
+
+
+def _directive_problem(key: str, value: str) -> str | None:
+    """Directive values are single sbatch words: no control characters, whitespace, quotes or backslashes."""
+    if has_control_chars(value) or any(c.isspace() or c in "'\"\\" for c in value):
+        return (f"{key}={value!r} must be a single word for its #SBATCH line: remove the newlines, other control "
+                f"characters, spaces, quotes and backslashes")  # fmt: skip
+    return None
+
+
+def _slurm_problems(cfg: JobConfig) -> list[str]:
+    """What sbatch would refuse, or what would break (or inject into) the script `submit` writes, one line
+    each. Checked for every command, not only `submit`: a config is one document, and the one a local run
+    records in run_dir/config.yaml may be submitted later. The name's rule, control characters in paths and
+    each field's own rule (cpus_per_task > 0, signal_delay_s >= 0...) are checked with the other keys'."""
+    s = cfg.slurm
+    problems = []
+    if s.gpus_per_node and s.gpus_per_node != s.tasks_per_node:
+        problems.append(
+            f"slurm.gpus_per_node={s.gpus_per_node} but slurm.tasks_per_node={s.tasks_per_node}: hpc_train runs "
+            f"one rank per GPU; set slurm.tasks_per_node={s.gpus_per_node}"
+        )
+    directives = {f"slurm.{key}": getattr(s, key) for key in ("job_name", "partition", "account", "qos", "constraint")}
+    directives.update({f"slurm.extra[{key!r}]": str(value) for key, value in s.extra.items()})
+    problems += [_directive_problem(key, value) for key, value in directives.items() if value is not None]
+    problems += [
+        f"slurm.extra key {key!r} is not an sbatch option name; use lowercase letters, digits and '-' (e.g. mail-type)"
+        for key in s.extra
+        if not EXTRA_KEY_PATTERN.fullmatch(key)
+    ]
+    if s.mem is not None and not MEM_PATTERN.fullmatch(s.mem):
+        problems.append(f"slurm.mem={s.mem!r} is not a Slurm size; use a number with an optional unit K, M, G "
+                        f"or T (e.g. 200G, or 0 for all of a node's memory)")  # fmt: skip
+    # submitit quotes the log folder, so spaces are fine; but sbatch and srun expand '%' in it and drop
+    # backslashes, so the logs would land elsewhere
+    key, folder = ("slurm.log_dir", s.log_dir) if s.log_dir else ("run_dir", cfg.run_dir)
+    if any(c in "%\\" for c in folder):
+        problems.append(f"{key}={folder!r} holds the Slurm log folder, where sbatch reads '%' as a filename pattern "
+                        f"and '\\' as an escape; choose a path without them")  # fmt: skip
+    problems += [
+        f"slurm.setup[{i}]={line!r} contains a newline or another control character; give each shell line "
+        f"as its own list entry"
+        for i, line in enumerate(s.setup)
+        if has_control_chars(line)
+    ]
+    seconds = time_limit_seconds(s.time)
+    if seconds is None:
+        problems.append(TIME_PROBLEM.format(value=s.time))
+    elif s.signal_delay_s >= seconds:
+        problems.append(f"slurm.signal_delay_s={s.signal_delay_s} must be less than slurm.time={s.time!r} "
+                        f"({seconds} s): the warning signal comes that long before the end; lower it or raise "
+                        "slurm.time")  # fmt: skip
+    return [p for p in problems if p]
 
 
 def _context_problem(cfg: JobConfig) -> str:
@@ -107,7 +194,8 @@ def _context_problem(cfg: JobConfig) -> str:
 
 
 def check_values(cfg: JobConfig) -> None:
-    """Every key's own range, whatever the layout; one ConfigError holding all problems."""
+    """Every key's own rule, the slurm section's included, whatever the layout or the machine; one ConfigError
+    holding all problems."""
     if problems := _value_problems(cfg):
         raise ConfigError("\n".join(problems))
 

@@ -193,13 +193,14 @@ class CheckpointConfig:
 
 @dataclass
 class SlurmConfig:
-    """The sbatch job `hpc-train submit` generates (through submitit): one task per rank (per GPU)."""
+    """The sbatch job `hpc-train submit` generates (through submitit): one task per rank (per GPU). Every
+    command checks these values (checks.py), since the config a local run records may be submitted later."""
 
     nodes: int = positive(1)
     tasks_per_node: int = positive(1)
     gpus_per_node: int = non_negative(0)  # 0 = CPU job; otherwise must equal tasks_per_node
     gpu_mem_gb: float = positive(80.0)  # per GPU (GiB): `submit` refuses a layout the planner says does not fit
-    cpus_per_task: int | None = None
+    cpus_per_task: int | None = positive(None)  # None = Slurm's default
     mem: str | None = None  # e.g. 200G, or 0 for all of a node's memory
     time: str = "01:00:00"  # MM, HH:MM:SS or D-HH:MM:SS
     partition: str | None = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import sys
 import time
@@ -16,7 +15,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from hpc_train.config import ConfigError, JobConfig
 from hpc_train.errors import HANG_EXIT, USER_ERROR_EXIT, RankFailed
 from hpc_train.launch.bootstrap import RankEnv, distributed
 from hpc_train.resilience.restart import Attempt, announce_restart, exit_description, forwarding_stop_signals, run_rank
@@ -31,25 +29,6 @@ def serve_store() -> dist.TCPStore:
     listener.listen()
     port = listener.getsockname()[1]
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
-
-
-def check_machine(cfg: JobConfig) -> None:
-    """A run launched here fits this machine: its device exists and one process per GPU (NCCL's rule), or a
-    bounded number of CPU processes (each needs a core's share and its own memory)."""
-    problems = []
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    if cuda and not torch.cuda.is_available():
-        problems.append("train.device=cuda but this machine has no CUDA device visible; use train.device=cpu")
-    cores = len(os.sched_getaffinity(0))
-    if cuda and torch.cuda.is_available():
-        limit, what = torch.cuda.device_count(), f"one per GPU ({torch.cuda.device_count()} here)"
-    else:
-        limit, what = 4 * cores, f"4 per CPU core ({cores} here)"
-    if cfg.parallel.nproc > limit:
-        problems.append(f"parallel.nproc={cfg.parallel.nproc} local processes exceed {what}; use parallel.nproc <= "
-                        f"{limit}, or `hpc-train submit` to run on a cluster")  # fmt: skip
-    if problems:
-        raise ConfigError("\n".join(problems))
 
 
 def local_rank_env(rank: int, nproc: int, port: int, prefix: str) -> RankEnv:
