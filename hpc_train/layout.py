@@ -73,7 +73,7 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
 
 
 def _check_zero(cfg: JobConfig, dp: int) -> None:
-    """Options that only one side of ZeRO-3 (FSDP2) has, and what it cannot do yet."""
+    """Options that only one side of ZeRO-3 (FSDP2) has."""
     o = cfg.optim
     if optimizer_class(o).shards_params:
         if dp == 1:
@@ -83,13 +83,6 @@ def _check_zero(cfg: JobConfig, dp: int) -> None:
         if o.overlap_grad_reduce:
             raise ConfigError("optim.overlap_grad_reduce is for zero stages 0-2 (FSDP2 always reduces in backward): "
                               "drop it with optim.zero_stage=3")  # fmt: skip
-        gpu = cfg.train.device == "cuda" or (
-            cfg.train.device == "auto" and (torch.cuda.is_available() or bool(cfg.slurm.gpus_per_node))
-        )
-        if o.offload == "cpu" and gpu:
-            raise ConfigError("optim.offload=cpu with optim.zero_stage=3 runs on CPU only for now (its gradient "
-                              "norm and loss-scale checks would meet NCCL with host tensors): use "
-                              "optim.zero_stage=2 with offload")  # fmt: skip
     elif o.reshard_after_forward is not None:
         raise ConfigError("optim.reshard_after_forward is for optim.zero_stage=3 (FSDP2): drop it")
 

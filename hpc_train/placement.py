@@ -11,11 +11,21 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 def distribute_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A full-size value laid out as `like`: this rank's shard when `like` is a tensor-parallel DTensor
-    (every rank holds the same full value, so nothing is sent where the installed torch lets us say so)."""
+    (every rank holds the same full value, so nothing is sent where the installed torch lets us say so),
+    on `like`'s device (distribute_tensor puts it on the mesh's; FSDP2's offloaded shards are in host memory)."""
     if not isinstance(like, DTensor):
         return full
     local_only = {"src_data_rank": None} if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
-    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, **local_only)
+    return distribute_tensor(full, like.device_mesh, like.placements, **local_only).to(like.device)
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """The whole of `t` (a DTensor gathered; any other as it is), gathered on its mesh's device: a shard
+    held in host memory under a GPU mesh (FSDP2's CPU offload) is copied there first, as NCCL takes no
+    host tensor. The result stays on the mesh's device."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.to(t.device_mesh.device_type).full_tensor()
 
 
 def like_param(p: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:

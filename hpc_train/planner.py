@@ -210,7 +210,8 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     adds, as communication buffers, the root unit gathered through the step, the running and the
     prefetched block gathered in the compute dtype and one block's gradients before their reduce-scatter
     (compute dtype and the fp32 copy FSDP reduces). Every category is device memory: offload moves the
-    sharded optimizer state (stage 3: also the parameter and gradient shards) to `host`."""
+    sharded optimizer state (stages 1-2: with a host copy of the owned gradients; stage 3: also the parameter
+    and gradient shards) to `host`."""
     o, tp = cfg.optim, dims.tp
     cls = optimizer_class(o)
     local = local_param_count(cfg, dp=dims.dp if cls.shards_params else 1)
@@ -245,6 +246,8 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         host, optimizer = host + optimizer, 0
         if cls.shards_params:
             host, param_bytes, grads = host + param_bytes + grads, 0, 0
+        else:  # stages 1-2: the owned fp32 gradients' host copy the update reads
+            host += 4 * owned
     per_micro = activation_bytes(cfg)
     flight = in_flight(cfg)
     activations = int(per_micro * flight)
@@ -393,7 +396,7 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     lines.append("per rank (first pipeline stage):")
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]
     if plan.host:
-        what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state"
+        what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state, owned gradients"
         lines.append(f"  {f'in host memory ({what})':<44} {plan.host / GiB:10.3f} GiB")
     verdict = "fits" if plan.total <= gpu_mem_bytes else "DOES NOT FIT"
     lines.append(f"  {verdict} in {gpu_mem_bytes / GiB:.0f} GiB per GPU ({100 * plan.total / gpu_mem_bytes:.0f}%)")

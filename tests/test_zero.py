@@ -1,4 +1,4 @@
-"""ZeRO-1 optimizer state and fp16 dynamic loss scaling, in real gloo process groups."""
+"""ZeRO-1 optimizer state, CPU offload and fp16 dynamic loss scaling, in real gloo process groups."""
 
 import math
 
@@ -10,12 +10,16 @@ import torch.distributed as dist
 from hpc_train.builder import build_run
 from hpc_train.config import load_config
 from hpc_train.data.indexed import IndexedDataset
+from hpc_train.distributed.grads import GradGroups, all_reduce_on, clip_grad_norm
+from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import forward_backward
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence
+from hpc_train.layout import check_run
 from hpc_train.optim import build_optimizer
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.zero import ZeroOptimizer
+from hpc_train.planner import estimate
 from hpc_train.train.loop import run_training
 from hpc_train.train.step import StepOptions, StepResult, apply_gradients, read_figures, skip_reason, train_step
 from tests.conftest import ROOT, read_metrics
@@ -80,6 +84,135 @@ def test_zero1_state_bytes_and_fp16_overflow_agreement(make_cfg):
     cfg = make_cfg("optim.zero_stage=1", "optim.bucket_mb=0.05", "train.precision=fp16", "parallel.tp=2",
                    "parallel.sequence_parallel=true")  # fmt: skip
     launch_local(_zero_checks, 4, cfg)
+
+
+def _storage(t):
+    return _local(t).untyped_storage().data_ptr()
+
+
+def _one_step(rank_env, cfg, stage, offload):
+    """A fresh run of `cfg` at zero `stage` after one step on this rank's 4 samples: (run, its memory by
+    category, and for stages 1-2 what the update rule was handed: each master's gradient, and the storages
+    of the device-side gradient slices at that moment)."""
+    cfg.optim.zero_stage, cfg.optim.offload = stage, offload
+    run = build_run(cfg, rank_env, torch.device("cpu"), with_data=False)
+    optimizer, handed, device_grads = run.optimizer, [], set()
+    if stage in (1, 2):
+        rule_step = optimizer.rule.step
+
+        def step(lr, skip=None):  # the rule's own step, after noting what it is handed
+            handed.extend((s.master.grad, b.grad_shard[s.shard_start : s.shard_start + s.numel].clone())
+                          for b in optimizer.buckets for s in b.spans)  # fmt: skip
+            device_grads.update(_storage(b.grad_shard) for b in optimizer.buckets)
+            rule_step(lr, skip)
+
+        optimizer.rule.step = step
+    data = IndexedDataset(cfg.data.train_path, cfg.model.seq_len)
+    rank = dist.get_rank()
+    memory = train_step(run.model, optimizer, [data.batch(np.arange(4 * rank, 4 * rank + 4))], 1e-3).memory
+    return run, memory, handed, device_grads
+
+
+def _offload_checks(rank_env, cfg, stages):
+    """optim.offload=cpu against the same step without it, per zero stage: the same weights after the step;
+    the master weights, the rule's state and the gradients the update reads in host buffers of their own;
+    the offloaded bytes reported under `host`, as the planner counts them, and not in the device categories."""
+    with distributed(rank_env, torch.device("cpu"), "gloo", 120):
+        dims = check_run(cfg, rank_env.world_size, check_paths=False)
+        for stage in stages:
+            plain, plain_memory, plain_handed, plain_device_grads = _one_step(rank_env, cfg, stage, "none")
+            run, memory, handed, device_grads = _one_step(rank_env, cfg, stage, "cpu")
+            for a, b in zip(plain.model.parameters, run.model.parameters, strict=True):
+                assert torch.equal(_local(a), _local(b)), stage
+            plan = estimate(cfg, dims)
+            assert "host" not in plain_memory and plan.optimizer == memory["optimizer"] == 0
+            if stage == 3:  # FSDP2's shards, their gradients and the rule's state: all in host memory
+                offloaded = {k: plain_memory[k] for k in ("params", "grads", "optimizer")}
+                assert memory == {**plain_memory, **dict.fromkeys(offloaded, 0), "host": sum(offloaded.values())}
+                assert plan.host == pytest.approx(memory["host"], rel=0.05)  # the planner's tolerance
+                continue
+            optimizer, owned = run.optimizer, run.optimizer.master.numel()
+            assert optimizer.state_bytes() == 12 * owned and optimizer.host_grads.nbytes == 4 * owned
+            assert memory == {**plain_memory, "optimizer": 0, "host": 16 * owned}
+            if run.model.mesh.rank("dp") == 0:  # the planner's rank: it owns the rounded-up half of the one bucket
+                assert plan.host == memory["host"]
+            # without offload the update reads views of the device-side slices; with it, host copies of them
+            assert {_storage(g) for g, _ in plain_handed} <= plain_device_grads
+            assert {_storage(g) for g, _ in handed} == {_storage(optimizer.host_grads)}
+            assert _storage(optimizer.host_grads) not in device_grads
+            assert all(torch.equal(g, on_device) for g, on_device in handed)  # the reduced, clipped values
+            device_side = {_storage(p) for p in run.model.parameters} | device_grads
+            spans = [s for b in optimizer.buckets for s in b.spans]
+            state = [t for s in spans for t in optimizer.rule.state(s.master).values()]
+            assert len(state) == 2 * len(spans)  # AdamW's moments of every owned span
+            host_side = [optimizer.master, optimizer.host_grads, *state]
+            assert all(t.device == optimizer.state_device == torch.device("cpu") for t in host_side)
+            assert len({_storage(t) for t in state}) == len(state)  # each moment its own storage
+            assert not {_storage(t) for t in host_side} & device_side
+
+
+@pytest.mark.parametrize(("nproc", "stages"), [(2, (1, 2, 3)), (1, (1, 2))])
+def test_offload_keeps_state_and_update_gradients_in_host_memory(make_cfg, nproc, stages):
+    cfg = make_cfg(f"parallel.nproc={nproc}", "train.micro_batch_size=4")
+    launch_local(_offload_checks, nproc, cfg, stages)
+
+
+def _host_gradient_checks(rank_env, device_type):
+    """dp=2, gradients in host memory (where FSDP2's CPU offload leaves them), some on `device_type`'s device
+    too: the norm, the clip, the fp16 check and the staged all-reduce give the numbers computed here by hand,
+    leave each gradient on its device, and hand every collective only tensors on the compute device (NCCL
+    takes no host tensor). On a CPU-only machine both are the host: the numbers are what this checks there."""
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    with distributed(rank_env, device, "gloo", 60):
+        rank, mesh = dist.get_rank(), Mesh(ParallelDims(dp=2), device.type)
+
+        def grads_of(r):  # every rank can make every rank's gradients
+            gen = torch.Generator().manual_seed(r)
+            return [torch.randn(5, generator=gen), torch.randn(3, 2, generator=gen), torch.randn(4, generator=gen)]
+
+        grads = grads_of(rank)
+        grads[2] = grads[2].to(device)
+        received, all_reduce = [], dist.all_reduce
+
+        def recording(tensor, *args, **kwargs):  # the real all-reduce, after noting where its tensor is
+            received.append(tensor.device)
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = recording
+        try:
+            norm = clip_grad_norm(GradGroups.of([(g, False, True) for g in grads], dp_sharded=True), 1.0, mesh, device)
+            scaler = LossScaler(scale=4.0, device=device)
+            clean = scaler.unscale_and_check(grads)
+            if rank == 1:
+                grads[0][0] = float("inf")
+            overflow = scaler.unscale_and_check(grads)
+            staged = torch.full((3,), float(rank + 1))
+            all_reduce_on(device, staged)
+        finally:
+            dist.all_reduce = all_reduce
+        assert received and set(received) == {device}
+        want = math.sqrt(sum(float(g.double().pow(2).sum()) for r in (0, 1) for g in grads_of(r)))
+        assert norm.device == device and norm.item() == pytest.approx(want, rel=1e-6)
+        coefficient = min(1.0, 1.0 / (norm.item() + 1e-6))
+        assert [g.device for g in grads] == [torch.device("cpu"), torch.device("cpu"), device]
+        for got, g in list(zip(grads, grads_of(rank), strict=True))[1:]:
+            torch.testing.assert_close(got.cpu(), g * coefficient / 16)  # clipped, then unscaled twice
+        assert (clean.device, clean.item(), overflow.device, overflow.item()) == (device, 0.0, device, 1.0)
+        assert torch.equal(staged, torch.full((3,), 3.0)) and staged.device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "device_type",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))],
+)
+def test_host_gradients_meet_collectives_on_the_compute_device(device_type):
+    launch_local(_host_gradient_checks, 2, device_type)
+
+
+def test_zero3_offload_is_accepted_on_cuda(make_cfg):
+    """The layout check no longer refuses FSDP2's CPU offload on GPUs (it ran on CPU only)."""
+    cfg = make_cfg("optim.zero_stage=3", "optim.offload=cpu", "train.device=cuda", "parallel.nproc=2")
+    assert check_run(cfg, 2, check_paths=False).dp == 2
 
 
 def _overlap_checks(rank_env, cfg):

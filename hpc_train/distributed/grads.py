@@ -65,13 +65,40 @@ class GradGroups:
         return self.tp_sharded + self.tp_replicated + self.uncounted
 
 
-def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh) -> torch.Tensor:
+def by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """`tensors` grouped by the device they live on, in order (FSDP2's offloaded gradients are on the host)."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
+
+
+def all_reduce_on(device: torch.device, tensor: torch.Tensor, **kwargs) -> None:
+    """`dist.all_reduce(tensor, **kwargs)` in place, run on `device` (where the collectives run: NCCL takes
+    no host tensor): a tensor held elsewhere is copied there and the result back."""
+    if tensor.device == device:
+        dist.all_reduce(tensor, **kwargs)
+        return
+    staged = tensor.to(device)
+    dist.all_reduce(staged, **kwargs)
+    tensor.copy_(staged)
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ t² in fp32, each device's part summed where its tensors are, the total on `device`."""
+    total = torch.zeros((), device=device)
+    for where, same in by_device(tensors).items():
+        total += sum((t.float().pow(2).sum() for t in same), torch.zeros((), device=where)).to(device)
+    return total
+
+
+def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh, device: torch.device) -> torch.Tensor:
     """Clip by the global L2 norm with every element counted once across tp, pp and dp; returns the norm
-    before clipping, on the device (torch.nn.utils.clip_grad_norm_'s formula, with its 1e-6 and its
-    coefficient clamped at 1, so nothing is read to the host)."""
-    device = grads.all[0].device
-    sq = lambda ts: sum((t.float().pow(2).sum() for t in ts), torch.zeros((), device=device))
-    sharded_sq, total_sq = sq(grads.tp_sharded), sq(grads.tp_replicated)
+    before clipping, on `device`, where the collectives run (gradients held in host memory, under FSDP2's
+    offload, are summed there and only their partial sums moved). torch.nn.utils.clip_grad_norm_'s formula,
+    with its 1e-6 and its coefficient clamped at 1, so nothing is read to the host (but the coefficient
+    is copied to host-held gradients)."""
+    sharded_sq, total_sq = _sum_of_squares(grads.tp_sharded, device), _sum_of_squares(grads.tp_replicated, device)
     if mesh.size("tp") > 1:
         dist.all_reduce(sharded_sq, group=mesh.group("tp"))
     total_sq += sharded_sq
@@ -80,5 +107,7 @@ def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh) -> torch.Tens
             dist.all_reduce(total_sq, group=mesh.group(role))
     norm = total_sq.double().sqrt()
     if max_norm > 0:
-        torch._foreach_mul_(grads.all, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for where, same in by_device(grads.all).items():
+            torch._foreach_mul_(same, coefficient.to(where))
     return norm

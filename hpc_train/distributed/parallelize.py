@@ -20,18 +20,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import ModelConfig
 from hpc_train.data.batch import Batch
-from hpc_train.distributed.grads import fix_grad_placements, local
+from hpc_train.distributed.grads import all_reduce_on, fix_grad_placements, local
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.transforms import StagePlan, apply_transforms
 from hpc_train.distributed.transforms.fsdp import reshard
 from hpc_train.finetune.lora import init_adapters, is_adapter, quantize_projections
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
+from hpc_train.placement import gathered
 
 MicroBatches = list[Batch]
 
@@ -42,6 +42,7 @@ class ParallelModel:
     spec: ModelSpec
     chunks: list[StageModule]  # this rank's pipeline stages (one without pipeline parallelism)
     mesh: Mesh
+    device: torch.device  # where the compute and the collectives run (FSDP2's offloaded shards are on the host)
     grad_accum: int = 1  # micro-batches per step: each one's loss is its share of the batch's
     autocast_dtype: torch.dtype | None = None  # compute dtype under autocast; None = no autocast
     schedule: Any | None = None  # the pipeline schedule when pp > 1
@@ -99,7 +100,7 @@ class ParallelModel:
         tied embedding's summed over the pipeline stages that hold it."""
         fix_grad_placements(params)
         if self.holds_tied_copy(params) and self.tied_copy.grad is not None:
-            dist.all_reduce(local(self.tied_copy.grad), group=self.tied_group)
+            all_reduce_on(self.device, local(self.tied_copy.grad), group=self.tied_group)
 
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:
@@ -127,6 +128,21 @@ def _tied_pipeline_copy(chunks: list[StageModule], mesh: Mesh) -> tuple[nn.Param
     return None, None
 
 
+def materialize(chunk: StageModule, device: torch.device, params_on_host: bool) -> None:
+    """Allocate a stage built on the meta device on `device`. With `params_on_host` (FSDP2's CPU offload)
+    the parameters are allocated in host memory and only the buffers on `device`: a DTensor keeps reporting
+    the device it was made on (FSDP2 moving its local shard to the host changes nothing), FSDP2's first
+    forward refuses offloaded parameters that report a GPU, and torch's fused AdamW groups the parameters,
+    their state and its skip flag by that device."""
+    if not params_on_host:
+        chunk.to_empty(device=device)
+        return
+    chunk.to_empty(device=torch.device("cpu"))
+    for module in chunk.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.to(device))  # still a buffer, persistent or not, as before
+
+
 def parallelize(plan: StagePlan) -> ParallelModel:
     """Build this rank's stages on the meta device, apply the transforms that the plan calls for
     (distributed/transforms: tp, recompute, adapters, compile, FSDP...), then allocate only the local
@@ -142,13 +158,13 @@ def parallelize(plan: StagePlan) -> ParallelModel:
         with torch.device("meta"):
             chunk = spec.build_stage(cfg.model, stage, num_stages, tp)
         apply_transforms(chunk, plan)
-        chunk.to_empty(device=device)
+        materialize(chunk, device, params_on_host=plan.shards_params and cfg.optim.offload == "cpu")
         spec.init_weights(chunk, cfg.train.seed)
         init_adapters(chunk, cfg.train.seed)
         chunks.append(chunk)
     tied_copy, tied_group = _tied_pipeline_copy(chunks, mesh)
-    model = ParallelModel(cfg.model, spec, chunks, mesh, cfg.train.grad_accum, plan.compute_dtype, tied_copy=tied_copy,
-                          tied_group=tied_group)  # fmt: skip
+    model = ParallelModel(cfg.model, spec, chunks, mesh, device, cfg.train.grad_accum, plan.compute_dtype,
+                          tied_copy=tied_copy, tied_group=tied_group)  # fmt: skip
     freeze(model, cfg.train.freeze, cfg.finetune.adapters)
     if pp > 1:
         if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time
@@ -233,8 +249,7 @@ def unpadded(spec: ModelSpec, name: str, t: torch.Tensor, vocab_size: int) -> to
     """A vocabulary-padded tensor's real rows, whole (gathered over tp) and compact; any other as it is."""
     if name not in spec.vocab_params:
         return t
-    full = t.full_tensor() if isinstance(t, DTensor) else t
-    return full[:vocab_size].detach().clone()
+    return gathered(t)[:vocab_size].detach().clone()
 
 
 def pad_rows(rows: torch.Tensor, total: int) -> torch.Tensor:
@@ -250,7 +265,7 @@ def full_state_dict(model: ParallelModel) -> dict[str, torch.Tensor] | None:
     state = {}
     for chunk in model.chunks:
         for name, value in chunk.state_dict().items():
-            value = value.full_tensor() if isinstance(value, DTensor) else value
+            value = gathered(value)
             if chunk.canonical_name(name) in model.quantized:  # QLoRA's NF4, dequantized
                 value = value.to(torch.float32)
             state[name] = unpadded(model.spec, name, value, m.vocab_size).detach().cpu()

@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
@@ -16,14 +15,14 @@ from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.buckets import BucketedReduction, bucketize, flat_allreduce
 from hpc_train.optim.rules import Target, UpdateRule, rule_class, target
 from hpc_train.optim.rules.protocol import MatrixFn
-from hpc_train.placement import distribute_like
+from hpc_train.placement import distribute_like, gathered
 
 
 def on_whole(fn: MatrixFn, piece: torch.Tensor) -> torch.Tensor:
     """`fn` of the whole matrix that `piece` (laid out like its parameter: a DTensor shard, or whole) is part
-    of: gathered whole, and this rank's part of the result cut out again locally."""
-    whole = piece.full_tensor() if isinstance(piece, DTensor) else piece
-    return distribute_like(fn(whole), piece)
+    of: gathered whole on the mesh's device (a host-held shard, under FSDP2's offload, too), and this rank's
+    part of the result cut out again locally, where `piece` is."""
+    return distribute_like(fn(gathered(piece)), piece)
 
 
 def whole_dtensors(fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -44,6 +43,7 @@ class DataParallelOptimizer:
     shards_params = False
     takes_grads_in_backward = False
     grads_before_backward = False
+    offloaded: tuple[str, ...] = ()  # nothing in host memory
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):
         self.model, self.params = model, model.trainable_parameters
@@ -90,6 +90,9 @@ class DataParallelOptimizer:
 
     def grad_buffer_bytes(self) -> int:
         return 0  # reduces the parameters' own gradients in place
+
+    def host_buffer_bytes(self) -> int:
+        return 0
 
     @property
     def state_keys(self) -> tuple[str, ...]:

@@ -5,7 +5,9 @@ FSDP2 all-gathers each block's parameters for its forward and backward and reduc
 step, as torch's schedules drive it). What is left to the optimizer is the update rule on the sharded fp32
 parameters (they are the master weights: every rank updates only its shard; a rule that needs whole
 matrices gets them gathered over dp and tp) and, with tied embeddings across pipeline stages, summing the
-two copies' gradient shards.
+two copies' gradient shards. With optim.offload=cpu (FSDP2's CPUOffloadPolicy) the shards, their gradients
+and the rule's state are in host memory and the update runs there; whatever meets a collective on the way
+(the norm's partial sums, the fp16 flag, the tied sum, Muon's whole matrices) is moved to the device first.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class FullyShardedOptimizer(DataParallelOptimizer):
             raise TypeError("zero_stage 3 needs a model parallelized with optim.zero_stage=3 (FSDP2 units)")
         self.model, self.params = model, model.trainable_parameters
         self.rule = build_rule(model, self.params, cfg)
+        # FSDP2's CPUOffloadPolicy: the shards, their gradients and so the rule's state live in host memory
+        self.offloaded = ("params", "grads", "optimizer") if cfg.offload == "cpu" else ()
 
     @staticmethod
     def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int, int]:

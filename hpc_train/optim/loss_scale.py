@@ -22,13 +22,22 @@ class LossScaler:
 
     def unscale_and_check(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Divide the gradients by the scale; returns 1.0 on every rank when any rank's gradients hold an inf
-        or nan, else 0.0 (one all-reduce over the world, no host read)."""
+        or nan, else 0.0 (one all-reduce over the world, no host read). Gradients on another device than the
+        scale (in host memory, under FSDP2's offload) are checked there, with their own flag and a copy of the
+        inverse scale (torch's kernel wants all three on one device); the flags meet on the scale's device,
+        where the all-reduce runs."""
         found, inverse = torch.zeros((), device=self.scale.device), self.scale.reciprocal()
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        flags, inverses = {found.device: found}, {found.device: inverse}
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inverse)
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), same in groups.items():
+            if device not in flags:
+                flags[device], inverses[device] = torch.zeros((), device=device), inverse.to(device)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, flags[device], inverses[device])
+        for device, flag in flags.items():
+            if device != found.device:
+                found = torch.maximum(found, flag.to(found.device))
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return found
 

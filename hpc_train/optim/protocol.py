@@ -19,6 +19,7 @@ class Optimizer(Protocol):
     takes_grads_in_backward: ClassVar[bool]  # a gradient leaves its parameter as backward produces it
     grads_before_backward: ClassVar[bool]  # gradient memory allocated at begin_step, before any backward
     state_keys: tuple[str, ...]  # what `param_states` may hold per parameter (its rule's state, ZeRO's master)
+    offloaded: tuple[str, ...]  # memory categories ("params", "grads", "optimizer") it keeps in host memory
     params: list[nn.Parameter]  # the trainable parameters, in the order of `param_states`
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig) -> None: ...
@@ -51,6 +52,10 @@ class Optimizer(Protocol):
 
     def grad_buffer_bytes(self) -> int:
         """Bytes of gradient buffers the optimizer holds besides the parameters' own gradients."""
+        ...
+
+    def host_buffer_bytes(self) -> int:
+        """Bytes it holds in host memory besides its `offloaded` categories (with optim.offload=cpu)."""
         ...
 
     def param_states(self) -> list[dict[str, torch.Tensor]]:

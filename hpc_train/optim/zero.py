@@ -12,8 +12,11 @@ gradients do). Rank r keeps fp32 master weights and the update rule's state for 
 rule that needs whole matrices, as Muon does, gets them all-gathered from the dp ranks' slices and over
 tp), casts it to the parameters' dtype and all-gathers each bucket back into the model: bf16 weights,
 an fp32 gradient buffer and the sharded AdamW state are 2 + 4 + 12/dp bytes per parameter. With
-`offload="cpu"` the master weights and the rule's state live in host memory and the update runs there
-(ZeRO-Offload).
+`offload="cpu"` (ZeRO-Offload) the master weights, the rule's state and a copy of the owned gradients live
+in host memory (16 bytes per owned element with AdamW; pinned on CUDA): the gradients are reduced, checked
+and clipped on the device, copied to the host once per step, updated there, and the masters are copied back
+to the device by the all-gather. The configuration decides it, not the devices: on CPU the offload path
+makes the same copies into its own buffers.
 
 zero_stage 2 (`Zero2Optimizer`): each bucket's gradients are copied to an fp32 buffer and reduce-scattered
 once per micro-batch, as soon as backward has produced them, and rank r accumulates only its fp32 slice
@@ -67,6 +70,7 @@ class _Span:
 
     shard_start: int  # offset in the bucket's owned slice
     numel: int
+    offset: int  # where its master (and with offload its gradient's host copy) starts in the master buffer
     param: nn.Parameter  # the model parameter it lies in
     param_offset: int  # where it starts in that parameter's flattened local tensor
     master: nn.Parameter  # view into the master buffer
@@ -88,8 +92,10 @@ class ZeroOptimizer:
         self.model, self.params = model, model.trainable_parameters
         self.dp_group = model.mesh.group("dp")
         self.dp, self.dp_rank = model.mesh.size("dp"), model.mesh.rank("dp")
-        self.device = local(self.params[0]).device
-        self.state_device = torch.device("cpu") if cfg.offload == "cpu" else self.device
+        self.device = model.device
+        self.offload = cfg.offload == "cpu"
+        self.state_device = torch.device("cpu") if self.offload else self.device
+        self.offloaded = ("optimizer",) if self.offload else ()
         self.buckets = self._make_buckets(self.params, int(cfg.bucket_mb * 2**20))
         buckets = [b.params for b in self.buckets]
         self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy,
@@ -98,6 +104,9 @@ class ZeroOptimizer:
         self.partial_sums: set[int] = set()  # parameters whose gradients arrive as partial sums over tp
         self.hooked = self.accumulating = False
         self.master = self._make_spans()
+        # with offload, the owned gradients' host copy the update reads, laid out as the masters
+        self.host_grads = torch.empty(self.master.numel() if self.offload else 0, dtype=torch.float32,
+                                      device=self.state_device, pin_memory=self._pinned)  # fmt: skip
         names = model.parameter_names()
         self.matrices = {id(p) for p in self.params if is_hidden_matrix(names[id(p)], p.ndim)}
         targets = [target(names[id(s.param)], s.param, s.master) for b in self.buckets for s in b.spans]
@@ -138,15 +147,15 @@ class ZeroOptimizer:
                 if begin < end:
                     spans.append((bucket, p, start, begin, end))
         owned = sum(end - begin for *_, begin, end in spans)
-        master = torch.empty(owned, dtype=torch.float32, device=self.state_device)
+        master = torch.empty(owned, dtype=torch.float32, device=self.state_device, pin_memory=self._pinned)
         offset = 0
         for bucket, p, start, begin, end in spans:
             view = master[offset : offset + end - begin]
             view.copy_(local(p).detach().reshape(-1)[begin - start : end - start])
             lo = self.dp_rank * bucket.shard_numel
             span_master = nn.Parameter(view)  # shares the master buffer's storage
-            bucket.spans.append(_Span(begin - lo, end - begin, p, begin - start, span_master, is_tp_sharded(p),
-                                      self.model.counted_in_norm(p)))  # fmt: skip
+            bucket.spans.append(_Span(begin - lo, end - begin, offset, p, begin - start, span_master,
+                                      is_tp_sharded(p), self.model.counted_in_norm(p)))  # fmt: skip
             offset += end - begin
         return master
 
@@ -227,16 +236,36 @@ class ZeroOptimizer:
                  for b in self.buckets for s, g in zip(b.spans, self._owned_grads(b), strict=True)]  # fmt: skip
         return GradGroups.of(grads, dp_sharded=True)
 
+    @property
+    def _pinned(self) -> bool:
+        """Host buffers are pinned where copies cross to a GPU (faster, and they may be asynchronous)."""
+        return self.offload and self.device.type == "cuda"
+
+    def _grads_to_host(self) -> None:
+        """Offload: the owned gradients (reduced, checked and clipped on the device) copied into their host
+        buffer, one copy per bucket (its spans are contiguous, in the masters' order), waited for once."""
+        for bucket in self.buckets:
+            if bucket.spans:
+                first, owned = bucket.spans[0], sum(s.numel for s in bucket.spans)
+                host = self.host_grads[first.offset : first.offset + owned]
+                host.copy_(bucket.grad_shard[first.shard_start : first.shard_start + owned], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # before the host update reads them
+
     @torch.no_grad()
     def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
         """Update the owned slice (fp32 master + the rule's state), then all-gather every bucket into the
-        params (with dp=1 every span is a whole parameter: one multi-tensor copy casts the masters into them).
-        A skipped step leaves the masters as they are, so the gather writes the same weights back."""
+        params (with dp=1 and no offload every span is a whole parameter: one multi-tensor copy casts the
+        masters into them). With offload the update reads the gradients' host copy, and the gather copies the
+        masters to the device. A skipped step leaves the masters as they are, so the gather writes the same
+        weights back."""
+        if self.offload:
+            self._grads_to_host()
         for bucket in self.buckets:
             for span, grad in zip(bucket.spans, self._owned_grads(bucket), strict=True):
-                span.master.grad = grad.to(self.state_device)
+                span.master.grad = self.host_grads[span.offset : span.offset + span.numel] if self.offload else grad
         self.rule.step(lr, skip)
-        if self.dp == 1 and self.state_device == self.device:
+        if self.dp == 1 and not self.offload:
             spans = [s for b in self.buckets for s in b.spans]
             torch._foreach_copy_([local(s.param).view(-1) for s in spans], [s.master for s in spans])
             return
@@ -259,6 +288,10 @@ class ZeroOptimizer:
     def grad_buffer_bytes(self) -> int:
         """This rank's fp32 accumulation buffers (its reduced slices are views of them)."""
         return sum(b.grad.nbytes for b in self.buckets if b.grad is not None)
+
+    def host_buffer_bytes(self) -> int:
+        """Offload: the owned gradients' host copy (the state itself is the offloaded `optimizer` category)."""
+        return self.host_grads.nbytes
 
     def _gather_bucket(
         self, bucket: _Bucket, owned: list[torch.Tensor], dtype: torch.dtype = torch.float32

@@ -67,6 +67,7 @@ def announce(run: Run, start_step: int) -> StepMeter:
             "grads": predicted.grads,
             "optimizer": predicted.optimizer,
             "activations_per_microbatch": predicted.activations_per_microbatch,
+            **({"host": predicted.host} if cfg.optim.offload == "cpu" else {}),
         },
         first_step=start_step + 1,
     )

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hpc_train.config import TrainConfig
 from hpc_train.data.batch import Source, collate
-from hpc_train.distributed.grads import clip_grad_norm, local
+from hpc_train.distributed.grads import clip_grad_norm
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
 from hpc_train.errors import UserError
 from hpc_train.observe.memory import SavedActivations, tensor_bytes
@@ -83,8 +83,7 @@ def apply_gradients(
     (`before_update` first: an async checkpoint's copy must be done). The update is dropped on the device,
     on every rank alike, when the gradients overflowed or the norm or the global `loss` is not finite: no
     host read decides it. Returns the step's FIGURES."""
-    scaler, timings = options.scaler, options.timings
-    device = local(model.parameters[0]).device
+    scaler, timings, device = options.scaler, options.timings, model.device
     with timed(timings, "grad_reduce", device):
         optimizer.reduce_gradients()
     grads = optimizer.grad_groups()
@@ -95,7 +94,7 @@ def apply_gradients(
         scaler.update(overflow)
         scale, skipped = scaler.scale.clone(), scaler.skipped_steps.clone()
     with timed(timings, "optimizer", device):
-        grad_norm = clip_grad_norm(grads, options.grad_clip, model.mesh)
+        grad_norm = clip_grad_norm(grads, options.grad_clip, model.mesh, device)
         skip = overflow.bool() | ~torch.isfinite(grad_norm) | ~torch.isfinite(loss)
         if options.before_update is not None:
             options.before_update()
@@ -139,7 +138,16 @@ def train_step(
     mean_loss = reduce_loss(model, loss)  # before the update: a non-finite loss drops it too
     figures = apply_gradients(model, optimizer, lr, options, mean_loss)
     memory["optimizer"] = optimizer.state_bytes()
-    return StepResult(figures, memory)
+    return StepResult(figures, by_place(memory, optimizer))
+
+
+def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:
+    """The bytes by category, with what optim.offload=cpu keeps in host memory under `host` (only then
+    reported): the optimizer's offloaded categories, zero on the device, and its own host buffers."""
+    if not optimizer.offloaded:
+        return memory
+    host = optimizer.host_buffer_bytes() + sum(memory[k] for k in optimizer.offloaded)
+    return {**memory, **dict.fromkeys(optimizer.offloaded, 0), "host": host}
 
 
 def rank_micro_batches(source: Source, indices: list[np.ndarray], device: torch.device) -> MicroBatches:
@@ -151,8 +159,7 @@ def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig) -> float:
     samples, in the same micro-batch shapes as training, whatever the layout."""
     model.train(False)
     dp, dp_rank = model.mesh.size("dp"), model.mesh.rank("dp")
-    per_rank = t.micro_batch_size * t.grad_accum
-    device = local(model.parameters[0]).device
+    per_rank, device = t.micro_batch_size * t.grad_accum, model.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for b in range(t.eval_batches):
         start = (b * dp + dp_rank) * per_rank

@@ -5,7 +5,8 @@ Each transformer block is its own FSDP unit (all-gathered just before it runs, f
 meta device after tensor parallelism, so a tp-sharded parameter becomes a 2D (dp, tp) DTensor and no rank
 ever allocates more than its shard. The sharded fp32 parameters are the master weights; the mixed-precision
 policy all-gathers them in the compute dtype and reduce-scatters gradients in fp32. With `offload` the
-sharded parameters, their gradients and so the optimizer state live in host memory.
+sharded parameters, their gradients and so the optimizer state live in host memory (parallelize.materialize
+allocates the shards there, as FSDP2's CPU offload wants them).
 """
 
 from __future__ import annotations

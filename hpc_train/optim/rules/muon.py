@@ -35,6 +35,8 @@ class Muon:
         self.matrices = [t for t in targets if t.matrix_shape is not None]
         self.others = AdamW([t for t in targets if t.matrix_shape is None], cfg)
         self.matrix_ids = {id(t.tensor) for t in self.matrices}
+        # where the matrices (and their state) live, so where a skip flag must be: the host with offload
+        self.device = local(self.matrices[0].tensor).device if self.matrices else None
         self.buffers: dict[torch.Tensor, torch.Tensor] = {}
 
     @staticmethod
@@ -60,7 +62,7 @@ class Muon:
         """`skip` (nonzero: leave everything as it is) is applied on the device: the matrices' momentum and
         weights keep their old values through `torch.where`, as the fused AdamW kernel keeps the others."""
         self.others.step(lr, skip)
-        keep = None if skip is None else skip.to(torch.bool)
+        keep = None if skip is None or self.device is None else skip.to(self.device, torch.bool)
         cfg, targets, updates = self.cfg, [], []
         for target in self.matrices:
             grad = target.tensor.grad
