@@ -625,6 +625,10 @@ def test_async_save_in_flight_resumes_bit_exact(tmp_path, small_corpus, zero):
     assert last["step"] == 4 and last["blocked_s"] > 0 and last["write_s"] > 0 and last["commit_s"] > 0
     sync = read_metrics(tmp_path / "resumed")[-1]["checkpoint"]
     assert sync["write_s"] > 0 and sync["gb_per_s"] > 0
+    # where the save's time went: DCP's planning and data write within the write, the writer threads' time
+    # in writes, hashing and fsync (thread-seconds), gathering the state within what training waited
+    assert min(sync[k] for k in ("plan_s", "data_s", "io_s", "hash_s", "fsync_s", "state_s")) > 0
+    assert sync["plan_s"] + sync["data_s"] <= sync["write_s"] and sync["state_s"] + sync["write_s"] <= sync["blocked_s"]
     assert sync["total_bytes"] == pytest.approx(committed[0]["total_bytes"], rel=0.01)  # the same state
 
 

@@ -8,6 +8,9 @@ next update), "time lost" that plus how much longer the steps trained meanwhile 
 step alone; "total" is from the save to its commit, with training going on.
 DCP's own defaults (`dcp.save`: one writer thread, torch's per-record CRC) are the reference row.
 "Cold": the files are evicted from the page cache first (posix_fadvise), so reads come from the disk.
+On CPU it then times the sync save as a run pays it (a run saving every step against one that does not,
+beside the sustained raw write of the same bytes) and, with 2 processes, what an async save blocks at
+each ZeRO stage against that stage's sync save.
 
     python tools/bench_checkpoint.py --layers 16 --d-model 1536   # ~0.5B parameters, ~6 GB with AdamW
 """
@@ -16,20 +19,26 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hpc_train.builder import build_run
+from hpc_train.checkpoint.checkpointer import host_stager
 from hpc_train.config import load_config
 from hpc_train.data.batch import Batch
-from hpc_train.launch.local import single_process_group
+from hpc_train.launch.local import launch_local, single_process_group
 from hpc_train.models.common.decoder import count_params
 from hpc_train.train.step import StepOptions, train_step
 
@@ -155,6 +164,80 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
         print(f"{name:<28} {seconds:>8.2f} {gb / seconds:>7.2f}  {share}")
 
 
+def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int) -> None:
+    """The sync save's cost as a run pays it: the extra wall time of a run saving every step (keep_last=2)
+    over the same run without saves, per save, against the sustained raw write (+ fsync) of the same bytes
+    on the same disk (a new file per save, the one before last deleted), interleaved `rounds` times: the
+    disk's speed drifts, and writing a GB each step makes it slower than one write alone."""
+    common = [*model, "train.micro_batch_size=1", "train.eval_interval=0", "logging.progress=none",
+              "train.save_final_model=false", "parallel.nproc=1", "checkpoint.keep_last=2", "optim.warmup_steps=2",
+              f"checkpoint.io_threads={threads}", f"train.steps={steps}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "hpc_train.cli", "train", "configs/tiny.yaml", *common]
+    walls: dict[int, list[float]] = {0: [], 1: []}
+    raw: list[float] = []
+    nbytes = 0
+    for _ in range(rounds):
+        for interval in (0, 1):
+            shutil.rmtree(root / "run", ignore_errors=True)
+            start = time.perf_counter()
+            subprocess.run([*cmd, f"checkpoint.interval={interval}", f"run_dir={root / 'run'}"], check=True,
+                           capture_output=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+            walls[interval].append(time.perf_counter() - start)
+            if interval:
+                record = json.loads((root / "run/metrics.jsonl").read_text().splitlines()[-1])
+                nbytes = record["checkpoint"]["total_bytes"]
+        for i in range(steps):
+            raw.append(timed(partial(raw_write, root / f"raw{i % 3}.bin", nbytes))[0])
+            (root / f"raw{(i + 1) % 3}.bin").unlink(missing_ok=True)
+    for i in range(3):
+        (root / f"raw{i}.bin").unlink(missing_ok=True)
+    per_save = (min(walls[1]) - min(walls[0])) / steps  # the least disturbed of each
+    per_raw = statistics.mean(raw)
+    print(
+        f"a run saving {nbytes / 1e9:.2f} GB each of {steps} steps (sync, keep_last=2), best of {rounds}: "
+        f"{per_save:.2f} s more per save than without saves; sustained raw write + fsync of the same bytes "
+        f"{per_raw:.2f} s (mean of {len(raw)}): the save runs at {per_raw / per_save:.0%} of the disk's speed"
+    )
+
+
+def zero_stage_blocking(rank_env, root: Path, model: list[str], threads: int) -> None:
+    """dp=2 (2 processes): for each ZeRO stage, the time an async save blocks training (at the save and
+    before the next update) against the same stage's sync save."""
+    from hpc_train.launch.bootstrap import distributed
+
+    device = torch.device("cpu")
+    rows = []
+    with distributed(rank_env, device, "gloo", 600):
+        for stage in (0, 1, 2, 3):
+            overrides = [*model, "train.micro_batch_size=1", f"run_dir={root}/zero{stage}", "parallel.nproc=2",
+                         f"checkpoint.io_threads={threads}", f"optim.zero_stage={stage}"]  # fmt: skip
+            cfg = load_config(None, overrides)
+            run = build_run(cfg, rank_env, device, with_data=False)
+            run.report = run.checkpointer.report = lambda message: None
+            seq = cfg.model.seq_len
+            batch = [Batch(*(torch.zeros(1, seq, dtype=torch.long, device=device),) * 2)]
+            train_step(run.model, run.optimizer, batch, 1e-4)
+            sync = min(timed(partial(run.checkpointer.save, step))[0] for step in (1, 2))
+            background = run.checkpointer  # made asynchronous, as checkpoint.async_save=true makes it
+            background.stager, background.async_group = host_stager(), dist.new_group(backend="gloo")
+            blocked = []
+            for step in (3, 4):  # the first async save allocates its host buffers
+                figures = background.save(step)
+                train_step(run.model, run.optimizer, batch, 1e-4, StepOptions(before_update=background.staged))
+                waited = background.staging_wait_s
+                background.wait()
+                blocked.append(figures["blocked_s"] + waited)
+            rows.append((stage, sync, blocked[-1]))
+            dist.barrier()
+    if rank_env.rank == 0:
+        print(
+            "dp=2 (2 processes), each ZeRO stage: what an async save blocks (at the save + before the next "
+            "update) against its sync save"
+        )
+        for stage, sync, blocked in rows:
+            print(f"  zero_stage={stage}: sync save {sync:.2f} s, async blocks {blocked:.2f} s ({blocked / sync:.0%})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
@@ -162,6 +245,8 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--threads", type=int, default=4, help="checkpoint.io_threads")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--run-steps", type=int, default=8, help="steps of the runs with and without saves")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the run comparison")
     args = parser.parse_args()
     model = [f"model.n_layers={args.layers}", f"model.d_model={args.d_model}",
              f"model.n_heads={max(1, args.d_model // 128)}", "model.seq_len=32"]  # fmt: skip
@@ -169,6 +254,9 @@ def main() -> None:
     try:
         with single_process_group() as rank_env:
             measure(root, rank_env, model, torch.device(args.device), args.threads)
+        if args.device == "cpu":
+            run_cost(root, model, args.threads, args.run_steps, args.rounds)
+            launch_local(zero_stage_blocking, 2, root, model, args.threads)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

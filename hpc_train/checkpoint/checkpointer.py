@@ -106,6 +106,7 @@ class Checkpointer:
         self.staging: Future | None = None  # an async save's copy to host memory, until it is done
         self.staging_wait_s = 0.0  # how long the training waited for it
         self.pending: tuple[int, Future] | None = None  # an async save in flight: its step, its end
+        self.pruning: Future | None = None  # rank 0: older checkpoints being deleted after a commit
         self.finished: dict[str, Any] | None = None  # the figures of the last async save, until polled
         self.lock = DirectoryLock(self.store.root)
         self.abandoned = threading.Event()
@@ -132,9 +133,13 @@ class Checkpointer:
             raise CheckpointError(problem[0])
 
     def release(self) -> None:
-        """The end of the claim: an async save still in flight (the run failed) commits nothing after it."""
+        """The end of the claim: an async save still in flight (the run failed) commits nothing after it;
+        a deletion of older checkpoints is finished first (it holds the directory too)."""
         self.abandoned.set()
-        self.lock.release()
+        try:
+            self.pruned()
+        finally:
+            self.lock.release()
 
     # ---- save -------------------------------------------------------------------------------------
     def should_save(self, step: int, stop_requested: bool) -> bool:
@@ -142,8 +147,10 @@ class Checkpointer:
         return stop_requested or bool(interval and (step % interval == 0 or step == self.cfg.train.steps))
 
     def save(self, step: int) -> dict[str, Any]:
-        """Save this step; returns what it cost this rank: `blocked_s` (the time training waited) and, once
-        committed (a synchronous save), the commit's figures (see `_commit`)."""
+        """Save this step; returns what it cost this rank: `blocked_s` (the time training waited), `state_s`
+        (of that, gathering what to save) and, once committed (a synchronous save), the write's breakdown
+        (`plan_s`, DCP's planning; `data_s`, its data write; the writer threads' `io_s`, `hash_s` and
+        `fsync_s`) and the commit's figures (see `_commit`)."""
         start = time.perf_counter()
         fault_point("save", step, self.rank)
         self.finished = self.wait() or self.finished
@@ -156,9 +163,10 @@ class Checkpointer:
         rank_state = io.BytesIO()
         torch.save({"format": FORMAT, "step": step, **parts}, rank_state)
         state = self.sharded_tensors()
+        state_s = time.perf_counter() - start  # the barrier, the per-rank file, the tensors (ZeRO: sent to writers)
         if self.stager is None:
             return {**self._write_and_commit(step, state, rank_state.getbuffer(), None),
-                    "blocked_s": time.perf_counter() - start}  # fmt: skip
+                    "state_s": state_s, "blocked_s": time.perf_counter() - start}  # fmt: skip
         if torch.cuda.is_available():  # the stager's stream does not wait for this one: gathers, clones
             torch.cuda.current_stream().synchronize()
         staging = self.staging = self.stager.stage(state)  # copied on the stager's thread during the next step
@@ -170,7 +178,7 @@ class Checkpointer:
             return self._write_and_commit(step, staged, rank_state.getbuffer(), self.async_group)
 
         self.pending = (step, in_background(write, staging))
-        return {"blocked_s": time.perf_counter() - start}
+        return {"state_s": state_s, "blocked_s": time.perf_counter() - start}
 
     def staged(self) -> None:
         """Wait until an async save's copy is in host memory: before the weights or the optimizer state
@@ -207,10 +215,13 @@ class Checkpointer:
         digest = new_digest()
         digest.update(rank_state)
         writer = ChecksummedWriter(tmp, self.cfg.checkpoint.io_threads, step, self.rank)
+        dcp_start = time.perf_counter()
         with io_errors_named(doing, tmp):
             dcp.save(state, storage_writer=writer, process_group=group)
         records = {**writer.records, rank_file(self.rank): file_record(len(rank_state), digest)}
-        return self._commit(step, records, group, time.perf_counter() - start)
+        # DCP's planning (collectives) is its save less its data write
+        breakdown = {"plan_s": time.perf_counter() - dcp_start - writer.data_s, **writer.figures}
+        return {**self._commit(step, records, group, time.perf_counter() - start), **breakdown}
 
     def wait(self) -> dict[str, Any] | None:
         """Finish an async save in flight (normally committed already): its figures (see `_commit`), `step`
@@ -245,17 +256,30 @@ class Checkpointer:
                         "data": self.data, "base_weights": self.base_weights}  # fmt: skip
             if self.abandoned.is_set():
                 raise CheckpointError(f"checkpoint of step {step} abandoned: the run ended before its commit")
+            self.pruned()  # the previous save's pruning, done before another commit
             final = self.store.commit(step, files, manifest)
-            removed = self.store.prune(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, final)
             total, commit_s = sum(r["size"] for r in files.values()), time.perf_counter() - start
             gb_per_s = total / (write_s + commit_s) / 1e9
             figures.update(total_bytes=total, commit_s=commit_s, gb_per_s=gb_per_s)
             self.report(f"checkpoint {final} committed: {total / 1e9:.2f} GB, {len(files)} files in "
-                        f"{write_s + commit_s:.2f}s ({gb_per_s:.2f} GB/s; commit {commit_s:.2f}s)" + (
-                        f"; removed {', '.join(p.name for p in removed)}" if removed else ""))  # fmt: skip
+                        f"{write_s + commit_s:.2f}s ({gb_per_s:.2f} GB/s; commit {commit_s:.2f}s)")  # fmt: skip
             fault_point("committed", step, 0)
+            # older checkpoints are deleted in the background: a deletion is no part of this one's safety
+            self.pruning = in_background(self._prune, final)
         dist.barrier(group=group)
         return figures
+
+    def _prune(self, protect: Path) -> dict[str, Any]:
+        start = time.perf_counter()
+        removed = self.store.prune(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect)
+        if removed:
+            self.report(f"removed {', '.join(p.name for p in removed)}")
+        return {"prune_s": time.perf_counter() - start, "removed": [p.name for p in removed]}
+
+    def pruned(self) -> dict[str, Any] | None:
+        """Wait for the deletion of older checkpoints started by the last commit (rank 0); its figures."""
+        pruning, self.pruning = self.pruning, None
+        return None if pruning is None else pruning.result()
 
     # ---- resume -----------------------------------------------------------------------------------
     def _choose(self) -> tuple[str | None, dict | None]:
