@@ -165,6 +165,8 @@ ASYNC = ["checkpoint.async_save=true"]
         ("before_manifest@4", [], 2, 2, ["step_0000004.tmp"]),  # shards written, never committed
         ("before_latest@4", [], 4, 2, ["step_0000004"]),  # committed, `latest` not yet moved: still complete
         ("committed@4", [], 4, 4, ["step_0000004"]),  # committed, killed before step 4's metrics line
+        # read every 4th step: step 3's line is written before the save, step 4's held in it
+        ("committed@4", ["logging.log_interval=4"], 4, 4, ["step_0000004"]),
         ("staged@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: copied to host memory, nothing written
         ("mid_write@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed while writing in the background
         ("before_manifest@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed in the background commit
@@ -606,7 +608,8 @@ def test_nonfinite_training_stops_and_keeps_the_finite_checkpoints(tmp_path, sma
 @pytest.mark.parametrize("zero", [[], ["optim.zero_stage=1"]], ids=["dp", "zero1"])
 def test_async_save_in_flight_resumes_bit_exact(tmp_path, small_corpus, zero):
     """Step 2's checkpoint is copied and written in the background while step 3 trains (and changes the
-    weights; ZeRO's gathered state is copied at the save); a run resumed from it (saving synchronously)
+    weights; ZeRO's state, sent to its writers at the save, is copied then too); a run resumed from it
+    (saving synchronously)
     retraces steps 3 and 4 exactly."""
     assert hpc_train_train(tmp_path / "run", small_corpus, 4, extra=ASYNC + zero).returncode == 0
     shutil.copytree(tmp_path / "run/checkpoints/step_0000002", tmp_path / "resumed/checkpoints/step_0000002")

@@ -148,12 +148,13 @@ class Checkpointer:
 
     def save(self, step: int) -> dict[str, Any]:
         """Save this step; returns what it cost this rank: `blocked_s` (the time training waited), `state_s`
-        (of that, gathering what to save) and, once committed (a synchronous save), the write's breakdown
-        (`plan_s`, DCP's planning; `data_s`, its data write; the writer threads' `io_s`, `hash_s` and
-        `fsync_s`) and the commit's figures (see `_commit`)."""
+        (of that, gathering what to save, after waiting for a previous async save) and, once committed (a
+        synchronous save), the write's breakdown (`plan_s`, DCP's planning and metadata; `data_s`, its data
+        write; the writer threads' `io_s`, `hash_s` and `fsync_s`) and the commit's figures (see `_commit`)."""
         start = time.perf_counter()
         fault_point("save", step, self.rank)
         self.finished = self.wait() or self.finished
+        gathering = time.perf_counter()
         tmp = self.store.tmp_dir(step)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a stale partial save of this step
@@ -163,7 +164,7 @@ class Checkpointer:
         rank_state = io.BytesIO()
         torch.save({"format": FORMAT, "step": step, **parts}, rank_state)
         state = self.sharded_tensors()
-        state_s = time.perf_counter() - start  # the barrier, the per-rank file, the tensors (ZeRO: sent to writers)
+        state_s = time.perf_counter() - gathering  # the barrier, the per-rank file, the tensors (ZeRO: sent to writers)
         if self.stager is None:
             return {**self._write_and_commit(step, state, rank_state.getbuffer(), None),
                     "state_s": state_s, "blocked_s": time.perf_counter() - start}  # fmt: skip
@@ -219,7 +220,7 @@ class Checkpointer:
         with io_errors_named(doing, tmp):
             dcp.save(state, storage_writer=writer, process_group=group)
         records = {**writer.records, rank_file(self.rank): file_record(len(rank_state), digest)}
-        # DCP's planning (collectives) is its save less its data write
+        # DCP's planning (collectives) and its metadata file are its save less its data write
         breakdown = {"plan_s": time.perf_counter() - dcp_start - writer.data_s, **writer.figures}
         return {**self._commit(step, records, group, time.perf_counter() - start), **breakdown}
 
@@ -270,8 +271,13 @@ class Checkpointer:
         return figures
 
     def _prune(self, protect: Path) -> dict[str, Any]:
+        """Delete what retention no longer keeps; a failure is reported, never raised (no save depends on it)."""
         start = time.perf_counter()
-        removed = self.store.prune(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect)
+        try:
+            removed = self.store.prune(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect)
+        except OSError as err:
+            self.report(f"could not remove older checkpoints in {self.store.root}: {err}")
+            removed = []
         if removed:
             self.report(f"removed {', '.join(p.name for p in removed)}")
         return {"prune_s": time.perf_counter() - start, "removed": [p.name for p in removed]}

@@ -109,5 +109,6 @@ def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh, device: torch
     if max_norm > 0:
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for where, same in by_device(grads.all).items():
-            torch._foreach_mul_(same, coefficient.to(where))
+            for dtype in dict.fromkeys(t.dtype for t in same):  # a scalar of the tensors' own dtype: fused kernel
+                torch._foreach_mul_([t for t in same if t.dtype == dtype], coefficient.to(where, dtype))
     return norm

@@ -334,7 +334,7 @@ class ZeroOptimizer:
         (checkpoints store them per parameter so they can be resharded). Each bucket's owned slices reach
         their writers with one all-to-all over dp per key, so a rank holds about its 1/dp share of the
         state for a save, as it does while training, never the whole: the tensors are new, not views of
-        the live state. No rule state before the first update (an fp16 overflow may skip it)."""
+        the live state. No rule state before the rule's first step."""
         states: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
         stepped = any(self.rule.state(s.master) for b in self.buckets for s in b.spans)
         for bucket in self.buckets:
@@ -342,8 +342,8 @@ class ZeroOptimizer:
             for key in dict.fromkeys(k for ks in keys.values() for k in ks):  # the same keys on every dp rank
                 mine = self._to_writers(bucket, [self._span_state(s, key) for s in bucket.spans])
                 for p, values in mine.items():
-                    if key in keys[id(p)]:
-                        states[id(p)][key] = like_param(p, values.view(local(p).shape))
+                    if key in keys[id(p)]:  # offload: back in host memory at once, as the state lives
+                        states[id(p)][key] = like_param(p, values.to(self.state_device).view(local(p).shape))
         return [states[id(p)] for p in self.params]
 
     def _writer_ranks(self) -> dict[int, int]:

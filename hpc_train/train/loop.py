@@ -1,6 +1,7 @@
 """The step loop. `run_training` is the per-rank entry point: join the process group, build the run
 (builder.py), resume, step until done or stopped, leave. Each step: next micro-batches -> forward and
-backward -> reduce, clip, update (train/step.py) -> eval -> metrics -> checkpoint.
+backward -> reduce, clip, update (train/step.py); once per log interval (and at evals, saves, straggler
+reports and the end) the pending steps' figures are read -> eval -> metrics -> checkpoint.
 """
 
 from __future__ import annotations
@@ -148,7 +149,6 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         # the first step of a process sets up communicators and compiles: a longer allowance
         hang.arm(step, allowance=watchdog.START_ALLOWANCE if step == start_step + 1 else 1)
         lr = lr_at(step - 1, cfg.optim, t.steps)
-        start = time.perf_counter()
         micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device)
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
@@ -163,7 +163,6 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         if restart and step == start_step + 1:
             record["restart"] = restart
         pending.append(Pending(record, stats, timings))
-        monitor.add(time.perf_counter() - start)
         eval_due = run.valid_set is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps)
         if not (step % cfg.logging.log_interval == 0 or step == t.steps or eval_due or monitor.due(step)
                 or run.checkpointer.should_save(step, False)):  # fmt: skip
@@ -185,8 +184,12 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         stop_requested = bool(stop_flag)
         records = []
         for p, f in zip(pending, figures, strict=True):
+            monitor.add(elapsed)  # the step's share of the interval: a step itself does not wait for the device
             if reason := skip_reason(f):
                 nonfinite_steps += 1
+                if nonfinite_steps > cfg.train.skip_nonfinite and run.metrics:
+                    for r in records:  # the steps before it are recorded; it stops the run
+                        run.metrics.write(r, show=False)
                 _nonfinite(run, p.record["step"], reason, nonfinite_steps)
             r = {**p.record, "loss": f["loss"], "grad_norm": float("nan") if f["overflow"] else f["grad_norm"]}
             if reason or f["overflow"]:
@@ -206,10 +209,14 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         watchdog.record(step, 2)
         hang.disarm()
         if run.checkpointer.should_save(step, stop_requested):
-            if run.metrics:
+            if run.metrics:  # the interval's earlier steps on disk before the save, its last step with it
+                for r in records[:-1]:
+                    run.metrics.write(r, show=False)
+                records = records[-1:]
                 run.metrics.hold(record)
             watchdog.record(step, watchdog.SAVING)
-            with hang.timed(step, "checkpoint save"):  # its collectives hang like a step's
+            # its collectives hang like a step's; its writes may take long: the longer allowance
+            with hang.timed(step, "checkpoint save", watchdog.START_ALLOWANCE):
                 record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
                 if stop_requested or step == t.steps:  # the last save: nothing to overlap; its commit on this record
                     record["checkpoint"].update(run.checkpointer.wait() or {})
@@ -227,6 +234,7 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
             dist.barrier()
             return result
     watchdog.record(t.steps, watchdog.CONSOLIDATING)
-    with hang.timed(t.steps, "final consolidation"):  # gathers every shard: collectives
+    # gathers every shard (collectives) and writes the whole model: the longer allowance
+    with hang.timed(t.steps, "final consolidation", watchdog.START_ALLOWANCE):
         finish(run, result, start_step)  # the last step's save was waited for above
     return result
