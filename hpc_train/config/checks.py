@@ -77,6 +77,9 @@ def _value_problems(cfg: JobConfig) -> list[str]:
     steps = cfg.logging.profile_steps
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
+    elif steps and steps[0] <= cfg.logging.measure_peak_step <= steps[1]:  # one profiler at a time
+        problems.append(f"logging.measure_peak_step={cfg.logging.measure_peak_step} profiles a step inside "
+                        f"logging.profile_steps={list(steps)}: pick another step")  # fmt: skip
     for key in (
         "name",
         "run_dir",
