@@ -6,9 +6,11 @@ it keeps per trainable element and the update rule what state it holds (optim/).
 family's formula (models/common/costs.py `decoder_activations`, with the family's norm and MLP), derived
 from the block's saved-tensor trace, per block and recompute choice, times the micro-batches the pipeline
 schedule keeps in flight on the first stage: pp with 1F1B, (v-1)pp + 2(pp-1) + 1 chunks with interleaved
-1F1B (torch's warmup; measured 2.00 and 2.50 micro-batches for pp=2, v=2). Validated against exact CPU
-measurement in tests/test_planner.py (every figure within 5%). On CUDA the caching allocator adds
-fragmentation on top, which is not modelled, and norms may keep fp32 copies CPU autocast does not.
+1F1B (torch's warmup; measured 2.00 and 2.50 micro-batches for pp=2, v=2). The total is the peak over
+the moments of a step where it can lie (`estimate`), with the buffers each moment holds. Validated
+against exact CPU measurement in tests/test_planner.py: every category within 5%, and the total within
+5% of the step's measured peak of live tensor bytes. On CUDA the caching allocator adds fragmentation on
+top, which is not modelled, and norms may keep fp32 copies CPU autocast does not.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from hpc_train.models import get_spec
 from hpc_train.models.common.decoder import recompute_choice
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen
 from hpc_train.optim import optimizer_class, precision_policy
+from hpc_train.optim.buckets import largest_bucket
 from hpc_train.optim.rules import UpdateRule, is_hidden_matrix, rule_class
 
 GiB = 2**30
+NF4_DEQUANTIZE_BYTES = 14  # per element of a projection while torchao dequantizes it (see `estimate`)
 
 
 @dataclass
@@ -49,6 +53,8 @@ class MemoryEstimate:
     activations: int
     comm_buffers: int
     loss_backward: int  # alive only while the loss's backward runs (pp=1: the first stage holds the head)
+    block_backward: int  # alive only while a block's backward runs: its fresh gradients, the activations'
+    # gradients, QLoRA's dequantization
     host: int  # parameters, gradients and optimizer state offloaded to host memory (not in the device total)
     total: int
 
@@ -69,6 +75,7 @@ class LocalParams:
     quantized: int  # elements held in NF4 (QLoRA's frozen projections); their bytes in quantized_bytes
     quantized_bytes: int
     largest_projection: int  # elements of the largest block projection (QLoRA dequantizes one at a time)
+    trainable_sizes: tuple[int, ...]  # elements of each trainable (tp-local) tensor, in order: the buckets
     # under tp the vocab-parallel embedding's gradient arrives full-size and Replicate (a DTensor behaviour)
     # before it is cut to its shard at the reduction (or in backward, by an optimizer that takes gradients
     # there); not when a head tied to it is on the same rank
@@ -97,6 +104,7 @@ def _param_count(
     total = trainable = shard_total = shard_trainable = quantized = quantized_bytes = largest_projection = 0
     matrices = shard_matrices = 0
     full_grad = False
+    sizes = []
     units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
     for stage in stage_ids(pp_rank, pp, virtual_stages):
         with torch.device("meta"):
@@ -129,6 +137,7 @@ def _param_count(
             total, shard_total = total + count, shard_total + shard
             if trains[name]:
                 trainable, shard_trainable = trainable + count, shard_trainable + shard
+                sizes.append(count)
                 if is_hidden_matrix(chunk.canonical_name(name), ndims[name]):
                     matrices, shard_matrices = matrices + count, shard_matrices + shard
             unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
@@ -138,7 +147,7 @@ def _param_count(
     root = units.pop("", 0)
     return LocalParams(total, trainable, shard_total, shard_trainable, matrices, shard_matrices,
                        max(units.values(), default=0), root,
-                       quantized, quantized_bytes, largest_projection, full_grad)  # fmt: skip
+                       quantized, quantized_bytes, largest_projection, tuple(sizes), full_grad)  # fmt: skip
 
 
 def nf4_bytes(elements: int) -> int:
@@ -204,43 +213,106 @@ def rule_state_bytes(rule: type[UpdateRule], owned: int, trainable: int, matrice
     return rule.planned_state_bytes(True) * owned_matrices + rule.planned_state_bytes(False) * (owned - owned_matrices)
 
 
+def pipeline_buffers(cfg: JobConfig, parts: StageActivations) -> int:
+    """Bytes of the receive buffers torch's pipeline stages on the first pipeline rank keep for the whole
+    run: per micro-batch, one for the activations a stage receives (not the first stage) and one for the
+    gradient of its output (not the last), each the size of a block's input."""
+    p, micro = cfg.parallel, cfg.train.grad_accum
+    if p.pp == 1:
+        return 0
+    num_stages = p.pp * p.virtual_stages
+    buffers = sum((stage > 0) + (stage < num_stages - 1) for stage in stage_ids(0, p.pp, p.virtual_stages))
+    return buffers * micro * parts.layer["full"]
+
+
 def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
-    """Bytes per rank by category. Stages 1-2 shard the optimizer state (and stage 2 the gradients) in
-    the optimizer; stage 3 shards the parameters too (FSDP2), so it counts its dim-0 shards exactly and
-    adds, as communication buffers, the root unit gathered through the step, the running and the
-    prefetched block gathered in the compute dtype and one block's gradients before their reduce-scatter
-    (compute dtype and the fp32 copy FSDP reduces). Every category is device memory: offload moves the
-    sharded optimizer state (stages 1-2: with a host copy of the owned gradients; stage 3: also the parameter
-    and gradient shards) to `host`."""
-    o, tp = cfg.optim, dims.tp
+    """Bytes per rank by category, and the total at the peak. Stages 1-2 shard the optimizer state (and
+    stage 2 the gradients) in the optimizer; stage 3 shards the parameters too (FSDP2), so it counts its
+    dim-0 shards exactly. Every category is device memory: offload moves the sharded optimizer state
+    (stages 1-2: with a host copy of the owned gradients; stage 3: also the parameter and gradient shards)
+    to `host`.
+
+    The total is the largest of three moments of a step (each checked against the measured peak of live
+    tensor bytes on CPU, tools/validate_planner.py):
+      backward's start  every activation kept and the gradients held from a backward before (an earlier
+                        micro-batch's, the pipeline's warmup ending with the first backward; stage 2's
+                        owned slices from begin_step), then the larger of the loss's backward (pp=1) and
+                        what the last blocks' backward adds once the head's activations are gone: the first
+                        gradient buffer (stage 0: the head's gradients, stage 1: a whole fp32 bucket), the
+                        fresh gradients of a block (stage 1: of a tensor) before they join those held, the
+                        buckets stage 2 reduce-scatters from backward (two in flight with
+                        overlap_grad_reduce), the second block stage 3 gathers with a block's gradients (in
+                        the compute dtype as they grow, then FSDP's fp32 copy for the reduce-scatter once
+                        the block's activations are freed), and the block's own working set
+                        (`block_backward`);
+      backward's end    every gradient, the first block's saved tensors (kept or recomputed: with full
+                        recompute this is the peak), its working set and, with overlap_grad_reduce at
+                        stage 0, every bucket's flat copy still in flight;
+      the update        every gradient and the bucket the update gathers the weights in (stages 1-2; in
+                        fp32 for a rule that needs whole matrices) or the flat bucket stage 0 all-reduces
+                        after backward.
+    Throughout the step: stage 3's root unit gathered and the next block prefetched (without
+    reshard_after_forward every block; under pipeline parallelism the whole stage with its fp32
+    gradients), and the pipeline's receive buffers (`pipeline_buffers`). A block's working set: the
+    gradients of its output and of its widest activation, and with QLoRA torchao's dequantization of
+    one projection (two int64 index arrays of half its elements, their bf16 lookups and scaled copies,
+    the bf16 weight: 14 bytes per element)."""
+    o, dp = cfg.optim, dims.dp
     cls = optimizer_class(o)
-    local = local_param_count(cfg, dp=dims.dp if cls.shards_params else 1)
+    local = local_param_count(cfg, dp=dp if cls.shards_params else 1)
     element, compute = precision_policy(cfg).param_bytes, compute_bytes(cfg)
+    parts = activation_parts(cfg)
+    static = pipeline_buffers(cfg, parts)  # communication buffers alive through the step
+    first = block = at_end = update = 0  # buffers alive at one of the moments only
     if cls.shards_params:  # the fp32 shards are the master weights
         param_bytes = 4 * local.shard_total
         trainable, matrices = local.shard_trainable, local.shard_trainable_matrices
         grads, masters, owned = cls.planned_bytes(trainable, 1, element, o.overlap_grad_reduce)
         if dims.pp > 1:  # torch's schedules keep the stage gathered, its fp32 gradients whole, to the last backward
-            comm = (compute + 4) * local.total
-        elif reshards_after_forward(cfg):
-            comm = compute * (local.root + 2 * local.largest_block) + (compute + 4) * local.largest_block
-        else:  # every block stays gathered from its forward to its backward
-            comm = compute * local.total + (compute + 4) * local.largest_block
+            static += (compute + 4) * local.total
+        else:
+            # a block's gradients grow through its backward; FSDP copies them to fp32 for the reduce-scatter
+            # after it, once the block's activations are freed
+            reduced = max(compute * local.largest_block, (compute + 4) * local.largest_block - parts.layer["none"])
+            if reshards_after_forward(cfg):  # the root, the running block and the next one gathered
+                static += compute * (local.root + local.largest_block)
+                block = compute * local.largest_block + reduced
+            else:  # every block stays gathered from its forward to its backward
+                static += compute * local.total
+                block = reduced
     else:  # LoRA's frozen base in the compute dtype, QLoRA's projections in NF4
         frozen = local.total - local.trainable - local.quantized
         frozen_bytes = precision_policy(cfg).frozen_dtype.itemsize if cfg.finetune.adapters else element
         param_bytes = local.trainable * element + frozen * frozen_bytes + local.quantized_bytes
         trainable, matrices = local.trainable, local.trainable_matrices
-        grads, masters, owned = cls.planned_bytes(trainable, dims.dp, element, o.overlap_grad_reduce)
-        comm = int(2 * o.bucket_mb * 2**20)  # a flat bucket being reduced and its gathered copy
-        if o.overlap_grad_reduce and not cls.shards_state:  # every bucket's flat copy stays in flight to the end
-            comm = max(comm, 4 * local.trainable)
+        grads, masters, owned = cls.planned_bytes(trainable, dp, element, o.overlap_grad_reduce)
+        limit = int(o.bucket_mb * 2**20)
+        if not cls.shards_state:  # stage 0: the gradients themselves, then a flat copy of a bucket per all-reduce
+            first = grads * local.root // local.total if dims.pp == 1 else 0  # the head's, on the last stage
+            if dp > 1 and o.overlap_grad_reduce:  # every bucket's flat copy stays in flight to the end
+                at_end = element * trainable
+            elif dp > 1:
+                update = largest_bucket([n * element for n in local.trainable_sizes], limit)
+        else:  # stages 1-2: fp32 buckets; the update gathers each bucket's weights (and its owned slice)
+            bucket = largest_bucket([4 * n for n in local.trainable_sizes], limit)
+            if dp > 1 or o.offload == "cpu":
+                update = bucket * element // 4 * (dp + 1) // dp
+                if rule_class(o).gathers_matrices:  # whole matrices for the rule: the same in fp32
+                    update = max(update, bucket * (dp + 1) // dp)
+            if cls.grads_before_backward:  # stage 2: reduce-scattered from backward, a bucket at a time
+                launched = 2 if o.overlap_grad_reduce else 1
+                block = launched * bucket * (dp + 1) // dp + bucket * element // 4  # fp32 copy, slice; own grads
+            else:  # stage 1: the bucket the head's gradient goes to, allocated whole
+                first = min(grads, bucket)
+    fresh = 0  # gradients a block's backward makes before they join those held (stage 1: a tensor's at a time)
+    if not cls.shards_params and not cls.grads_before_backward and trainable:
+        block_trainable = local.largest_block * trainable // local.total  # LoRA: the block's adapters
+        fresh = element * (max(local.trainable_sizes) if cls.takes_grads_in_backward else block_trainable)
     optimizer = masters + rule_state_bytes(rule_class(o), owned, trainable, matrices)
-    if local.quantized:  # one projection dequantized to bf16 at a time, forward and backward
-        comm += 2 * local.largest_projection
+    working = parts.block_backward + NF4_DEQUANTIZE_BYTES * local.largest_projection * bool(local.quantized)
     if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.takes_grads_in_backward):
-        vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, tp)
-        grads += vocab_rows * cfg.model.d_model * 4 * (tp - 1) // tp
+        vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, dims.tp)
+        grads += vocab_rows * cfg.model.d_model * 4 * (dims.tp - 1) // dims.tp
     host = 0
     if o.offload == "cpu":
         host, optimizer = host + optimizer, 0
@@ -251,16 +323,19 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     per_micro = activation_bytes(cfg)
     flight = in_flight(cfg)
     activations = int(per_micro * flight)
-    loss_backward = activation_parts(cfg).loss_backward if dims.pp == 1 else 0
-    # The peak is where the last micro-batch's backward starts, every activation still kept. Gradients
-    # exist from a step's first backward (or its begin_step) to zero_grad: with earlier micro-batches (or a
-    # pipeline) all are there; with one micro-batch, only the first ones backward produces, the root's
-    # share (head, final norm), and the rest grow as the activations are freed.
-    held = dims.pp > 1 or cfg.train.grad_accum > 1 or cls.grads_before_backward
-    first = grads if held else grads * min(1.0, local.root / local.total)
-    total = param_bytes + optimizer + comm + max(activations + int(first) + loss_backward, grads)
+    loss_backward = parts.loss_backward if dims.pp == 1 else 0
+    head = parts.last_stage if dims.pp == 1 else 0  # freed once the loss's and the head's backward are done
+    # gradients are held at the activation peak from a backward before it: an earlier micro-batch's (the
+    # pipeline's warmup ends with the first backward), or stage 2's owned slices from begin_step
+    chunks, p = flight * cfg.parallel.virtual_stages, cfg.parallel
+    held = cls.grads_before_backward or cfg.train.grad_accum * p.virtual_stages > chunks
+    start = activations + (grads if held else 0)
+    start += max(loss_backward, (0 if held else first) + max(0, block + fresh + working - head))
+    end = grads + parts.layer["none"] + working + at_end
+    total = param_bytes + optimizer + static + max(start, end, grads + update)
+    comm = static + max(block, at_end, update)
     return MemoryEstimate(param_bytes, grads, optimizer, per_micro, math.ceil(flight), activations, comm,
-                          loss_backward, host, total)  # fmt: skip
+                          loss_backward, fresh + working, host, total)  # fmt: skip
 
 
 def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) -> list[dict]:
@@ -377,8 +452,10 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     rows = [
         ("parameters", plan.params), ("gradients", plan.grads), ("optimizer state", plan.optimizer),
         (f"activations ({plan.microbatches_in_flight} micro-batch(es) in flight)", plan.activations),
-        ("communication buffers", plan.comm_buffers), ("loss backward (one chunk, transient)", plan.loss_backward),
-        ("total at the peak (backward's start)", plan.total),
+        ("communication buffers (the most at once)", plan.comm_buffers),
+        ("loss backward (one chunk, transient)", plan.loss_backward),
+        ("a block's backward (transient)", plan.block_backward),
+        ("total at the peak", plan.total),
     ]  # fmt: skip
     head = (f"layout tp={p.tp} pp={p.pp} (x{p.virtual_stages} virtual) dp={dp}, micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "
@@ -390,8 +467,8 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
         line = f"{cfg.finetune.method} (a rank of the first stage): {local.trainable / 1e6:.1f}M trainable "
         line += f"adapter parameters beside {frozen:.0f}M frozen"
         if local.quantized:
-            line += (f", the projections in NF4 ({local.quantized_bytes / GiB:.3f} GiB of the parameters; "
-                     "communication buffers include one projection dequantized to bf16)")  # fmt: skip
+            line += (f", the projections in NF4 ({local.quantized_bytes / GiB:.3f} GiB of the parameters; a "
+                     "block's backward includes dequantizing one projection)")  # fmt: skip
         lines.append(line)
     lines.append("per rank (first pipeline stage):")
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]

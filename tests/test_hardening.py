@@ -155,6 +155,7 @@ SHOW_BAD = [
     ("logging.straggler_threshold=-0.5", "logging.straggler_threshold=-0.5 must be >= 0"),
     ("logging.profile_steps=[5]", "logging.profile_steps=[5] must be [first, last]"),
     ("logging.profile_steps=[5,2]", "logging.profile_steps=[5, 2] must be [first, last]"),
+    ("logging.profile_steps=[1,3] logging.measure_peak_step=2", "logging.measure_peak_step=2 profiles a step inside"),
     ("name='a b'", "name='a b' may hold only"),
     ("name=a/b", "name='a/b' may hold only"),
     ("train.step=5", "did you mean 'train.steps'"),

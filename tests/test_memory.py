@@ -1,5 +1,8 @@
 """Activation recompute: same losses and gradients as no recompute, and the measured activation bytes
-(saved for backward) drop as each policy should."""
+(saved for backward) drop as each policy should. The measurements themselves: a step's peak of live
+tensor bytes, and nothing they or the optimizers hook keeps memory alive."""
+
+import weakref
 
 import numpy as np
 import pytest
@@ -9,7 +12,8 @@ from hpc_train.builder import build_run
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.distributed.parallelize import forward_backward
 from hpc_train.launch.local import single_process_group
-from hpc_train.observe.memory import SavedActivations
+from hpc_train.observe.memory import SavedActivations, StepPeak
+from hpc_train.optim.buckets import BucketedReduction
 
 POLICIES = {
     "none": [],
@@ -58,3 +62,44 @@ def test_saved_activation_bytes_drop_as_each_policy_predicts(measured):
     # beyond its input, a layer saves at least its norm outputs, q, k, v, the attention output and the
     # three MLP intermediates (ffn 192 = 3 x d): well over 8 hidden-state tensors
     assert per_layer_full > 8 * hidden
+
+
+def test_step_peak_is_the_most_tensor_bytes_alive_at_once():
+    before = torch.empty(4000, dtype=torch.uint8)
+    with StepPeak(torch.device("cpu")) as peak:
+        a = torch.empty(2000, dtype=torch.uint8)
+        b = torch.empty(3000, dtype=torch.uint8)
+        del a
+        c = torch.empty(1000, dtype=torch.uint8)
+    assert peak.peak_bytes - peak.start_bytes == 5000 == peak.peak_min_bytes - peak.start_bytes
+    with StepPeak(torch.device("cpu")) as peak:
+        d = torch.empty(2000, dtype=torch.uint8)
+        del before  # allocated before the profiler started: its free is not recorded
+    # counted alive to the end (upper bound) or freed at once (lower bound); the true peak lies between
+    assert peak.peak_bytes - peak.start_bytes == 2000
+    assert peak.peak_min_bytes - peak.start_bytes == 2000 - 4000
+    del b, c, d
+
+
+def test_measuring_keeps_no_graph_alive():
+    """A forward whose backward never runs (a pipeline stage's first-step shape inference) is freed: the
+    saved-tensor hooks hand autograd a detached tensor, not one holding autograd's node (a cycle through
+    C++ the garbage collector cannot see)."""
+    layer = torch.nn.Linear(8, 8)
+    with SavedActivations(list(layer.parameters())):
+        out = torch.tanh(layer(torch.randn(4, 8)))  # tanh saves its own output
+    alive = weakref.ref(out)
+    del out
+    assert alive() is None
+
+
+def test_a_parameter_hook_does_not_keep_its_optimizer_alive():
+    """The parameters hold their hooks in C++: a bound method there would keep the bucketed reduction (and
+    an optimizer's state) alive after the run, in a cycle the garbage collector cannot see."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    reduction = BucketedReduction([[p]], lambda i: lambda: None, overlap=True)
+    reduction.begin_step(1)
+    alive = weakref.ref(reduction)
+    del reduction
+    assert alive() is None
+    p.sum().backward()  # the hook outlives it and does nothing

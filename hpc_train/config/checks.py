@@ -79,6 +79,9 @@ def _value_problems(cfg: JobConfig) -> list[str]:
     steps = cfg.logging.profile_steps
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
+    elif steps and steps[0] <= cfg.logging.measure_peak_step <= steps[1]:  # one profiler at a time
+        problems.append(f"logging.measure_peak_step={cfg.logging.measure_peak_step} profiles a step inside "
+                        f"logging.profile_steps={list(steps)}: pick another step")  # fmt: skip
     # a path joined from a bad one (run_dir=runs/${name}, checkpoint.dir=${run_dir}/checkpoints) is not
     # reported again: its source is
     bad = [cfg.name] if has_control_chars(cfg.name) else []

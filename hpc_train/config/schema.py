@@ -223,6 +223,8 @@ class LoggingConfig:
     progress: str = choice("auto", "bar", "lines", "none")  # auto: a bar on a terminal, lines otherwise
     breakdown: bool = False  # per-step time of forward+backward, gradient reduction, optimizer, bubble estimate
     profile_steps: list[int] = field(default_factory=list)  # [a, b]: torch.profiler trace of steps a..b
+    # step N's peak of live tensor bytes on rank 0, into its record's memory_bytes (profiled: 0 = off)
+    measure_peak_step: int = non_negative(0)
     tensorboard: bool = False  # also write the metrics to <run_dir>/tensorboard
     # every N steps: name the ranks whose compute is slower than their peers' median; 0 = off
     straggler_interval: int = non_negative(50)

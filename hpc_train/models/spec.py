@@ -50,6 +50,9 @@ class StageActivations:
     # not kept but alive while the loss's backward runs (one chunk's logits and their gradient): on top of
     # everything kept, since that backward comes first
     loss_backward: int = 0
+    # alive while a block's backward runs, beyond what it keeps: the gradients of its output (the residual
+    # stream) and of its widest activation (the MLP's hidden)
+    block_backward: int = 0
 
 
 class StageModule(Protocol):

@@ -3,6 +3,7 @@ started from inside backward (Megatron's --overlap-grad-reduce)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -10,15 +11,38 @@ import torch.distributed as dist
 from torch import nn
 
 
+def weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """A parameter hook calling `method` while its object lives. A hook is held by the parameter's C++
+    side, where the garbage collector does not look: a bound method there would keep its optimizer, and
+    through it the parameters, alive after the run (a cycle never freed)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: nn.Parameter) -> None:
+        if (bound := ref()) is not None:
+            bound(p)
+
+    return hook
+
+
 def bucketize(tensors: list[torch.Tensor], limit_bytes: int, element_bytes: int | None = None) -> list[list[int]]:
     """Indices of `tensors`, in order, grouped into buckets of one dtype and at most `limit_bytes` (a larger
     tensor gets a bucket of its own). Sizes count `element_bytes` per element when the buffer the bucket
     is reduced in has another dtype than the tensors (ZeRO's fp32 buckets)."""
+    sizes = [t.numel() * (element_bytes or t.element_size()) for t in tensors]
+    return _group(sizes, [t.dtype for t in tensors], limit_bytes)
+
+
+def largest_bucket(sizes: list[int], limit_bytes: int) -> int:
+    """Bytes of the largest bucket `bucketize` makes of tensors of these bytes and one dtype (the planner
+    has sizes, not tensors)."""
+    return max((sum(sizes[i] for i in bucket) for bucket in _group(sizes, [None] * len(sizes), limit_bytes)), default=0)
+
+
+def _group(sizes: list[int], dtypes: list, limit_bytes: int) -> list[list[int]]:
     buckets: list[list[int]] = []
     size = 0
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * (element_bytes or t.element_size())
-        if not buckets or size + nbytes > limit_bytes or t.dtype != tensors[buckets[-1][0]].dtype:
+    for i, nbytes in enumerate(sizes):
+        if not buckets or size + nbytes > limit_bytes or dtypes[i] != dtypes[buckets[-1][0]]:
             buckets.append([])
             size = 0
         buckets[-1].append(i)
@@ -84,7 +108,7 @@ class BucketedReduction:
             # swapped after construction
             for bucket in self.buckets:
                 for p in bucket:
-                    p.register_post_accumulate_grad_hook(self._arrived)
+                    p.register_post_accumulate_grad_hook(weak_hook(self._arrived))
             self.hooked = True
         self.micro_batches = micro_batches
 

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
 from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.optim.buckets import BucketedReduction, bucketize
+from hpc_train.optim.buckets import BucketedReduction, bucketize, weak_hook
 from hpc_train.optim.data_parallel import on_whole
 from hpc_train.optim.rules import Target, is_hidden_matrix, rule_class, target
 from hpc_train.optim.rules.protocol import MatrixFn
@@ -220,7 +220,7 @@ class ZeroOptimizer:
     def begin_step(self, micro_batches: int) -> None:
         if not self.hooked:  # registered late (the policy swaps the parameters after construction), and
             for p in self.params:  # before the reduction's own hooks, which must see the gradient accumulated
-                p.register_post_accumulate_grad_hook(self._accumulate)
+                p.register_post_accumulate_grad_hook(weak_hook(self._accumulate))
             self.hooked = True
         self.accumulating = True
         self.reduction.begin_step(micro_batches)

@@ -20,6 +20,7 @@ from hpc_train.builder import Run, build_run
 from hpc_train.checkpoint.checkpointer import Resumed
 from hpc_train.config import JobConfig
 from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
+from hpc_train.observe.memory import live_storage_bytes
 from hpc_train.observe.metrics import peak_memory_bytes
 from hpc_train.observe.profiling import ProfileWindow, write_oom_report
 from hpc_train.optim.schedule import lr_at
@@ -47,11 +48,16 @@ def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
     device = select_device(cfg.train.device, rank_env.local_rank)
     stop = StopRequest().install()
     last_memory: dict[str, int] = {}  # the last step's measured bytes, for an out-of-memory report
+    # logging.measure_peak_step, on rank 0 (the record carries its bytes): what the process held before this
+    # run (on CPU, what torch keeps of an earlier run in the same process) is left out of the step's peak
+    held = None
+    if cfg.logging.measure_peak_step and rank_env.rank == 0:
+        held = frozenset(live_storage_bytes().items()) if device.type != "cuda" else frozenset()
     try:
         p = cfg.parallel
         with distributed(rank_env, device, p.backend, p.timeout_s, p.rendezvous_timeout_s):
             try:
-                return train(build_run(cfg, rank_env, device), stop, last_memory)
+                return train(build_run(cfg, rank_env, device), stop, last_memory, held)
             except torch.OutOfMemoryError:
                 path = write_oom_report(Path(cfg.run_dir), rank_env.rank, device, last_memory)
                 print(f"rank {rank_env.rank}: out of memory; memory summary in {path}", flush=True)
@@ -71,12 +77,15 @@ def run_training(rank_env: RankEnv, cfg: JobConfig) -> TrainResult:
         stop.uninstall()
 
 
-def train(run: Run, stop: StopRequest, last_memory: dict[str, int]) -> TrainResult:
-    """Claim the checkpoint directory, resume, train; the claim ends with the run, however it ends."""
+def train(
+    run: Run, stop: StopRequest, last_memory: dict[str, int], held: frozenset[tuple[int, int]] | None = None
+) -> TrainResult:
+    """Claim the checkpoint directory, resume, train; the claim ends with the run, however it ends. `held`:
+    where logging.measure_peak_step is measured, the storages the process held before the run (left out)."""
     run.checkpointer.claim()
     hang = HangWatchdog(run.cfg.parallel.hang_timeout_s, run.cfg.run_dir, run.rank_env.world_size)
     try:
-        return _train(run, stop, last_memory, hang)
+        return _train(run, stop, last_memory, hang, held)
     finally:
         hang.close()
         run.checkpointer.release()
@@ -131,7 +140,13 @@ def _report_stragglers(run: Run, stragglers: list[dict], step: int) -> None:
             blame(run.cfg.run_dir, slow["host"], f"rank {slow['rank']} computed {slow['slower']:.2f}x the median")
 
 
-def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangWatchdog) -> TrainResult:
+def _train(
+    run: Run,
+    stop: StopRequest,
+    last_memory: dict[str, int],
+    hang: HangWatchdog,
+    held: frozenset[tuple[int, int]] | None,
+) -> TrainResult:
     cfg, t = run.cfg, run.cfg.train
     with hang.timed(0, "resume", watchdog.START_ALLOWANCE):  # collectives: the plan, the checksums' agreement
         resumed = run.checkpointer.resume() if cfg.checkpoint.resume else None
@@ -152,7 +167,8 @@ def _train(run: Run, stop: StopRequest, last_memory: dict[str, int], hang: HangW
         micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device)
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
-        options = StepOptions(cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged)
+        options = StepOptions(cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged,
+                              measure_peak=held if step == cfg.logging.measure_peak_step else None)  # fmt: skip
         stats = train_step(run.model, run.optimizer, micro_batches, lr, options)
         with hang.paused():
             profile.after_step(step)

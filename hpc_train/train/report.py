@@ -67,7 +67,8 @@ def announce(run: Run, start_step: int) -> StepMeter:
             "grads": predicted.grads,
             "optimizer": predicted.optimizer,
             "activations_per_microbatch": predicted.activations_per_microbatch,
-            **({"host": predicted.host} if cfg.optim.offload == "cpu" else {}),
+            "total": predicted.total,  # beside memory_bytes' step_peak (logging.measure_peak_step)
+            "host": predicted.host,
         },
         first_step=start_step + 1,
     )

@@ -16,7 +16,7 @@ from hpc_train.data.batch import Source, collate
 from hpc_train.distributed.grads import clip_grad_norm
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
 from hpc_train.errors import UserError
-from hpc_train.observe.memory import SavedActivations, tensor_bytes
+from hpc_train.observe.memory import SavedActivations, StepPeak, tensor_bytes
 from hpc_train.observe.profiling import timed
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.protocol import Optimizer
@@ -40,6 +40,9 @@ class StepOptions:
     timings: dict[str, float] | None = None  # when given, the seconds of each phase are added to it
     clock: ComputeClock | None = None  # times the compute (straggler report)
     before_update: Callable[[], None] | None = None  # runs before the weights change (an async save's copy)
+    # profile the step for its peak of live tensor bytes (observe/memory.py StepPeak), leaving out the
+    # storages (address, bytes) given: what the process held before the run; None: not measured
+    measure_peak: frozenset[tuple[int, int]] | None = None
 
 
 # A step's figures, one small vector left on the device: the loss (global-batch mean), the gradient norm
@@ -113,6 +116,17 @@ def train_step(
     """One optimizer step on this rank's micro-batches; the loss is the global-batch mean. Nothing is read
     to the host: the figures stay on the device (`read_figures`)."""
     options = options or StepOptions()
+    if options.measure_peak is None:
+        return _train_step(model, optimizer, micro_batches, lr, options)
+    with StepPeak(micro_batches[0].tokens.device, options.measure_peak) as peak:
+        result = _train_step(model, optimizer, micro_batches, lr, options)
+    result.memory.update(step_peak=peak.peak_bytes, step_peak_min=peak.peak_min_bytes, step_start=peak.start_bytes)
+    return result
+
+
+def _train_step(
+    model: ParallelModel, optimizer: Optimizer, micro_batches: MicroBatches, lr: float, options: StepOptions
+) -> StepResult:
     scaler, step = options.scaler, options.step
     model.loss_scale = scaler.scale if scaler else 1.0
     params = model.parameters

@@ -93,7 +93,8 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         chunk_tokens = loss_chunk_rows(cfg.loss_chunk_tokens, (0, length)) * length
         loss_backward = chunk_tokens * vocab // tp * (e if loss_compiled else 8)
     else:
-        loss_backward = tokens * vocab // tp * (0 if loss_compiled else 4)
+        # nll_loss's gradient and log_softmax's, fp32; loss_parallel's (tp) takes three (measured on CPU)
+        loss_backward = tokens * vocab // tp * (0 if loss_compiled else 12 if tp > 1 else 8)
     # frozen embeddings keep no token ids, and the first block's first norm has no gradient to pass back
     first = tokens * 8 if not targets else -norm * (recompute_choice(cfg, 0) != "full")
     return StageActivations(
@@ -115,4 +116,5 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         + tokens * 8
         + (vocab * d * e // tp if casts else 0),  # the head weight's cast
         loss_backward=loss_backward,
+        block_backward=tokens * f * e // tp + norm_tokens * d * residual_bytes,
     )
