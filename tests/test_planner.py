@@ -4,7 +4,6 @@ categories and its total must be within 5%."""
 
 import pytest
 
-from hpc_train.optim import optimizer_class
 from tools.validate_planner import CATEGORIES, LAYOUTS, PEAK, TOTAL_LEFT_OUT, measure, planned_peak
 
 
@@ -20,11 +19,10 @@ def test_planner_matches_measurement_within_5_percent(measured, layout):
     for key in CATEGORIES:
         assert predicted[key] == pytest.approx(got[key], rel=0.05), key
     assert sum(predicted[k] for k in PEAK) == pytest.approx(sum(got[k] for k in PEAK), rel=0.05)
-    # the host holds what offload moves there: the optimizer state (ZeRO-3: also the parameter and
-    # gradient shards), as measured
-    offloaded = ("optimizer", "params", "grads") if optimizer_class(cfg.optim).shards_params else ("optimizer",)
-    host = sum(got[k] for k in offloaded) if cfg.optim.offload == "cpu" else 0
-    assert predicted["host"] == pytest.approx(host, rel=0.05)
+    # the host holds what offload moves there (the optimizer state and the owned gradients' copy; ZeRO-3:
+    # also the parameter and gradient shards), as the run reports it
+    assert ("host" in got) == (cfg.optim.offload == "cpu")
+    assert predicted["host"] == pytest.approx(got.get("host", 0), rel=0.05)
     # the total the planner fits layouts by, against the step's measured peak: the profiler's record lies
     # between the peak with every unrecorded free (gloo's worker thread) late and early
     if layout not in TOTAL_LEFT_OUT:
