@@ -13,6 +13,7 @@ import torch
 from hpc_train.config import ConfigError, JobConfig, check_values, raise_all, validate
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import stage_ids
+from hpc_train.distributed.transforms.float8 import capability_problem, check_fp8
 from hpc_train.finetune.lora import NF4_BLOCK, check_targets, nf4_scaler_block, projections
 from hpc_train.models import get_spec
 from hpc_train.models.spec import ModelSpec, is_frozen
@@ -42,7 +43,8 @@ def check_job(
 
 def check_machine(cfg: JobConfig) -> None:
     """A run launched here fits this machine: its device exists and one process per GPU (NCCL's rule), or a
-    bounded number of CPU processes (each needs a core's share and its own memory)."""
+    bounded number of CPU processes (each needs a core's share and its own memory); train.fp8 needs a GPU
+    with float8 tensor cores."""
     problems = []
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
@@ -52,6 +54,10 @@ def check_machine(cfg: JobConfig) -> None:
         limit, what = torch.cuda.device_count(), f"one per GPU ({torch.cuda.device_count()} here)"
     else:
         limit, what = 4 * cores, f"4 per CPU core ({cores} here)"
+    if cuda and torch.cuda.is_available() and cfg.train.fp8 != "off":
+        name = torch.cuda.get_device_name()
+        if problem := capability_problem(torch.cuda.get_device_capability(), name):
+            problems.append(problem)
     if cfg.parallel.nproc > limit:
         problems.append(f"parallel.nproc={cfg.parallel.nproc} local processes exceed {what}; use parallel.nproc <= "
                         f"{limit}, or `hpc-train submit` to run on a cluster")  # fmt: skip
@@ -69,6 +75,7 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
         _check_freeze(cfg, spec)
     if cfg.finetune.adapters:
         _check_adapters(cfg, spec)
+    check_fp8(cfg, spec)
     return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)
 
 

@@ -113,6 +113,16 @@ class TrainConfig:
     freeze: list[str] = field(default_factory=list)  # parameter names (fnmatch patterns) held fixed
     skip_nonfinite: int = non_negative(0)  # steps with a non-finite loss or gradient skipped before the run stops
     compile: bool = False  # torch.compile each block and, without tp, the loss chunk (regional compile)
+    # float8 matmuls in the blocks' projections (torchao's Float8Linear, dynamic scaling): off, one scale per
+    # tensor, or one per row (more accurate, slower); the embedding and the head stay in the compute dtype.
+    # Needs a GPU of compute capability 8.9+ (Ada, Hopper) on CUDA; the CPU runs it too (slowly)
+    fp8: str = choice("off", "tensorwise", "rowwise")
+    fp8_min_dim: int = non_negative(0)  # projections with a side (in or out features) below this stay unconverted
+    fp8_all_gather: bool = False  # ZeRO-3: FSDP2 all-gathers those weights in float8 (tensorwise, NCCL only)
+
+    def __post_init__(self) -> None:
+        if self.fp8 in ("False", "false"):  # YAML reads a bare `off` (and `false`) as a boolean
+            self.fp8 = "off"
 
 
 @dataclass
@@ -231,6 +241,9 @@ class LoggingConfig:
     straggler_threshold: float = non_negative(0.2)  # ... by more than this fraction
     # a straggler this many times the median has its node excluded next time; 0 = never
     straggler_blame: float = non_negative(0.0)
+    # the peak FLOP/s MFU is reported against: the GPU's dense bf16 peak, or its dense fp8 peak (twice the
+    # bf16 one on Hopper; for train.fp8 runs that want the honest ratio)
+    mfu_peak: str = choice("bf16", "fp8")
 
 
 @dataclass

@@ -7,11 +7,12 @@ beside tensor parallelism, FSDP stays last (it wraps what the others made)."""
 
 from __future__ import annotations
 
-from hpc_train.distributed.transforms import fsdp, lora, recompute, regional_compile, tensor_parallel
+from hpc_train.distributed.transforms import float8, fsdp, lora, recompute, regional_compile, tensor_parallel
 from hpc_train.distributed.transforms.plan import StagePlan, Transform
 from hpc_train.models.spec import StageModule
 
 TRANSFORMS: tuple[Transform, ...] = (
+    float8.TRANSFORM,  # train.fp8: the block projections become Float8Linear, which tp then shards
     tensor_parallel.TRANSFORM,  # tp and sequence parallelism (or the family's own parallelize hook)
     recompute.TRANSFORM,
     lora.TRANSFORM,  # adapters placed like their tp-sharded base

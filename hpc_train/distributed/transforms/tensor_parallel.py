@@ -7,22 +7,29 @@ vocab-sharded for `loss_parallel` (cross-entropy without gathering them).
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from hpc_train.distributed.transforms.float8 import float8_tp_plan
 from hpc_train.distributed.transforms.plan import StagePlan, Transform
 from hpc_train.models.spec import ModelSpec, StageModule
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard `model` (a whole model or one pipeline stage) in place over `tp_mesh`: by the family's own hook
-    where it has one, else by its TP plan."""
+    where it has one, else by its TP plan (with torchao's float8 styles for tensorwise float8 projections)."""
     if spec.parallelize_fn is not None:
         spec.parallelize_fn(model, tp_mesh, sequence_parallel)
     else:
-        parallelize_module(model, tp_mesh, spec.tp_plan(model, sequence_parallel))
+        plan = spec.tp_plan(model, sequence_parallel)
+        # gloo cannot move float8 bytes: with sequence parallelism (an all-gather of the cast input) the plain
+        # styles all-gather in the compute dtype and the float8 linears cast after it
+        if not (sequence_parallel and dist.get_backend(tp_mesh.get_group()) == "gloo"):
+            plan = float8_tp_plan(model, plan)
+        parallelize_module(model, tp_mesh, plan)
     if getattr(model, "vocab_mask", None) is not None:  # the -inf padding mask is sharded like the logits
         model.vocab_mask = distribute_tensor(model.vocab_mask, tp_mesh, [Shard(0)])
     model.tie_weights()  # a tied head takes the embedding's (identically sharded) parameter again
