@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from hpc_train.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import bubble_fraction, stage_ids
+from hpc_train.distributed.transforms.float8 import fp8_projections
 from hpc_train.distributed.transforms.fsdp import reshards_after_forward
 from hpc_train.distributed.transforms.tensor_parallel import sharded_parameter_names
 from hpc_train.finetune.lora import NF4_BLOCK, nf4_scaler_block, projections
@@ -177,7 +178,8 @@ def activation_parts(cfg: JobConfig) -> StageActivations:
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
                             element_bytes=policy.frozen_dtype.itemsize if adapters or casts else compute,
                             lora_targets=tuple(f.lora_targets) if adapters else (),
-                            lora_rank=f.lora_rank, compiled=cfg.train.compile, autocast_casts=casts)  # fmt: skip
+                            lora_rank=f.lora_rank, compiled=cfg.train.compile, autocast_casts=casts,
+                            float8=cfg.train.fp8 != "off")  # fmt: skip
     return get_spec(m.arch).activations(m, shape)
 
 
@@ -310,6 +312,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         fresh = element * (max(local.trainable_sizes) if cls.takes_grads_in_backward else block_trainable)
     optimizer = masters + rule_state_bytes(rule_class(o), owned, trainable, matrices)
     working = parts.block_backward + NF4_DEQUANTIZE_BYTES * local.largest_projection * bool(local.quantized)
+    working += float8_working_bytes(cfg)
     if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.takes_grads_in_backward):
         vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, dims.tp)
         grads += vocab_rows * cfg.model.d_model * 4 * (dims.tp - 1) // dims.tp
@@ -336,6 +339,29 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     comm = static + max(block, at_end, update)
     return MemoryEstimate(param_bytes, grads, optimizer, per_micro, math.ceil(flight), activations, comm,
                           loss_backward, fresh + working, host, total)  # fmt: skip
+
+
+def float8_working_bytes(cfg: JobConfig) -> int:
+    """train.fp8: what the backward of the widest float8 projection (the MLP's, d x f on a tp rank) holds
+    besides its operands: float8 casts (1 byte an element) of its input, its weight and its output's
+    gradient, with their scales (one fp32 per tensor, or per row and column with rowwise scaling); on the
+    CPU, whose `_scaled_mm` computes in fp32, also their fp32 copies (4 bytes more an element, measured)."""
+    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
+    if t.fp8 == "off":
+        return 0
+    tokens, d = t.micro_batch_size * m.seq_len, m.d_model
+    f = max(projection.out_features for projection in fp8_projections_of(cfg).values()) // tp
+    elements = tokens * d + d * f + tokens * f
+    scales = 4 * (2 * tokens + d + f) if t.fp8 == "rowwise" else 4 * 3
+    on_cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
+    return elements * (5 if on_cpu else 1) + scales
+
+
+def fp8_projections_of(cfg: JobConfig) -> dict[str, torch.nn.Module]:
+    """The projections train.fp8 converts, on the meta device."""
+    with torch.device("meta"):
+        chunk = get_spec(cfg.model.arch).build_stage(cfg.model)
+    return fp8_projections(chunk, cfg.train.fp8_min_dim)
 
 
 def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) -> list[dict]:

@@ -104,6 +104,10 @@ LAYOUTS = {  # name -> (world size, overrides)
     "muon": (1, ["optim.name=muon"]),
     "dp2_zero1_muon": (2, ["optim.zero_stage=1", "optim.name=muon"]),
     "tp2_sp_zero1_bf16_muon": (2, ["parallel.tp=2", SP, *ZERO1_BF16, "optim.name=muon"]),
+    # train.fp8: float8 projections keep no weight casts; a projection's backward holds its float8 casts
+    "fp8_bf16_autocast": (1, ["train.fp8=tensorwise", "train.precision=bf16"]),
+    "fp8_rowwise_zero1_bf16": (1, ["train.fp8=rowwise", *ZERO1_BF16]),
+    "fp8_dp2_zero3_bf16": (2, ["train.fp8=tensorwise", "optim.zero_stage=3", "train.precision=bf16"]),
 }
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
 RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",

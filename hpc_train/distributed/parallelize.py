@@ -14,6 +14,8 @@ same optimizer step and stay equal. Gradient norms count only the first stage's 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ from hpc_train.distributed.grads import all_reduce_on, fix_grad_placements, loca
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.transforms import StagePlan, apply_transforms
+from hpc_train.distributed.transforms.float8 import precompute_scales
 from hpc_train.distributed.transforms.fsdp import reshard
 from hpc_train.finetune.lora import init_adapters, is_adapter, quantize_projections
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
@@ -52,6 +55,7 @@ class ParallelModel:
     quantized: set[str] = field(default_factory=set)  # QLoRA's NF4 weights: rebuilt from their source, not saved
     masked_loss: bool = False  # the data has a loss mask: the loss is a mean over the global batch's counted targets
     loss_tokens: torch.Tensor | None = None  # with a mask, this step's counted targets per micro-batch (Decoder.loss)
+    after_update: Callable[[], None] | None = None  # runs after each optimizer step (float8 all-gather's scales)
 
     def scaled_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A pipeline micro-batch's share of the batch loss (from the last stage's final-norm output), times
@@ -166,6 +170,8 @@ def parallelize(plan: StagePlan) -> ParallelModel:
     model = ParallelModel(cfg.model, spec, chunks, mesh, device, cfg.train.grad_accum, plan.compute_dtype,
                           tied_copy=tied_copy, tied_group=tied_group)  # fmt: skip
     freeze(model, cfg.train.freeze, cfg.finetune.adapters)
+    if cfg.train.fp8_all_gather:
+        model.after_update = functools.partial(precompute_scales, chunks)
     if pp > 1:
         if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time
             chunks[-1].emits_hidden = True

@@ -37,6 +37,9 @@ class ActivationShape:
     # autocast over fp32 weights (zero_stage 0 in bf16/fp16): `element_bytes` is the autocast dtype's, the
     # residual stream stays fp32, and every matmul keeps its own low-precision copy of its input and weight
     autocast_casts: bool = False
+    # train.fp8: the projections are float8 linears, which keep their input and their weight itself (a view
+    # of the parameter) for backward, never a cast of the weight
+    float8: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,15 @@ GPU_PEAK_BF16 = (
     ("A100", 312e12),
 )
 
+# Dense fp8 tensor-core peaks (twice bf16 on Hopper), for logging.mfu_peak=fp8. A GPU without fp8 (A100)
+# is not listed: its fp8 figure is taken as twice its bf16 one, the ratio of every GPU that has fp8.
+GPU_PEAK_FP8 = (
+    ("H200", 1979e12),
+    ("H100 PCIe", 1513e12),
+    ("H100", 1979e12),
+)
+PEAKS = {"bf16": GPU_PEAK_BF16, "fp8": GPU_PEAK_FP8}
+
 
 @functools.lru_cache(maxsize=1)
 def measured_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:
@@ -36,13 +45,20 @@ def measured_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size**3 / best
 
 
-def device_peak_flops(device: torch.device) -> float:
+def gpu_peak_flops(name: str, kind: str = "bf16") -> float:
+    """The data-sheet peak of the GPU called `name` (torch.cuda.get_device_name's), dense bf16 or fp8."""
+    for key, peak in PEAKS[kind]:
+        if key in name:
+            return peak
+    if kind == "fp8":
+        return 2 * gpu_peak_flops(name, "bf16")
+    return 312e12  # unknown GPU: an A100's figure, so MFU stays comparable
+
+
+def device_peak_flops(device: torch.device, kind: str = "bf16") -> float:
+    """MFU's denominator (`kind`: logging.mfu_peak, bf16 or fp8). A CPU's is measured, whatever `kind`."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAK_BF16:
-            if key in name:
-                return peak
-        return 312e12  # unknown GPU: an A100's figure, so MFU stays comparable
+        return gpu_peak_flops(torch.cuda.get_device_name(device), kind)
     return measured_cpu_peak_flops()
 
 

@@ -60,7 +60,7 @@ def announce(run: Run, start_step: int) -> StepMeter:
         tokens_per_step=global_batch * cfg.model.seq_len,
         flops_per_token=run.model.spec.flops_per_token(cfg.model),
         world_size=dims.world_size,
-        peak_flops=device_peak_flops(run.device),
+        peak_flops=device_peak_flops(run.device, cfg.logging.mfu_peak),
         bubble_fraction=bubble_fraction(cfg.parallel, cfg.train.grad_accum),
         predicted={
             "params": predicted.params,

@@ -102,6 +102,8 @@ def apply_gradients(
         if options.before_update is not None:
             options.before_update()
         optimizer.step(lr, skip)
+        if model.after_update is not None:
+            model.after_update()
         optimizer.zero_grad()
     return torch.stack([t.to(device, torch.float64) for t in (loss, grad_norm, overflow, at_floor, scale, skipped)])
 

@@ -179,3 +179,12 @@ def float8_tp_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str
                                                  use_local_output=style.use_local_output)  # fmt: skip
         out[name] = style
     return out
+
+
+def precompute_scales(chunks: list[nn.Module]) -> None:
+    """After each update with train.fp8_all_gather: every float8 weight's scale at once (one all-reduce of
+    their amaxes), so FSDP2's all-gathers do not each wait on their own (torchtitan's precompute)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for chunk in chunks:
+        precompute_float8_dynamic_scale_for_fsdp(chunk)

@@ -58,7 +58,8 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
 
     Autocast over fp32 weights (`shape.autocast_casts`): each projection keeps its own cast of its input
     (wq, wk and wv one each) and of its weight (measured on CPU; autocast caches only the weights' casts),
-    and the residual stream (the norms' and a full-recompute block's input) is fp32."""
+    and the residual stream (the norms' and a full-recompute block's input) is fp32. Float8 projections
+    (`shape.float8`) keep the parameter itself, no cast of the weight."""
     tokens, tp, e = shape.tokens, shape.tp, shape.element_bytes
     d, a, kv, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, arch.ffn_size(cfg)
     mlp, targets = arch.mlp, set(shape.lora_targets)
@@ -71,7 +72,7 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + bool(targets & set(mlp.column_parallel))
     if casts:  # one input cast per projection reading a norm's output, and every weight's cast
         inputs_kept = 3 + len(mlp.column_parallel)
-    weight_casts = block_matmul_weights(cfg, arch) * e // tp if casts else 0
+    weight_casts = block_matmul_weights(cfg, arch) * e // tp if casts and not shape.float8 else 0
     mlp_widths = mlp.saved_widths - (bool(targets) and mlp.row_parallel not in targets)
     mlp_widths -= mlp.recomputed_when_compiled * shape.compiled
     attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)
