@@ -37,9 +37,12 @@ WHOLE = ["train.micro_batch_size=8"]  # global batch 8 everywhere
 SPLIT = ["train.micro_batch_size=4", "train.grad_accum=2"]  # the micro-batches dp2 and pp2 see
 # name -> (reference, tolerances, overrides); world 2
 LAYOUTS = {
+    # torchao's float8 styles (tensorwise); under sequence parallelism on gloo the plain ones
+    "tp2": ("reference", TP_TOL, [FP8, "parallel.tp=2", *WHOLE]),
     "tp2_sp": ("reference", TP_TOL, [FP8, "parallel.tp=2", "parallel.sequence_parallel=true", *WHOLE]),
     "tp2_rowwise": ("reference_rowwise", TP_TOL, [ROWWISE, "parallel.tp=2", *WHOLE]),
     "dp2_zero3": ("reference_split", EXACT, [FP8, "optim.zero_stage=3", "train.micro_batch_size=4"]),
+    "dp2_zero2": ("reference_split", EXACT, [FP8, "optim.zero_stage=2", "train.micro_batch_size=4"]),
     "pp2_full_recompute": ("reference_split", EXACT, [FP8, "parallel.pp=2", *SPLIT, "model.recompute=full"]),
 }
 REFERENCES = {
@@ -168,3 +171,44 @@ def test_odd_projections_below_the_minimum_stay_unconverted(cfg_for):
     cfg = cfg_for("filtered", FP8, *odd, "train.fp8_min_dim=100")  # attention's 128 x 128 only
     check_run(cfg, 1, check_paths=False)
     assert cfg.train.fp8 == "tensorwise" and load_config(None, ["train.fp8=off"]).train.fp8 == "off"
+
+
+def test_only_the_block_projections_become_float8(cfg_for):
+    """The transform on a stage built on the meta device: every block projection is a Float8Linear with the
+    recipe's scaling, under its own name; the head and the embedding are not."""
+    import torch
+    from torchao.float8 import ScalingGranularity
+
+    from hpc_train.distributed.transforms.float8 import TRANSFORM, is_float8
+    from hpc_train.distributed.transforms.plan import StagePlan
+    from hpc_train.finetune.lora import projections
+    from hpc_train.models import get_spec
+
+    for recipe, granularity in (
+        ("tensorwise", ScalingGranularity.TENSORWISE),
+        ("rowwise", ScalingGranularity.AXISWISE),
+    ):
+        cfg = cfg_for("meta", f"train.fp8={recipe}")
+        spec = get_spec(cfg.model.arch)
+        with torch.device("meta"):
+            stage = spec.build_stage(cfg.model)
+        names = [name for name, _ in stage.named_parameters()]
+        plan = StagePlan(cfg, spec, None, torch.device("cpu"))
+        assert TRANSFORM.applies(plan) and not TRANSFORM.applies(StagePlan(cfg_for("off"), spec, None, plan.device))
+        TRANSFORM.apply(stage, plan)
+        converted = [name for name, m in stage.named_modules() if is_float8(m)]
+        assert converted == list(projections(stage)) and len(converted) == 7 * cfg.model.n_layers
+        assert not is_float8(stage.output) and [name for name, _ in stage.named_parameters()] == names
+        assert all(m.config.cast_config_input.scaling_granularity is granularity for m in projections(stage).values())
+
+
+def test_mfu_peak_fp8_is_the_data_sheet_fp8_figure():
+    from hpc_train.observe.metrics import device_peak_flops, gpu_peak_flops
+
+    h100, h200, a100 = "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"
+    assert gpu_peak_flops(h100) == 989e12 and gpu_peak_flops(h100, "fp8") == 1979e12
+    assert gpu_peak_flops(h200, "fp8") == 1979e12 and gpu_peak_flops("NVIDIA H100 PCIe", "fp8") == 1513e12
+    assert gpu_peak_flops(a100, "fp8") == 2 * gpu_peak_flops(a100) == 624e12  # no fp8: twice bf16
+    cpu = __import__("torch").device("cpu")  # a CPU's peak is measured, whatever is asked
+    assert device_peak_flops(cpu, "fp8") == device_peak_flops(cpu, "bf16")
+    assert load_config(None, ["logging.mfu_peak=fp8"]).logging.mfu_peak == "fp8"

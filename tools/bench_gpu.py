@@ -8,6 +8,12 @@ and reserved memory (CUDA) and each row's throughput and memory against plain + 
     python tools/bench_gpu.py --model 100m         # a ~100M model (CPU: fp32)
     python tools/bench_gpu.py --model tiny train.micro_batch_size=4   # any key=value on top
 
+With float8 (train.fp8; on by default where the GPU has float8 tensor cores, compute capability 8.9+; `--fp8
+on` runs them on the CPU too), three more rows: the plain loop + compile with torchao's float8 linears in the
+same block projections, and hpc_train compiled with train.fp8=tensorwise and =rowwise. MFU stays against the
+bf16 peak in every row (the speed-up reads directly); the last column is against the fp8 peak
+(logging.mfu_peak=fp8's figure).
+
 megatron-core is not run here (it needs Transformer Engine or its local spec wired to this data): its
 figure on one H100 is in issue 13's table.
 """
@@ -25,6 +31,7 @@ import torch
 from hpc_train.builder import build_run
 from hpc_train.config import JobConfig, load_config
 from hpc_train.data.batch import Batch
+from hpc_train.distributed.transforms.float8 import capability_problem, fp8_projections
 from hpc_train.launch.local import single_process_group
 from hpc_train.models import get_spec
 from hpc_train.observe.metrics import device_peak_flops
@@ -43,12 +50,21 @@ MODELS = {  # name -> model and batch keys
 CUDA = ["train.precision=bf16", "optim.zero_stage=1"]
 
 
-def plain_loop(cfg: JobConfig, device: torch.device, compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """A step of the hand-written loop: fp32 weights, autocast, whole-batch loss, clip, fused AdamW."""
+def plain_loop(
+    cfg: JobConfig, device: torch.device, compiled: bool, fp8: str = "off"
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A step of the hand-written loop: fp32 weights, autocast, whole-batch loss, clip, fused AdamW; with
+    `fp8`, torchao's float8 linears in the block projections (the ones train.fp8 converts)."""
     model_cfg = type(cfg.model)(**{**vars(cfg.model), "loss_chunk_tokens": 0})
     spec = get_spec(cfg.model.arch)
     model = spec.build_stage(model_cfg).to(device)
     spec.init_weights(model, cfg.train.seed)
+    if fp8 != "off":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        chosen = set(fp8_projections(model, cfg.train.fp8_min_dim))
+        convert_to_float8_training(model, module_filter_fn=lambda _, name: name in chosen,
+                                   config=Float8LinearConfig.from_recipe_name(fp8))  # fmt: skip
     optimizer = AdamW([target(n, p) for n, p in model.named_parameters()], cfg.optim).optimizer
     forward = torch.compile(model) if compiled else model
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
@@ -95,8 +111,11 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, default=None, help="default: 1.3b on CUDA, tiny on CPU")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fp8", choices=("auto", "on", "off"), default="auto",
+                        help="the float8 rows; auto: on a GPU with float8 tensor cores (8.9+)")  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fp8 = args.fp8 == "on" or (args.fp8 == "auto" and fp8_supported(device))
     name = args.model or ("1.3b" if device.type == "cuda" else "tiny")
     keys = [*MODELS[name], *(CUDA if device.type == "cuda" else []), f"train.device={device.type}",
             "logging.progress=none", *args.overrides]  # fmt: skip
@@ -118,6 +137,15 @@ def main() -> None:
             "hpc_train compile": lambda: hpc_train_step(load_config(None, [*keys, "train.compile=true"]), device,
                                                         rank_env),
         }  # fmt: skip
+        if fp8:
+            compiled = [*keys, "train.compile=true"]
+            builders.update({
+                "plain + compile fp8": lambda: plain_loop(cfg, device, compiled=True, fp8="tensorwise"),
+                "hpc_train comp. fp8": lambda: hpc_train_step(load_config(None, [*compiled, "train.fp8=tensorwise"]),
+                                                              device, rank_env),
+                "hpc_train comp. fp8r": lambda: hpc_train_step(load_config(None, [*compiled, "train.fp8=rowwise"]),
+                                                               device, rank_env),
+            })  # fmt: skip
         for row, build in builders.items():
             torch._dynamo.reset()  # each row compiles its own graphs, with nothing cached from the last
             gc.collect()
@@ -132,7 +160,8 @@ def main() -> None:
           f"{cfg.train.precision}, zero_stage {cfg.optim.zero_stage}, {device.type}, "
           f"{args.warmup} warm-up + {args.steps} timed steps")  # fmt: skip
     print(f"{'':<20}{'tokens/s':>11}{'MFU 6N':>9}{'MFU+attn':>10}{'alloc GB':>10}{'reserv GB':>10}"
-          f"{'x tok/s':>9}{'x alloc':>9}")  # fmt: skip
+          f"{'x tok/s':>9}{'x alloc':>9}{'MFU fp8pk':>10}")  # fmt: skip
+    fp8_peak = device_peak_flops(device, "fp8")
     base = rows["plain + compile"]
     for row, r in rows.items():
         rate = shape[0] * shape[1] / r["seconds"]
@@ -140,7 +169,12 @@ def main() -> None:
         ratio = f"{base['seconds'] / r['seconds']:>9.2f}"
         ratio += f"{r['allocated'] / base['allocated']:>9.2f}" if "allocated" in r else f"{'-':>9}"
         print(f"{row:<20}{rate:>11,.0f}{rate * (flops - attention) / peak:>9.1%}{rate * flops / peak:>10.1%}"
-              f"{memory}{ratio}")  # fmt: skip
+              f"{memory}{ratio}{rate * flops / fp8_peak:>10.1%}")  # fmt: skip
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether this device runs float8 matmuls at speed: a GPU with float8 tensor cores."""
+    return device.type == "cuda" and capability_problem(torch.cuda.get_device_capability(device)) is None
 
 
 if __name__ == "__main__":
