@@ -270,17 +270,20 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         param_bytes = 4 * local.shard_total
         trainable, matrices = local.shard_trainable, local.shard_trainable_matrices
         grads, masters, owned = cls.planned_bytes(trainable, 1, element, o.overlap_grad_reduce)
+        # train.fp8_all_gather: a block's float8 projections are gathered in float8, 1 byte an element
+        saved = (compute - 1) * float8_gathered_elements(cfg)
+        blocks = cfg.model.n_layers // dims.pp
         if dims.pp > 1:  # torch's schedules keep the stage gathered, its fp32 gradients whole, to the last backward
-            static += (compute + 4) * local.total
+            static += (compute + 4) * local.total - saved * blocks
         else:
             # a block's gradients grow through its backward; FSDP copies them to fp32 for the reduce-scatter
             # after it, once the block's activations are freed
             reduced = max(compute * local.largest_block, (compute + 4) * local.largest_block - parts.layer["none"])
             if reshards_after_forward(cfg):  # the root, the running block and the next one gathered
-                static += compute * (local.root + local.largest_block)
-                block = compute * local.largest_block + reduced
+                static += compute * (local.root + local.largest_block) - saved
+                block = compute * local.largest_block - saved + reduced
             else:  # every block stays gathered from its forward to its backward
-                static += compute * local.total
+                static += compute * local.total - saved * blocks
                 block = reduced
     else:  # LoRA's frozen base in the compute dtype, QLoRA's projections in NF4
         frozen = local.total - local.trainable - local.quantized
@@ -357,6 +360,15 @@ def float8_working_bytes(cfg: JobConfig) -> int:
     return elements * (5 if on_cpu else 1) + scales
 
 
+def float8_gathered_elements(cfg: JobConfig) -> int:
+    """With train.fp8_all_gather: the elements of one block's float8 projections on a tp rank, which FSDP2
+    all-gathers in float8 (1 byte) rather than the compute dtype; otherwise 0."""
+    if not cfg.train.fp8_all_gather:
+        return 0
+    return sum(m.weight.numel() for name, m in fp8_projections_of(cfg).items()
+               if name.startswith("layers.0.")) // cfg.parallel.tp  # fmt: skip
+
+
 def fp8_projections_of(cfg: JobConfig) -> dict[str, torch.nn.Module]:
     """The projections train.fp8 converts, on the meta device."""
     with torch.device("meta"):
@@ -426,6 +438,8 @@ def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int, matrices: 
         pp = cfg.parallel.pp > 1
         all_gathers = 2 * t.grad_accum if reshards_after_forward(cfg) else (1 if pp else t.grad_accum)
         traffic = ring * (compute * all_gathers + 4 * (1 if pp else t.grad_accum))
+        float8 = float8_gathered_elements(cfg) * cfg.model.n_layers // cfg.parallel.pp  # gathered in 1 byte
+        traffic -= float8 * (dp - 1) / dp * (compute - 1) * all_gathers
     elif o.zero_stage == 0:
         traffic = ring * 4 * 2
     else:

@@ -212,3 +212,19 @@ def test_mfu_peak_fp8_is_the_data_sheet_fp8_figure():
     cpu = __import__("torch").device("cpu")  # a CPU's peak is measured, whatever is asked
     assert device_peak_flops(cpu, "fp8") == device_peak_flops(cpu, "bf16")
     assert load_config(None, ["logging.mfu_peak=fp8"]).logging.mfu_peak == "fp8"
+
+
+def test_planner_counts_the_float8_all_gather_in_one_byte(cfg_for):
+    """ZeRO-3 in bf16: with train.fp8_all_gather the gathered block and the prefetched one hold their float8
+    projections in 1 byte an element instead of 2 (only the planner: gloo refuses the all-gather)."""
+    from hpc_train.distributed.mesh import ParallelDims
+    from hpc_train.planner import estimate
+
+    dims = ParallelDims(pp=1, dp=2, tp=1)
+    plans = [estimate(cfg_for("plan", FP8, "optim.zero_stage=3", "train.precision=bf16", f"train.fp8_all_gather={on}"),
+                      dims) for on in ("false", "true")]  # fmt: skip
+    d, f = 64, 192  # TINY_MODEL: d_model 64, SwiGLU 8/3 d rounded up to 64
+    block_float8 = 4 * d * d + 3 * d * f
+    assert plans[0].comm_buffers - plans[1].comm_buffers == 2 * block_float8
+    # the prefetched block is held throughout the step; the running one counts where a block's backward peaks
+    assert block_float8 <= plans[0].total - plans[1].total <= 2 * block_float8

@@ -12,6 +12,8 @@ anything runs (`check_fp8`, `capability_problem`)."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -150,6 +152,8 @@ def float8_tp_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str
     their inputs (and output gradients) to float8 before tp's collectives, so a sequence-parallel
     all-gather moves float8 bytes; a module whose linears are all such gets its input cast once for all of
     them. Rowwise scaling keeps the plain styles (torchao's float8 styles assume one scale per tensor)."""
+    if "torchao.float8" not in sys.modules:  # nothing was converted (and torchao's import is not cheap)
+        return plan
     from torchao.float8 import ScalingGranularity
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
