@@ -1,8 +1,9 @@
 """train.fp8: torchao's float8 linears in the block projections (float8 matmuls run on the CPU too).
 
-Against one fp8 process: tensor parallelism with sequence parallelism (tensorwise), tp2 with rowwise scaling,
-ZeRO-3 (FSDP2, bf16-free fp32 all-gather on gloo) and a pipeline with full recompute, all in one launch of two
-processes. Against bf16: the loss curve over 200 steps. Checkpoints: the float8 linears hold the weights of
+Against one fp8 process: tensor parallelism with and without sequence parallelism (tensorwise), tp2 with
+rowwise scaling, ZeRO-3 (FSDP2, all-gathering in the compute dtype on gloo) and a pipeline with full
+recompute, all in one launch of two processes. Against bf16: the loss curve over 100 steps (200 in
+tools/bench_fp8_curve.py). Checkpoints: the float8 linears hold the weights of
 the nn.Linear they replace under its names, so a checkpoint saved with fp8 loads exactly with fp8 on or off.
 The refusals are config errors raised before any rank starts.
 """
@@ -29,8 +30,10 @@ STEPS = 3
 FIRST_TOL = 1e-5  # measured 4.8e-7 tensorwise, 5.7e-6 rowwise; fp8 against fp8 off: 2.4e-4
 TP_TOL = {"loss": 1e-3, "grad_norm": 3e-3, "weights": 2e-3}
 EXACT = {"loss": 1e-6, "grad_norm": 1e-6, "weights": 1e-6}
-CURVE_STEPS = 200
-CURVE_TOL = 0.01  # per step, fp8 against bf16 (measured: 0.0021 tensorwise, 0.0021 rowwise)
+# fp8 against bf16, per step; tools/bench_fp8_curve.py runs the same model 200 steps (measured there:
+# largest gap 0.0021 tensorwise and rowwise, 0.0010 and 0.0007 between 10-step means)
+CURVE_STEPS = 100
+CURVE_TOL = 0.01
 FP8 = "train.fp8=tensorwise"
 ROWWISE = "train.fp8=rowwise"
 WHOLE = ["train.micro_batch_size=8"]  # global batch 8 everywhere
@@ -42,7 +45,6 @@ LAYOUTS = {
     "tp2_sp": ("reference", TP_TOL, [FP8, "parallel.tp=2", "parallel.sequence_parallel=true", *WHOLE]),
     "tp2_rowwise": ("reference_rowwise", TP_TOL, [ROWWISE, "parallel.tp=2", *WHOLE]),
     "dp2_zero3": ("reference_split", EXACT, [FP8, "optim.zero_stage=3", "train.micro_batch_size=4"]),
-    "dp2_zero2": ("reference_split", EXACT, [FP8, "optim.zero_stage=2", "train.micro_batch_size=4"]),
     "pp2_full_recompute": ("reference_split", EXACT, [FP8, "parallel.pp=2", *SPLIT, "model.recompute=full"]),
 }
 REFERENCES = {
@@ -95,7 +97,7 @@ def test_fp8_changes_the_numbers(runs):
 
 
 def test_fp8_loss_curve_follows_bf16(cfg_for):
-    """200 steps of the tiny model in bf16, with and without float8 projections: every step's loss within
+    """100 steps of the tiny model in bf16, with and without float8 projections: every step's loss within
     CURVE_TOL, the curves not identical, and both learning."""
     curves = {}
     for name, extra in (("curve_bf16", []), ("curve_fp8", [FP8])):
@@ -106,7 +108,7 @@ def test_fp8_loss_curve_follows_bf16(cfg_for):
     assert len(fp8) == len(bf16) == CURVE_STEPS
     gaps = [abs(a - b) for a, b in zip(fp8, bf16, strict=True)]
     assert 0 < max(gaps) <= CURVE_TOL
-    assert sum(fp8[-10:]) / 10 < sum(fp8[:10]) / 10 - 1.0
+    assert sum(fp8[-10:]) / 10 < sum(fp8[:10]) / 10 - 0.5
 
 
 def test_checkpoint_saved_with_fp8_loads_exactly_with_fp8_on_and_off(cfg_for):
