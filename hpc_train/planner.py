@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from hpc_train.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import bubble_fraction, stage_ids
-from hpc_train.distributed.transforms.float8 import fp8_projections
+from hpc_train.distributed.transforms.float8 import fp8_projections, runs_on_cuda
 from hpc_train.distributed.transforms.fsdp import reshards_after_forward
 from hpc_train.distributed.transforms.tensor_parallel import sharded_parameter_names
 from hpc_train.finetune.lora import NF4_BLOCK, nf4_scaler_block, projections
@@ -356,8 +356,7 @@ def float8_working_bytes(cfg: JobConfig) -> int:
     f = max(projection.out_features for projection in fp8_projections_of(cfg).values()) // tp
     elements = tokens * d + d * f + tokens * f
     scales = 4 * (2 * tokens + d + f) if t.fp8 == "rowwise" else 4 * 3
-    on_cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
-    return elements * (5 if on_cpu else 1) + scales
+    return elements * (1 if runs_on_cuda(cfg) else 5) + scales
 
 
 def float8_gathered_elements(cfg: JobConfig) -> int:

@@ -56,12 +56,17 @@ def local_shapes(chunk: nn.Module, spec: ModelSpec, tp: int) -> dict[str, tuple[
     return shapes
 
 
+def runs_on_cuda(cfg: JobConfig) -> bool:
+    """Whether the ranks will compute on GPUs, as far as the config says: train.device=cuda, or auto with
+    CUDA here or GPUs in its Slurm section (a plan or a submit from a login node without one)."""
+    device = cfg.train.device
+    return device == "cuda" or (device == "auto" and (torch.cuda.is_available() or cfg.slurm.gpus_per_node > 0))
+
+
 def runs_on_gloo(cfg: JobConfig) -> bool:
-    """Whether the ranks' collectives go through gloo, as far as the config says: parallel.backend=gloo, or
-    auto on a CPU run (one with no CUDA here and no GPU in its Slurm section)."""
-    backend, device = cfg.parallel.backend, cfg.train.device
-    cuda = device == "cuda" or (device == "auto" and (torch.cuda.is_available() or cfg.slurm.gpus_per_node > 0))
-    return backend == "gloo" or (backend == "auto" and not cuda)
+    """Whether the ranks' collectives go through gloo: parallel.backend=gloo, or auto on a CPU run."""
+    backend = cfg.parallel.backend
+    return backend == "gloo" or (backend == "auto" and not runs_on_cuda(cfg))
 
 
 def all_gather_problem(cfg: JobConfig) -> str:
