@@ -12,6 +12,7 @@ anything runs (`check_fp8`, `capability_problem`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import torch
@@ -86,6 +87,8 @@ def check_fp8(cfg: JobConfig, spec: ModelSpec) -> None:
         if problems:
             raise ConfigError("\n".join(problems))
         return
+    if importlib.util.find_spec("torchao") is None:
+        problems.append("train.fp8 needs torchao (its float8 linears): pip install 'hpc_train[fp8]'")
     if cfg.finetune.adapters:
         problems.append(f"train.fp8 trains the block projections in float8, and finetune.method={cfg.finetune.method} "
                         "freezes them: set train.fp8=off for adapters")  # fmt: skip
