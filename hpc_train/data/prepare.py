@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hpc_train.config import BUILTIN_DATA, ConfigError, DataConfig, ModelConfig
+from hpc_train.data.blend import BlendedSource
 from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter, check_token_ids
 from hpc_train.data.tokenizer import build_tokenizer
 
@@ -112,10 +113,20 @@ def read_text_input(path: Path) -> str:
         raise ConfigError(f"input {path} is not UTF-8 text (byte {err.start}); convert it or leave it out") from None
 
 
+def data_keys(cfg: DataConfig) -> list[tuple[str, str | None]]:
+    """(config key, dataset prefix) of every dataset the run reads."""
+    train = [(f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.sources)] or [("data.train_path",
+                                                                                          cfg.train_path)]  # fmt: skip
+    valid = [(f"data.valid_sources[{i}].path", s.path) for i, s in enumerate(cfg.valid_sources)]
+    return [*train, ("data.valid_path", cfg.valid_path), *valid]
+
+
 def check_datasets(cfg: DataConfig, model: ModelConfig) -> None:
     """Before any rank starts: every dataset the run reads has a sound index, whole token file and token ids
-    inside the model's vocabulary (the embedded corpus is built by this code and skipped)."""
-    for key, prefix in (("data.train_path", cfg.train_path), ("data.valid_path", cfg.valid_path)):
+    inside the model's vocabulary (the embedded corpus is built by this code and skipped); a blend's sources
+    come from one tokenizer."""
+    seen: dict[str, IndexedDataset] = {}
+    for key, prefix in data_keys(cfg):
         if prefix in (None, BUILTIN_DATA):
             continue
         try:
@@ -127,6 +138,18 @@ def check_datasets(cfg: DataConfig, model: ModelConfig) -> None:
             check_token_ids(dataset, dataset.vocab_size)
         except ValueError as err:
             raise ConfigError(f"{key}={prefix!r}: {err}") from None
+        seen[key] = dataset
+    check_same_tokenizer(seen)
+
+
+def check_same_tokenizer(datasets: dict[str, IndexedDataset]) -> None:
+    """Datasets read by one run hold the same vocabulary size and token dtype (one tokenizer's)."""
+    described = {key: (ds.vocab_size, ds.header["dtype"]) for key, ds in datasets.items()}
+    if len(set(described.values())) > 1:
+        listed = "; ".join(f"{key}: vocabulary {v} ({datasets[key].header.get('tokenizer')}), {d} tokens"
+                           for key, (v, d) in described.items())  # fmt: skip
+        raise ConfigError(f"the datasets of this run come from different tokenizers ({listed}): every source must be "
+                          "prepared with one tokenizer; re-run prepare-data with the same --tokenizer")  # fmt: skip
 
 
 def check_vocabulary(dataset: IndexedDataset, model: ModelConfig) -> None:
@@ -170,11 +193,33 @@ def dataset_prefixes(train_path: str, valid_path: str | None, cache_dir: str, pr
     return train, valid_path
 
 
-def load_datasets(cfg: DataConfig, model: ModelConfig, progress: bool) -> tuple[IndexedDataset, IndexedDataset | None]:
-    """The training and (if any) held-out datasets, checked against the model's vocabulary."""
-    train_prefix, valid_prefix = dataset_prefixes(cfg.train_path, cfg.valid_path, cfg.cache_dir, progress)
-    train_set = IndexedDataset(train_prefix, model.seq_len)
+def load_datasets(
+    cfg: DataConfig, model: ModelConfig, progress: bool
+) -> tuple[IndexedDataset | BlendedSource, IndexedDataset | None]:
+    """The training (one dataset, or the blend of data.sources) and (if any) held-out datasets, checked
+    against the model's vocabulary."""
+    if cfg.sources:
+        train_set = BlendedSource({s.label: load_source(s.path, cfg, model, progress) for s in cfg.sources})
+        valid_prefix = cfg.valid_path  # no default held-out set: data.valid_sources evaluate each source
+        if valid_prefix == BUILTIN_DATA:
+            valid_prefix = builtin_corpus(cfg.cache_dir, progress)[1]
+    else:
+        train_prefix, valid_prefix = dataset_prefixes(cfg.train_path, cfg.valid_path, cfg.cache_dir, progress)
+        train_set = IndexedDataset(train_prefix, model.seq_len)
     valid_set = IndexedDataset(valid_prefix, model.seq_len) if valid_prefix else None
     for ds in filter(None, (train_set, valid_set)):
         check_vocabulary(ds, model)
     return train_set, valid_set
+
+
+def load_source(path: str, cfg: DataConfig, model: ModelConfig, progress: bool) -> IndexedDataset:
+    """One dataset of data.sources / data.valid_sources ("stdlib": the embedded corpus's training split)."""
+    prefix = builtin_corpus(cfg.cache_dir, progress)[0] if path == BUILTIN_DATA else path
+    dataset = IndexedDataset(prefix, model.seq_len)
+    check_vocabulary(dataset, model)
+    return dataset
+
+
+def load_valid_sources(cfg: DataConfig, model: ModelConfig, progress: bool) -> dict[str, IndexedDataset]:
+    """data.valid_sources by name, each evaluated alone."""
+    return {s.label: load_source(s.path, cfg, model, progress) for s in cfg.valid_sources}

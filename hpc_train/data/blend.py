@@ -1,0 +1,162 @@
+"""Weighted blends of datasets: which source each sample of the global stream comes from, and where in
+that source's own shuffled stream.
+
+The rule is exact and stateless but for each source's count: source s's k-th sample (k = 0, 1, ...) of a
+phase is due at time (k + 1/2) / w_s, with w the normalised weights, and samples are taken in order of due
+time (a tie goes to the lower source index). After n samples of a phase, with T the due time of the n-th,
+every source holds between w_s T - 1/2 and w_s T + 1/2 of them; these sum to n, so |n - T| <= K/2 for K
+sources, and each source's count is within (1 + K w_s) / 2 samples of w_s n: its share is within
+(1 + K w_s) / (2 n) of its weight (`share_bound`). Megatron's rule (the source furthest below its target)
+keeps a count within K - 1 below and 1 above; this one needs no loop over samples, so a global batch's
+sources are computed at once, and only each source's count is state.
+
+The order depends on (seed, the sources' names, the weights) only: every rank computes the whole global
+batch and reads its slice, so it is the same for every dp size and layout. Each source is read through its
+own shuffled stream (data/sampler.py), seeded by the run's seed and the source's name, from where the
+previous phase stopped: changing the weights or adding a source on resume starts a new phase and repeats
+no sample already read (until a source's stream wraps into its next epoch).
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+
+from hpc_train.data.batch import Batch, collate
+from hpc_train.data.indexed import IndexedDataset
+from hpc_train.data.sampler import ShuffledStream, check_batch_shape, rank_slice
+
+
+def normalised(weights: list[float]) -> np.ndarray:
+    w = np.asarray(weights, dtype=np.float64)
+    return w / w.sum()
+
+
+def next_sources(counts: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    """The source of each of the next `n` samples of a phase, given each source's samples in it so far."""
+    k = len(weights)
+    due = (counts[:, None] + np.arange(n)[None, :] + 0.5) / weights[:, None]  # each source's next n due times
+    source = np.repeat(np.arange(k), n)
+    return source[np.lexsort((source, due.ravel()))[:n]]
+
+
+def share_bound(weights: np.ndarray, n: int) -> np.ndarray:
+    """The largest difference between each source's share of n samples of a phase and its weight."""
+    return (1 + len(weights) * weights) / (2 * n)
+
+
+class BlendedSource:  # a data.batch.Source
+    """Several datasets as one index space: sample i of source s is index offsets[s] + i."""
+
+    def __init__(self, datasets: dict[str, IndexedDataset]):
+        self.names, self.datasets = list(datasets), list(datasets.values())
+        self.offsets = [0, *np.cumsum([len(d) for d in self.datasets]).tolist()]
+        self.prefix = "blend of " + ", ".join(f"{n} ({d.prefix})" for n, d in datasets.items())
+        self.vocab_size = max(d.vocab_size for d in self.datasets)
+        # a mask for every sample when any source has one (the others count every label)
+        self.loss_mask = True if any(d.loss_mask is not None for d in self.datasets) else None
+        self.seq_len = self.datasets[0].seq_len
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def source_of(self, index: int) -> int:
+        return bisect.bisect_right(self.offsets, index) - 1
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
+        s = self.source_of(index)
+        tokens, mask = self.datasets[s].sample(index - self.offsets[s])
+        if mask is None and self.loss_mask:
+            mask = np.ones(self.seq_len, dtype=np.uint8)
+        return tokens, mask
+
+    def identity(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Each source's identity, by name: a resume refuses a source whose data changed under its name."""
+        return {"sources": {n: d.identity() for n, d in zip(self.names, self.datasets, strict=True)}}
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        return collate(self, indices)
+
+
+class BlendedSampler:
+    """The blend's global stream, read like ResumableSampler's: global batch g is stream positions
+    [g * G, (g + 1) * G), data-parallel rank r reads slice r. State: the samples read from each source (all
+    phases), the weights of the current phase and each source's samples in it."""
+
+    def __init__(
+        self,
+        source: BlendedSource,
+        weights: list[float],
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        report: Callable[[str], None] = lambda message: None,
+    ):
+        check_batch_shape(global_batch_size, micro_batch_size, dp_size)
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size, self.report = dp_rank, dp_size, report
+        self.names, self.offsets, self.tokens_per_sample = source.names, source.offsets, source.seq_len
+        self.weights = normalised(weights)
+        self.streams = [ShuffledStream(len(d), seed, (zlib.crc32(n.encode()),))
+                        for n, d in zip(source.names, source.datasets, strict=True)]  # fmt: skip
+        self.consumed_samples = 0
+        self.phase_start = np.zeros(len(self.names), dtype=np.int64)  # each source's samples before this phase
+        self.phase_counts = np.zeros(len(self.names), dtype=np.int64)  # and in it
+        self.retired: dict[str, int] = {}  # samples read from sources of earlier phases that this one lacks
+
+    def next_global_batch(self) -> np.ndarray:
+        """The next global batch's indices (into the BlendedSource); advances the state."""
+        picks = next_sources(self.phase_counts, self.weights, self.global_batch_size)
+        out = np.empty(self.global_batch_size, dtype=np.int64)
+        for s, stream in enumerate(self.streams):
+            chosen = picks == s
+            count = int(chosen.sum())
+            if count:
+                out[chosen] = self.offsets[s] + stream.indices(int(self.phase_start[s] + self.phase_counts[s]), count)
+            self.phase_counts[s] += count
+        self.consumed_samples += self.global_batch_size
+        return out
+
+    def next_micro_batches(self) -> list[np.ndarray]:
+        """This rank's micro-batches of the next global batch; advances the state."""
+        return rank_slice(self.next_global_batch(), self.dp_rank, self.dp_size, self.micro_batch_size)
+
+    def taken(self) -> dict[str, int]:
+        """Samples read from each source so far, over every phase."""
+        return {**self.retired, **dict(zip(self.names, (self.phase_start + self.phase_counts).tolist(), strict=True))}
+
+    def progress(self) -> dict[str, int]:
+        """What each step's metrics record: the samples read, and the tokens read from each source."""
+        tokens = {f"train_tokens/{n}": c * self.tokens_per_sample for n, c in self.taken().items()}
+        return {"consumed_samples": self.consumed_samples, **tokens}
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "taken": self.taken(),
+                "weights": dict(zip(self.names, self.weights.tolist(), strict=True)),
+                "phase": dict(zip(self.names, self.phase_counts.tolist(), strict=True))}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """The same sources and weights continue the saved phase exactly; others start a new phase where
+        each source stopped (reported)."""
+        if "taken" not in state:
+            raise ValueError("the checkpoint's sampler read one dataset (data.train_path), not a blend: resume it "
+                             "with data.train_path, or start the blend in a fresh checkpoint.dir")  # fmt: skip
+        taken = {n: int(c) for n, c in state["taken"].items()}
+        self.consumed_samples = int(state["consumed_samples"])
+        self.retired = {n: c for n, c in taken.items() if n not in self.names}
+        here = dict(zip(self.names, self.weights.tolist(), strict=True))
+        if state["weights"] == here:
+            self.phase_counts = np.array([int(state["phase"][n]) for n in self.names], dtype=np.int64)
+            self.phase_start = np.array([taken[n] for n in self.names], dtype=np.int64) - self.phase_counts
+            return
+        self.phase_start = np.array([taken.get(n, 0) for n in self.names], dtype=np.int64)
+        self.phase_counts = np.zeros(len(self.names), dtype=np.int64)
+        describe = lambda weights: ", ".join(f"{n} {w:.4g}" for n, w in weights.items())
+        self.report(f"data mix changed at sample {self.consumed_samples}: weights {describe(state['weights'])} -> "
+                    f"{describe(here)}; a new phase, each source continuing after the samples it already gave "
+                    f"({', '.join(f'{n} {c}' for n, c in self.taken().items())})")  # fmt: skip
