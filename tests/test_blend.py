@@ -66,7 +66,8 @@ def test_every_layout_reads_the_same_global_sequence_and_resumes_it(blend):
     weights = [0.5, 0.3, 0.2]
     reference, _ = stream(blend, weights, 20)
     for dp, micro in ((1, 8), (2, 2), (2, 4), (4, 1)):
-        assert all(np.array_equal(a, b) for a, b in zip(stream(blend, weights, 20, dp, micro)[0], reference, strict=True))
+        batches, _ = stream(blend, weights, 20, dp, micro)
+        assert all(np.array_equal(a, b) for a, b in zip(batches, reference, strict=True))
     _, state = stream(blend, weights, 7)
     resumed, _ = stream(blend, weights, 13, dp=2, state=state)
     assert all(np.array_equal(a, b) for a, b in zip(resumed, reference[7:], strict=True))
