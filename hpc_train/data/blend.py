@@ -29,6 +29,8 @@ from hpc_train.data.batch import Batch, collate
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.sampler import ShuffledStream, check_batch_shape, rank_slice
 
+PLAN_SAMPLES = 4096  # a blended sampler plans about this many samples at once
+
 
 def normalised(weights: list[float]) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
@@ -37,10 +39,13 @@ def normalised(weights: list[float]) -> np.ndarray:
 
 def next_sources(counts: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
     """The source of each of the next `n` samples of a phase, given each source's samples in it so far."""
+    # a source holds fewer than w n + K of n samples (the bound above): its candidates are its next
+    # w n + K + 1 due times, in source order, so a stable sort breaks ties to the lower index
     k = len(weights)
-    due = (counts[:, None] + np.arange(n)[None, :] + 0.5) / weights[:, None]  # each source's next n due times
-    source = np.repeat(np.arange(k), n)
-    return source[np.lexsort((source, due.ravel()))[:n]]
+    ahead = np.minimum(n, np.ceil(weights * n).astype(np.int64) + k + 1)
+    due = np.concatenate([(c + np.arange(m) + 0.5) / w for c, m, w in zip(counts, ahead, weights, strict=True)])
+    source = np.repeat(np.arange(k), ahead)
+    return source[np.argsort(due, kind="stable")[:n]]
 
 
 def share_bound(weights: np.ndarray, n: int) -> np.ndarray:
@@ -72,6 +77,16 @@ class BlendedSource:  # a data.batch.Source
         if mask is None and self.loss_mask:
             mask = np.ones(self.seq_len, dtype=np.uint8)
         return tokens, mask
+
+    def samples(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        offsets, datasets, out = self.offsets, self.datasets, []
+        for i in indices.tolist():
+            s = bisect.bisect_right(offsets, i) - 1
+            out.append(datasets[s].sample(i - offsets[s]))
+        if self.loss_mask:
+            ones = np.ones(self.seq_len, dtype=np.uint8)
+            out = [(tokens, ones if mask is None else mask) for tokens, mask in out]
+        return out
 
     def identity(self) -> dict[str, dict[str, dict[str, int]]]:
         """Each source's identity, by name: a resume refuses a source whose data changed under its name."""
@@ -108,18 +123,28 @@ class BlendedSampler:
         self.phase_start = np.zeros(len(self.names), dtype=np.int64)  # each source's samples before this phase
         self.phase_counts = np.zeros(len(self.names), dtype=np.int64)  # and in it
         self.retired: dict[str, int] = {}  # samples read from sources of earlier phases that this one lacks
+        self._ahead: tuple[np.ndarray, np.ndarray] | None = None  # (sources, indices) planned, not yet read
 
-    def next_global_batch(self) -> np.ndarray:
-        """The next global batch's indices (into the BlendedSource); advances the state."""
-        picks = next_sources(self.phase_counts, self.weights, self.global_batch_size)
-        out = np.empty(self.global_batch_size, dtype=np.int64)
+    def _plan(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sources and indices of the next `n` samples from the current state (which it leaves as is)."""
+        picks = next_sources(self.phase_counts, self.weights, n)
+        out = np.empty(n, dtype=np.int64)
         for s, stream in enumerate(self.streams):
             chosen = picks == s
-            count = int(chosen.sum())
-            if count:
+            if count := int(chosen.sum()):
                 out[chosen] = self.offsets[s] + stream.indices(int(self.phase_start[s] + self.phase_counts[s]), count)
-            self.phase_counts[s] += count
-        self.consumed_samples += self.global_batch_size
+        return picks, out
+
+    def next_global_batch(self) -> np.ndarray:
+        """The next global batch's indices (into the BlendedSource); advances the state. Batches are planned
+        PLAN_SAMPLES at a time (the same order however the stream is cut), the state advanced batch by batch."""
+        g = self.global_batch_size
+        if self._ahead is None or len(self._ahead[0]) < g:
+            self._ahead = self._plan(g * max(1, PLAN_SAMPLES // g))
+        picks, out = (a[:g] for a in self._ahead)
+        self._ahead = tuple(a[g:] for a in self._ahead)
+        self.phase_counts += np.bincount(picks, minlength=len(self.streams))
+        self.consumed_samples += g
         return out
 
     def next_micro_batches(self) -> list[np.ndarray]:
@@ -147,6 +172,7 @@ class BlendedSampler:
             raise ValueError("the checkpoint's sampler read one dataset (data.train_path), not a blend: resume it "
                              "with data.train_path, or start the blend in a fresh checkpoint.dir")  # fmt: skip
         taken = {n: int(c) for n, c in state["taken"].items()}
+        self._ahead = None
         self.consumed_samples = int(state["consumed_samples"])
         self.retired = {n: c for n, c in taken.items() if n not in self.names}
         here = dict(zip(self.names, self.weights.tolist(), strict=True))

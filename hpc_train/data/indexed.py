@@ -168,6 +168,9 @@ class IndexedDataset:  # a data.batch.Source
         mask = None if self.loss_mask is None else self.loss_mask[start + 1 : start + self.seq_len + 1]
         return self.tokens[start : start + self.seq_len + 1], mask
 
+    def samples(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        return [self.sample(i) for i in indices.tolist()]
+
     def identity(self) -> dict[str, int]:
         return {"tokens": len(self.tokens), "documents": len(self.doc_offsets) - 1}
 

@@ -32,6 +32,9 @@ class ShuffledStream:
 
     def indices(self, start: int, count: int) -> np.ndarray:
         """Dataset indices at stream positions [start, start + count), crossing epochs as needed."""
+        epoch, offset = divmod(start, self.num_samples)
+        if offset + count <= self.num_samples:  # within one epoch: a slice
+            return self._epoch_perm(epoch)[offset : offset + count].copy()
         epochs, offsets = np.divmod(np.arange(start, start + count), self.num_samples)
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(epochs):

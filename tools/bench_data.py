@@ -1,0 +1,165 @@
+"""The data path at two corpus sizes (--scale apart): prepare-data's tokenize throughput per process and
+its peak RSS (a Hugging Face BPE tokenizer trained here, parquet input), and the loader's samples/s for a
+blend of three sources against one source, with its peak RSS.
+
+Each measurement runs in a process of its own, so its peak RSS is its own: prepare-data's is the largest of
+the main process and its workers (each worker's own; the main process streams, writing as batches come).
+The loader reads the same number of samples at both sizes: its peak includes the token-file pages it
+touched (mapped, not loaded); `anon` is its heap (RssAnon), which is what would grow if a dataset were
+loaded whole. Loader rounds alternate single and blended, and the best round of each is kept.
+
+python tools/bench_data.py --small-mb 4 --scale 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+FILE_MB = 1  # each parquet file holds about this much text
+
+
+def write_corpus(directory: Path, megabytes: int, seed: int) -> None:
+    """`megabytes` of pseudo-text (words drawn from a fixed list, Zipf-like) in parquet files of FILE_MB."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+    words = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(5000)]
+    p = 1 / np.arange(1, len(words) + 1)
+    p /= p.sum()
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in range(megabytes // FILE_MB):
+        docs, size = [], 0
+        while size < FILE_MB * 2**20:
+            doc = " ".join(np.array(words)[rng.choice(len(words), rng.integers(100, 600), p=p)])
+            docs.append(doc)
+            size += len(doc)
+        pq.write_table(pa.table({"text": docs}), directory / f"part-{f:04d}.parquet")
+
+
+def train_tokenizer(corpus: Path, out: Path) -> str:
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    sample = pq.read_table(next(corpus.glob("*.parquet"))).column("text").to_pylist()
+    tok.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=8000, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(out))
+    return str(out)
+
+
+def child(command: list[str]) -> dict:
+    """Run this tool's `--child` mode in a fresh process; its JSON result."""
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(command)], cwd=ROOT, check=True,
+                         capture_output=True, text=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def peak_rss_mb() -> tuple[float, float]:
+    """(this process's peak RSS, the largest peak of its finished children), MB."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def rss_anon_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_prepare(corpus: str, output: str, tokenizer: str, workers: int) -> dict:
+    from hpc_train.data.indexed import IndexedDataset
+    from hpc_train.data.prepare import expand_inputs, prepare_data
+
+    files = expand_inputs([f"{corpus}/*.parquet"])
+    start = time.perf_counter()
+    prepare_data(files, output, tokenizer, progress=False, workers=workers)
+    seconds = time.perf_counter() - start
+    own, children = peak_rss_mb()
+    ds = IndexedDataset(output, 1)
+    text_mb = sum(f.stat().st_size for f in files) / 2**20
+    return {"seconds": seconds, "tokens": int(ds.header["num_tokens"]), "docs": int(ds.header["num_docs"]),
+            "peak_mb": max(own, children), "main_mb": own, "worker_mb": children, "parquet_mb": text_mb}  # fmt: skip
+
+
+def run_loader(prefix: str, seq_len: int, batches: int, rounds: int) -> dict:
+    """samples/s of the single-source and the blended loader (sampler + collate, as the train loop reads),
+    over `batches` global batches of 64 per round."""
+    from hpc_train.data.blend import BlendedSampler, BlendedSource
+    from hpc_train.data.indexed import IndexedDataset
+    from hpc_train.data.sampler import ResumableSampler
+
+    single = IndexedDataset(prefix, seq_len)
+    blend = BlendedSource({name: IndexedDataset(prefix, seq_len) for name in ("web", "code", "math")})
+    gb, micro = 64, 8
+    samplers = {"single": ResumableSampler(len(single), gb, micro, 0, 1, 0),
+                "blended": BlendedSampler(blend, [0.5, 0.3, 0.2], gb, micro, 0, 1, 0)}  # fmt: skip
+    sources = {"single": single, "blended": blend}
+    best = {"single": 0.0, "blended": 0.0}
+    for _ in range(rounds):
+        for name in ("single", "blended"):
+            sampler, source = samplers[name], sources[name]
+            start = time.perf_counter()
+            for _ in range(batches):
+                for indices in sampler.next_micro_batches():
+                    source.batch(indices)
+            best[name] = max(best[name], batches * gb / (time.perf_counter() - start))
+    own, _ = peak_rss_mb()
+    return {**best, "peak_mb": own, "anon_mb": rss_anon_mb(), "samples": int(len(single))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small-mb", type=int, default=4, help="text in the small corpus (MB)")
+    parser.add_argument("--scale", type=int, default=10, help="the large corpus is this many times the small")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batches", type=int, default=100, help="global batches of 64 per loader round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        name, *rest = json.loads(args.child)
+        print(json.dumps({"prepare": run_prepare, "loader": run_loader}[name](*rest)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        sizes = {"small": args.small_mb, "large": args.small_mb * args.scale}
+        for size, mb in sizes.items():
+            write_corpus(base / size, mb, seed=0)
+        tokenizer = train_tokenizer(base / "small", base / "tokenizer.json")
+        print("prepare-data (parquet in, HF BPE tokenizer, vocab 8000)")
+        print(f"{'corpus':>8} {'parquet MB':>10} {'tokens':>11} {'workers':>7} {'s':>7} {'tok/s/proc':>11} "
+              f"{'peak RSS MB':>11} {'main':>7} {'worker':>7}")  # fmt: skip
+        for size in sizes:
+            for workers in args.workers:
+                r = child(["prepare", str(base / size), str(base / f"{size}_w{workers}"), tokenizer, workers])
+                print(f"{size:>8} {r['parquet_mb']:>10.1f} {r['tokens']:>11,} {workers:>7} {r['seconds']:>7.2f} "
+                      f"{r['tokens'] / r['seconds'] / workers:>11,.0f} {r['peak_mb']:>11.1f} {r['main_mb']:>7.1f} "
+                      f"{r['worker_mb']:>7.1f}")  # fmt: skip
+        w = args.workers[0]
+        print(f"\nloader: global batch 64 x {args.seq_len} tokens, best of {args.rounds} rounds of {args.batches} "
+              "batches; blended: three sources at 0.5 / 0.3 / 0.2")  # fmt: skip
+        print(f"{'corpus':>8} {'samples':>9} {'single/s':>10} {'blended/s':>10} {'ratio':>6} {'peak RSS MB':>11} "
+              f"{'anon MB':>8}")  # fmt: skip
+        for size in sizes:
+            r = child(["loader", str(base / f"{size}_w{w}"), args.seq_len, args.batches, args.rounds])
+            print(f"{size:>8} {r['samples']:>9,} {r['single']:>10,.0f} {r['blended']:>10,.0f} "
+                  f"{r['blended'] / r['single']:>5.3f}x {r['peak_mb']:>11.1f} {r['anon_mb']:>8.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
