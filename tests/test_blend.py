@@ -4,6 +4,8 @@ token counts, and bad sources refused before any rank starts."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -143,6 +145,9 @@ def test_a_killed_blend_resumes_bit_exactly(blend_runs):
     assert [m["resumed_from"]["step"] for m in killed if "resumed_from" in m] == [4]
     assert [m["loss"] for m in killed] == [m["loss"] for m in full]
     assert [m.get("eval_loss/other") for m in killed] == [m.get("eval_loss/other") for m in full]
+    manifest = json.loads((blend_runs["killed_dir"] / "checkpoints/step_0000006/manifest.json").read_text())
+    assert manifest["data"]["sources"].keys() == {"small", "other"}  # each source's identity, by name
+    assert manifest["data"]["sources"]["small"]["tokens"] > manifest["data"]["sources"]["other"]["tokens"] > 0
 
 
 def test_shares_evaluation_and_a_new_phase_in_the_metrics(blend_runs):
@@ -210,3 +215,18 @@ def test_bad_sources_are_refused_before_any_rank_starts(tmp_path, small_corpus, 
                                  "model.vocab_size=70000"])  # fmt: skip
         check_inputs(cfg, 1, starts_here=True)
     assert message in str(err.value)
+
+
+def test_a_source_changed_under_its_name_is_refused():
+    """The manifest's data identity, per source: sources on both sides must match by name; an added or a left
+    out source is a new phase; one dataset (data.train_path) and a blend are different data."""
+    from hpc_train.checkpoint.ownership import data_differences
+
+    web, code = {"tokens": 100, "documents": 3}, {"tokens": 50, "documents": 2}
+    saved = {"sources": {"web": web, "code": code}}
+    assert data_differences(saved, {"sources": {"web": web, "math": code}}) == []
+    assert data_differences(saved, {"sources": {"web": web, "code": web}}) == [
+        "training data source 'code': {'tokens': 50, 'documents': 2} in the checkpoint, {'tokens': 100, "
+        "'documents': 3} here (give a changed source another name)"
+    ]
+    assert data_differences(web, saved) and data_differences(web, web) == []
