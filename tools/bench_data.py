@@ -6,7 +6,7 @@ Each measurement runs in a process of its own, so its peak RSS is its own: prepa
 the main process and its workers (each worker's own; the main process streams, writing as batches come).
 The loader reads the same number of samples at both sizes: its peak includes the token-file pages it
 touched (mapped, not loaded); `anon` is its heap (RssAnon), which is what would grow if a dataset were
-loaded whole. Loader rounds alternate single and blended, and the best round of each is kept.
+loaded whole. The loader reads single and blended global batches alternately; each side's median is kept.
 
 python tools/bench_data.py --small-mb 4 --scale 10
 """
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,8 +64,9 @@ def train_tokenizer(corpus: Path, out: Path) -> str:
 
 def child(command: list[str]) -> dict:
     """Run this tool's `--child` mode in a fresh process; its JSON result."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # one thread per process: tokens/s per process
     out = subprocess.run([sys.executable, __file__, "--child", json.dumps(command)], cwd=ROOT, check=True,
-                         capture_output=True, text=True)  # fmt: skip
+                         capture_output=True, text=True, env=env)  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -96,8 +99,9 @@ def run_prepare(corpus: str, output: str, tokenizer: str, workers: int) -> dict:
 
 
 def run_loader(prefix: str, seq_len: int, batches: int, rounds: int) -> dict:
-    """samples/s of the single-source and the blended loader (sampler + collate, as the train loop reads),
-    over `batches` global batches of 64 per round."""
+    """samples/s of the single-source and the blended loader (sampler + collate, as the train loop reads):
+    global batches of 64 read alternately, one of each in turn, and each side's median batch time kept, so
+    that the machine's drift and bursts hit both alike."""
     from hpc_train.data.blend import BlendedSampler, BlendedSource
     from hpc_train.data.indexed import IndexedDataset
     from hpc_train.data.sampler import ResumableSampler
@@ -108,17 +112,17 @@ def run_loader(prefix: str, seq_len: int, batches: int, rounds: int) -> dict:
     samplers = {"single": ResumableSampler(len(single), gb, micro, 0, 1, 0),
                 "blended": BlendedSampler(blend, [0.5, 0.3, 0.2], gb, micro, 0, 1, 0)}  # fmt: skip
     sources = {"single": single, "blended": blend}
-    best = {"single": 0.0, "blended": 0.0}
-    for _ in range(rounds):
+    times: dict[str, list[float]] = {"single": [], "blended": []}
+    for _ in range(rounds * batches):
         for name in ("single", "blended"):
             sampler, source = samplers[name], sources[name]
             start = time.perf_counter()
-            for _ in range(batches):
-                for indices in sampler.next_micro_batches():
-                    source.batch(indices)
-            best[name] = max(best[name], batches * gb / (time.perf_counter() - start))
+            for indices in sampler.next_micro_batches():
+                source.batch(indices)
+            times[name].append(time.perf_counter() - start)
     own, _ = peak_rss_mb()
-    return {**best, "peak_mb": own, "anon_mb": rss_anon_mb(), "samples": int(len(single))}
+    rates = {name: gb / statistics.median(t) for name, t in times.items()}
+    return {**rates, "peak_mb": own, "anon_mb": rss_anon_mb(), "samples": int(len(single))}
 
 
 def main() -> None:
@@ -126,7 +130,7 @@ def main() -> None:
     parser.add_argument("--small-mb", type=int, default=4, help="text in the small corpus (MB)")
     parser.add_argument("--scale", type=int, default=10, help="the large corpus is this many times the small")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--batches", type=int, default=100, help="global batches of 64 per loader round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -141,24 +145,25 @@ def main() -> None:
         for size, mb in sizes.items():
             write_corpus(base / size, mb, seed=0)
         tokenizer = train_tokenizer(base / "small", base / "tokenizer.json")
-        print("prepare-data (parquet in, HF BPE tokenizer, vocab 8000)")
-        print(f"{'corpus':>8} {'parquet MB':>10} {'tokens':>11} {'workers':>7} {'s':>7} {'tok/s/proc':>11} "
-              f"{'peak RSS MB':>11} {'main':>7} {'worker':>7}")  # fmt: skip
+        print("prepare-data (parquet in, HF BPE tokenizer, vocab 8000, one thread per process)")
+        print(f"{'corpus':>8} {'text MB':>8} {'parquet MB':>10} {'tokens':>11} {'workers':>7} {'s':>7} "
+              f"{'tok/s/proc':>11} {'peak RSS MB':>11} {'main':>7} {'worker':>7}")  # fmt: skip
         for size in sizes:
             for workers in args.workers:
                 r = child(["prepare", str(base / size), str(base / f"{size}_w{workers}"), tokenizer, workers])
-                print(f"{size:>8} {r['parquet_mb']:>10.1f} {r['tokens']:>11,} {workers:>7} {r['seconds']:>7.2f} "
-                      f"{r['tokens'] / r['seconds'] / workers:>11,.0f} {r['peak_mb']:>11.1f} {r['main_mb']:>7.1f} "
-                      f"{r['worker_mb']:>7.1f}")  # fmt: skip
+                print(f"{size:>8} {sizes[size]:>8} {r['parquet_mb']:>10.1f} {r['tokens']:>11,} {workers:>7} "
+                      f"{r['seconds']:>7.2f} {r['tokens'] / r['seconds'] / workers:>11,.0f} {r['peak_mb']:>11.1f} "
+                      f"{r['main_mb']:>7.1f} {r['worker_mb']:>7.1f}")  # fmt: skip
         w = args.workers[0]
-        print(f"\nloader: global batch 64 x {args.seq_len} tokens, best of {args.rounds} rounds of {args.batches} "
-              "batches; blended: three sources at 0.5 / 0.3 / 0.2")  # fmt: skip
-        print(f"{'corpus':>8} {'samples':>9} {'single/s':>10} {'blended/s':>10} {'ratio':>6} {'peak RSS MB':>11} "
-              f"{'anon MB':>8}")  # fmt: skip
-        for size in sizes:
-            r = child(["loader", str(base / f"{size}_w{w}"), args.seq_len, args.batches, args.rounds])
-            print(f"{size:>8} {r['samples']:>9,} {r['single']:>10,.0f} {r['blended']:>10,.0f} "
-                  f"{r['blended'] / r['single']:>5.3f}x {r['peak_mb']:>11.1f} {r['anon_mb']:>8.1f}")  # fmt: skip
+        print(f"\nloader: global batches of 64, median of {args.rounds * args.batches} batches each, alternating; "
+              "blended: three sources at 0.5 / 0.3 / 0.2")  # fmt: skip
+        print(f"{'corpus':>8} {'seq_len':>7} {'samples':>9} {'single/s':>10} {'blended/s':>10} {'ratio':>6} "
+              f"{'peak RSS MB':>11} {'anon MB':>8}")  # fmt: skip
+        for seq_len in args.seq_len:
+            for size in sizes:
+                r = child(["loader", str(base / f"{size}_w{w}"), seq_len, args.batches, args.rounds])
+                print(f"{size:>8} {seq_len:>7} {r['samples']:>9,} {r['single']:>10,.0f} {r['blended']:>10,.0f} "
+                      f"{r['blended'] / r['single']:>5.3f}x {r['peak_mb']:>11.1f} {r['anon_mb']:>8.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

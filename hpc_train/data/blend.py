@@ -59,6 +59,7 @@ class BlendedSource:  # a data.batch.Source
     def __init__(self, datasets: dict[str, IndexedDataset]):
         self.names, self.datasets = list(datasets), list(datasets.values())
         self.offsets = [0, *np.cumsum([len(d) for d in self.datasets]).tolist()]
+        self._sample = [d.sample for d in self.datasets]
         self.prefix = "blend of " + ", ".join(f"{n} ({d.prefix})" for n, d in datasets.items())
         self.vocab_size = max(d.vocab_size for d in self.datasets)
         # a mask for every sample when any source has one (the others count every label)
@@ -79,10 +80,11 @@ class BlendedSource:  # a data.batch.Source
         return tokens, mask
 
     def samples(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        offsets, datasets, out = self.offsets, self.datasets, []
+        offsets, sample, find = self.offsets, self._sample, bisect.bisect_right
+        out = []
         for i in indices.tolist():
-            s = bisect.bisect_right(offsets, i) - 1
-            out.append(datasets[s].sample(i - offsets[s]))
+            s = find(offsets, i) - 1
+            out.append(sample[s](i - offsets[s]))
         if self.loss_mask:
             ones = np.ones(self.seq_len, dtype=np.uint8)
             out = [(tokens, ones if mask is None else mask) for tokens, mask in out]
