@@ -189,6 +189,7 @@ BAD_SOURCES = [
     ("{path: CORPUS, weight: -2}", "data.sources[0].weight=-2.0 must be a finite number > 0"),
     ("{path: CORPUS, weight: .nan}", "data.sources[0].weight=nan must be a finite number > 0"),
     ("{path: CORPUS, weight: .inf}", "data.sources[0].weight=inf must be a finite number > 0"),
+    ("{path: CORPUS, weight: abc}", "invalid config key 'weight' of a list's element (from command line): Value 'abc'"),
     ("{path: CORPUS}, {path: CORPUS}", "data.sources name small more than once"),
     ("{path: TINY}", "data.sources[0].path='TINY': TINY has 20 tokens, fewer than one sample of 33"),
     ("{path: CORPUS}, {path: WIDE}", "come from different tokenizers (data.sources[0].path: vocabulary 257"),
@@ -198,7 +199,7 @@ BAD_SOURCES = [
 @pytest.mark.parametrize(
     "sources, message",
     BAD_SOURCES,
-    ids=["missing", "zero", "negative", "nan", "inf", "twice", "too_small", "two_tokenizers"],
+    ids=["missing", "zero", "negative", "nan", "inf", "not_a_number", "twice", "too_small", "two_tokenizers"],
 )
 def test_bad_sources_are_refused_before_any_rank_starts(tmp_path, small_corpus, sources, message):
     """What `hpc-train train` checks before it starts a process (cli.check_inputs): a missing source, a weight
