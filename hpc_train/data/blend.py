@@ -39,8 +39,9 @@ def normalised(weights: list[float]) -> np.ndarray:
 
 def next_sources(counts: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
     """The source of each of the next `n` samples of a phase, given each source's samples in it so far."""
-    # a source holds fewer than w n + K of n samples (the bound above): its candidates are its next
-    # w n + K + 1 due times, in source order, so a stable sort breaks ties to the lower index
+    # of any n consecutive samples a source gets at most w n + 1 + K w <= w n + K + 1 (the bound above, at
+    # both ends): its candidates are its next ceil(w n) + K + 1 due times, in source order, so that a stable
+    # sort breaks ties to the lower index
     k = len(weights)
     ahead = np.minimum(n, np.ceil(weights * n).astype(np.int64) + k + 1)
     due = np.concatenate([(c + np.arange(m) + 0.5) / w for c, m, w in zip(counts, ahead, weights, strict=True)])
