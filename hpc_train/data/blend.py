@@ -19,7 +19,6 @@ no sample already read (until a source's stream wraps into its next epoch).
 
 from __future__ import annotations
 
-import bisect
 import zlib
 from collections.abc import Callable
 
@@ -30,6 +29,8 @@ from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.sampler import ShuffledStream, check_batch_shape, rank_slice
 
 PLAN_SAMPLES = 4096  # a blended sampler plans about this many samples at once
+SOURCE_SHIFT = 40  # a blend's sample index: its source above these bits, its index in the source below
+LOCAL_MASK = (1 << SOURCE_SHIFT) - 1
 
 
 def normalised(weights: list[float]) -> np.ndarray:
@@ -55,11 +56,15 @@ def share_bound(weights: np.ndarray, n: int) -> np.ndarray:
 
 
 class BlendedSource:  # a data.batch.Source
-    """Several datasets as one index space: sample i of source s is index offsets[s] + i."""
+    """Several datasets as one index space: sample i of source s is index offsets[s] + i, with offsets[s] =
+    s << SOURCE_SHIFT, so that a sample's source is a shift away (no search per sample)."""
 
     def __init__(self, datasets: dict[str, IndexedDataset]):
         self.names, self.datasets = list(datasets), list(datasets.values())
-        self.offsets = [0, *np.cumsum([len(d) for d in self.datasets]).tolist()]
+        if max(len(d) for d in self.datasets) > LOCAL_MASK:
+            raise ValueError(f"a source holds more than {LOCAL_MASK} samples")
+        self.offsets = [s << SOURCE_SHIFT for s in range(len(self.datasets))]
+        self.num_samples = sum(len(d) for d in self.datasets)
         self._sample = [d.sample for d in self.datasets]
         self.prefix = "blend of " + ", ".join(f"{n} ({d.prefix})" for n, d in datasets.items())
         self.vocab_size = max(d.vocab_size for d in self.datasets)
@@ -68,10 +73,10 @@ class BlendedSource:  # a data.batch.Source
         self.seq_len = self.datasets[0].seq_len
 
     def __len__(self) -> int:
-        return self.offsets[-1]
+        return self.num_samples
 
     def source_of(self, index: int) -> int:
-        return bisect.bisect_right(self.offsets, index) - 1
+        return index >> SOURCE_SHIFT
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
         s = self.source_of(index)
@@ -81,11 +86,8 @@ class BlendedSource:  # a data.batch.Source
         return tokens, mask
 
     def samples(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        offsets, sample, find = self.offsets, self._sample, bisect.bisect_right
-        out = []
-        for i in indices.tolist():
-            s = find(offsets, i) - 1
-            out.append(sample[s](i - offsets[s]))
+        sample = self._sample
+        out = [sample[i >> SOURCE_SHIFT](i & LOCAL_MASK) for i in indices.tolist()]
         if self.loss_mask:
             ones = np.ones(self.seq_len, dtype=np.uint8)
             out = [(tokens, ones if mask is None else mask) for tokens, mask in out]
