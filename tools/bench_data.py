@@ -112,6 +112,8 @@ def run_loader(prefix: str, seq_len: int, batches: int, rounds: int) -> dict:
     samplers = {"single": ResumableSampler(len(single), gb, micro, 0, 1, 0),
                 "blended": BlendedSampler(blend, [0.5, 0.3, 0.2], gb, micro, 0, 1, 0)}  # fmt: skip
     sources = {"single": single, "blended": blend}
+    for dataset in (single, *blend.datasets):  # every page mapped once: steady state for both (the blend maps
+        int(np.asarray(dataset.tokens).sum())  # the one file three times, which a blend of three files would not)
     times: dict[str, list[float]] = {"single": [], "blended": []}
     for _ in range(rounds * batches):
         for name in ("single", "blended"):

@@ -86,8 +86,8 @@ class BlendedSource:  # a data.batch.Source
         return tokens, mask
 
     def samples(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        sample = self._sample
-        out = [sample[i >> SOURCE_SHIFT](i & LOCAL_MASK) for i in indices.tolist()]
+        sample, shift, local = self._sample, SOURCE_SHIFT, LOCAL_MASK
+        out = [sample[i >> shift](i & local) for i in indices.tolist()]
         if self.loss_mask:
             ones = np.ones(self.seq_len, dtype=np.uint8)
             out = [(tokens, ones if mask is None else mask) for tokens, mask in out]
@@ -128,29 +128,34 @@ class BlendedSampler:
         self.phase_start = np.zeros(len(self.names), dtype=np.int64)  # each source's samples before this phase
         self.phase_counts = np.zeros(len(self.names), dtype=np.int64)  # and in it
         self.retired: dict[str, int] = {}  # samples read from sources of earlier phases that this one lacks
-        self._ahead: tuple[np.ndarray, np.ndarray] | None = None  # (sources, indices) planned, not yet read
+        # planned: (indices of the next batches, each source's phase count after each batch, batches read)
+        self._planned: tuple[np.ndarray, np.ndarray, int] | None = None
 
-    def _plan(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The sources and indices of the next `n` samples from the current state (which it leaves as is)."""
-        picks = next_sources(self.phase_counts, self.weights, n)
-        out = np.empty(n, dtype=np.int64)
+    def _plan(self, batches: int) -> None:
+        """The sources and indices of the next `batches` global batches from the current state (left as is),
+        and each source's count in the phase after each of them."""
+        g = self.global_batch_size
+        picks = next_sources(self.phase_counts, self.weights, batches * g)
+        out = np.empty(batches * g, dtype=np.int64)
+        per_batch = np.empty((batches, len(self.streams)), dtype=np.int64)
         for s, stream in enumerate(self.streams):
             chosen = picks == s
             if count := int(chosen.sum()):
                 out[chosen] = self.offsets[s] + stream.indices(int(self.phase_start[s] + self.phase_counts[s]), count)
-        return picks, out
+            per_batch[:, s] = chosen.reshape(batches, g).sum(axis=1)
+        self._planned = (out, self.phase_counts + np.cumsum(per_batch, axis=0), 0)
 
     def next_global_batch(self) -> np.ndarray:
         """The next global batch's indices (into the BlendedSource); advances the state. Batches are planned
         PLAN_SAMPLES at a time (the same order however the stream is cut), the state advanced batch by batch."""
         g = self.global_batch_size
-        if self._ahead is None or len(self._ahead[0]) < g:
-            self._ahead = self._plan(g * max(1, PLAN_SAMPLES // g))
-        picks, out = (a[:g] for a in self._ahead)
-        self._ahead = tuple(a[g:] for a in self._ahead)
-        self.phase_counts += np.bincount(picks, minlength=len(self.streams))
+        if self._planned is None or self._planned[2] == len(self._planned[1]):
+            self._plan(max(1, PLAN_SAMPLES // g))
+        out, counts, b = self._planned
+        self._planned = (out, counts, b + 1)
+        self.phase_counts = counts[b]
         self.consumed_samples += g
-        return out
+        return out[b * g : (b + 1) * g]
 
     def next_micro_batches(self) -> list[np.ndarray]:
         """This rank's micro-batches of the next global batch; advances the state."""
@@ -177,7 +182,7 @@ class BlendedSampler:
             raise ValueError("the checkpoint's sampler read one dataset (data.train_path), not a blend: resume it "
                              "with data.train_path, or start the blend in a fresh checkpoint.dir")  # fmt: skip
         taken = {n: int(c) for n, c in state["taken"].items()}
-        self._ahead = None
+        self._planned = None
         self.consumed_samples = int(state["consumed_samples"])
         self.retired = {n: c for n, c in taken.items() if n not in self.names}
         here = dict(zip(self.names, self.weights.tolist(), strict=True))
