@@ -3,7 +3,8 @@ its peak RSS (a Hugging Face BPE tokenizer trained here, parquet input), and the
 blend of three sources against one source, with its peak RSS.
 
 Each measurement runs in a process of its own, so its peak RSS is its own: prepare-data's is the largest of
-the main process and its workers (each worker's own; the main process streams, writing as batches come).
+the main process and its workers (each worker's VmHWM, polled; the main process streams, writing as batches
+come).
 The loader reads the same number of samples at both sizes: its peak includes the token-file pages it
 touched (mapped, not loaded); `anon` is its heap (RssAnon), which is what would grow if a dataset were
 loaded whole. The loader reads single and blended global batches alternately; each side's median is kept.
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -83,15 +85,34 @@ def rss_anon_mb() -> float:
     return float("nan")
 
 
+def children_peak_mb(stop: threading.Event, peak: list[float]) -> None:
+    """Until `stop`: the largest VmHWM of this process's children (the tokenizing workers), polled. (The
+    rusage of children would count a worker's pages from before its exec, its parent's.)"""
+    me = os.getpid()
+    while not stop.wait(0.1):
+        for pid in Path(f"/proc/{me}/task/{me}/children").read_text().split():
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            hwm = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), "0")
+            peak[0] = max(peak[0], int(hwm) / 1024)
+
+
 def run_prepare(corpus: str, output: str, tokenizer: str, workers: int) -> dict:
     from hpc_train.data.indexed import IndexedDataset
     from hpc_train.data.prepare import expand_inputs, prepare_data
 
     files = expand_inputs([f"{corpus}/*.parquet"])
+    stop, children = threading.Event(), [0.0]
+    poll = threading.Thread(target=children_peak_mb, args=(stop, children))
+    poll.start()
     start = time.perf_counter()
     prepare_data(files, output, tokenizer, progress=False, workers=workers)
     seconds = time.perf_counter() - start
-    own, children = peak_rss_mb()
+    stop.set()
+    poll.join()
+    own, children = peak_rss_mb()[0], children[0]
     ds = IndexedDataset(output, 1)
     text_mb = sum(f.stat().st_size for f in files) / 2**20
     return {"seconds": seconds, "tokens": int(ds.header["num_tokens"]), "docs": int(ds.header["num_docs"]),

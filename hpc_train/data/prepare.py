@@ -26,7 +26,7 @@ from hpc_train.config import BUILTIN_DATA, ConfigError, DataConfig, ModelConfig
 from hpc_train.data.blend import BlendedSource
 from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter, check_token_ids
 from hpc_train.data.readers import iter_documents
-from hpc_train.data.tokenizer import Encoded, build_tokenizer, encode_documents
+from hpc_train.data.tokenizer import Encoded, build_tokenizer, encode_documents, quiet_tokenizers
 
 VALID_SUFFIX = "_valid"
 
@@ -111,7 +111,8 @@ def encoded_batches(
     batches: Iterator[list[tuple[str | None, str]]], tokenizer: str, max_tokens: int | None, workers: int
 ) -> Iterator[Encoded]:
     """The batches tokenized, in order: here, or by `workers` processes with at most two batches each in
-    flight (a pool's imap would read the whole corpus ahead)."""
+    flight (a pool's imap would read the whole corpus ahead). The workers import data/tokenizer.py alone
+    (not torch)."""
     if workers == 1:
         for batch in batches:
             yield encode_documents(tokenizer, batch, max_tokens)
@@ -124,11 +125,6 @@ def encoded_batches(
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
-
-
-def quiet_tokenizers() -> None:
-    """A worker process tokenizes on its one thread (the processes are the parallelism)."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def data_keys(cfg: DataConfig) -> list[tuple[str, str | None]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -101,3 +102,8 @@ def encode_documents(spec: str, documents: list[tuple[str | None, str]], max_tok
         prompt_lengths.append(n_prompt)
     return Encoded(np.concatenate(ids) if ids else np.zeros(0, np.int64), np.array(lengths, np.int64),
                    np.array(prompt_lengths, np.int64), cut)  # fmt: skip
+
+
+def quiet_tokenizers() -> None:
+    """A worker process tokenizes on its one thread (the processes are the parallelism)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
