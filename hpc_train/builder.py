@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,8 +25,9 @@ from hpc_train.checkpoint.checkpointer import Checkpointer
 from hpc_train.checkpoint.init_from import base_fingerprint, load_base, with_source_model
 from hpc_train.checkpoint.state import ModelState, OptimizerState, RNGState
 from hpc_train.config import JobConfig
+from hpc_train.data.blend import BlendedSampler, BlendedSource
 from hpc_train.data.indexed import IndexedDataset
-from hpc_train.data.prepare import load_datasets
+from hpc_train.data.prepare import load_datasets, load_valid_sources
 from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.parallelize import ParallelModel, parallelize
@@ -51,12 +52,14 @@ class Run:
     model: ParallelModel
     optimizer: Optimizer
     scaler: LossScaler | None  # fp16 only
-    train_set: IndexedDataset | None  # None for a run built without data (tools feeding their own batches)
+    # None for a run built without data (tools feeding their own batches)
+    train_set: IndexedDataset | BlendedSource | None
     valid_set: IndexedDataset | None
-    sampler: ResumableSampler | None
+    sampler: ResumableSampler | BlendedSampler | None
     metrics: MetricsLog | None  # on the rank that logs (global rank 0)
     checkpointer: Checkpointer
     report: Callable[[str], None]  # events everyone should see: printed by rank 0 only
+    valid_sources: dict[str, IndexedDataset] = field(default_factory=dict)  # data.valid_sources, by name
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -75,12 +78,14 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     report = functools.partial(print, flush=True) if is_logger else (lambda message: None)
     seed_everything(cfg.train.seed, rank_env.rank)
     train_set, valid_set = load_datasets(cfg.data, cfg.model, progress=is_logger) if with_data else (None, None)
+    valid_sources = load_valid_sources(cfg.data, cfg.model, progress=is_logger) if with_data else {}
 
     spec = get_spec(cfg.model.arch)
     policy = precision_policy(cfg)
     shards_params = optimizer_class(cfg.optim).shards_params
     model = parallelize(StagePlan(cfg, spec, mesh, device, policy.autocast_dtype, shards_params))
-    model.masked_loss = any(ds is not None and ds.loss_mask is not None for ds in (train_set, valid_set))
+    model.masked_loss = any(ds is not None and ds.loss_mask is not None
+                            for ds in (train_set, valid_set, *valid_sources.values()))  # fmt: skip
     load_base(model, cfg, cfg.checkpoint.io_threads)
     adapters = cfg.finetune.adapters
     optimizer = build_optimizer(model, cfg.optim)
@@ -93,7 +98,10 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window, device=device) if policy.loss_scaling else None
     global_batch = t.micro_batch_size * t.grad_accum * dims.dp
     sampler = None
-    if train_set is not None:
+    if isinstance(train_set, BlendedSource):
+        sampler = BlendedSampler(train_set, [s.weight for s in cfg.data.sources], global_batch, t.micro_batch_size,
+                                 mesh.rank("dp"), dims.dp, t.seed, report)  # fmt: skip
+    elif train_set is not None:
         sampler = ResumableSampler(len(train_set), global_batch, t.micro_batch_size, mesh.rank("dp"), dims.dp, t.seed)
     metrics = MetricsLog(cfg.run_dir, t.steps, cfg.logging.progress, cfg.logging.tensorboard) if is_logger else None
 
@@ -111,4 +119,4 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         base_weights=base_fingerprint(cfg) if is_logger and model.quantized else None,
     )
     return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,
-               sampler, metrics, checkpointer, report)  # fmt: skip
+               sampler, metrics, checkpointer, report, valid_sources)  # fmt: skip

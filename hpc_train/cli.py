@@ -223,7 +223,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     from hpc_train.data.prepare import expand_inputs, prepare_data
 
     written = prepare_data(expand_inputs(args.inputs), args.output, args.tokenizer, args.valid_every,
-                           max_tokens=args.max_tokens)  # fmt: skip
+                           max_tokens=args.max_tokens, workers=args.workers, text_key=args.text_key)  # fmt: skip
     for split, prefix in written.items():
         print(f"{split}: {prefix}.bin / {prefix}.idx")
 
@@ -274,9 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching this mass")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", help="a tokenizer.json (default: the source's, else byte-level)")
-    prep = sub.add_parser("prepare-data", help="tokenize text files (or JSONL examples) into an indexed dataset")
-    prep.add_argument("inputs", nargs="+", help="text files, .jsonl files of {text} or {prompt, response} lines, "
-                      "or globs (quote globs: '**/*.txt')")  # fmt: skip
+    prep = sub.add_parser("prepare-data", help="tokenize text, JSONL or parquet files into an indexed dataset")
+    prep.add_argument("inputs", nargs="+", help="text files (one document each), .jsonl/.ndjson files of {text} or "
+                      "{prompt, response} lines, .parquet files with a text (or prompt and response) column, or globs "
+                      "(quote globs: 'data/**/*.parquet')")  # fmt: skip
+    prep.add_argument("--workers", type=int, default=1, help="processes tokenizing in parallel (default 1)")
+    prep.add_argument("--text-key", default="text", help="the JSON key / parquet column holding a document's text")
     prep.add_argument("--max-tokens", type=int, help="keep the last N tokens of a longer example (use model.seq_len)")
     prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
     prep.add_argument("--tokenizer", default="byte", help="'byte' (default) or a Hugging Face tokenizer.json")

@@ -124,3 +124,44 @@ def test_instruction_jsonl_keeps_a_loss_mask_on_the_responses(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "no response"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1 needs"):
         prepare_data([tmp_path / "bad.jsonl"], str(tmp_path / "bad"), progress=False)
+
+
+def test_prepare_data_reads_parquet_jsonl_and_text_in_worker_processes(tmp_path):
+    """Parquet (a glob of two files; other columns ignored), JSON lines and a text file, tokenized by a Hugging
+    Face tokenizer in two worker processes: the same dataset as one process writes, each record a document in
+    input order; a file without a text column is refused by name."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from hpc_train.config import ConfigError
+    from hpc_train.data.prepare import expand_inputs, prepare_data
+
+    rows = [f"row {i} says hello to parquet" for i in range(30)]
+    pq.write_table(pa.table({"id": list(range(20)), "text": rows[:20]}), tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({"id": list(range(10)), "text": rows[20:]}), tmp_path / "part-1.parquet")
+    (tmp_path / "lines.jsonl").write_text(
+        "".join(json.dumps({"text": f"json line {i}", "n": i}) + "\n" for i in range(5))
+    )
+    (tmp_path / "notes.txt").write_text("a whole text file\nis one document\n")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(rows + ["json line", "a whole text file is one document"],
+                            trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))  # fmt: skip
+    tok.save(str(tmp_path / "tokenizer.json"))
+    files = expand_inputs([str(tmp_path / "*.parquet"), str(tmp_path / "lines.jsonl"), str(tmp_path / "notes.txt")])
+    for workers in (1, 2):
+        prepare_data(files, str(tmp_path / f"w{workers}"), str(tmp_path / "tokenizer.json"), progress=False,
+                     workers=workers)  # fmt: skip
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
+    ds = IndexedDataset(tmp_path / "w2", 4)
+    assert ds.header["num_docs"] == 30 + 5 + 1 and not (tmp_path / "w2.mask").exists()
+    docs = np.split(np.asarray(ds.tokens), ds.doc_offsets[1:-1])
+    assert tok.decode(docs[0][:-1].tolist()) == rows[0] and docs[0][-1] == tok.token_to_id("</s>")
+    assert tok.decode(docs[29][:-1].tolist()) == rows[29] and tok.decode(docs[34][:-1].tolist()) == "json line 4"
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "other.parquet")
+    with pytest.raises(ConfigError, match=r"other.parquet has columns \['body'\]: it needs a 'text' column"):
+        prepare_data([tmp_path / "other.parquet"], str(tmp_path / "bad"), progress=False)
+    prepare_data([tmp_path / "other.parquet"], str(tmp_path / "body"), progress=False, text_key="body")
+    assert IndexedDataset(tmp_path / "body", 1).header["num_docs"] == 1

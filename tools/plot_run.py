@@ -1,5 +1,7 @@
-"""Plot loss (and eval loss), tokens/s and memory of one or more runs to a PNG, and for each run with a
-straggler report (logging.straggler_interval) a heat strip of every rank's compute time over the median.
+"""Plot loss (and eval loss), tokens/s and memory of one or more runs to a PNG; for runs on a blend of
+sources (data.sources) each source's share of the training tokens and its eval loss (data.valid_sources);
+and for each run with a straggler report (logging.straggler_interval) a heat strip of every rank's compute
+time over the median.
 
 python tools/plot_run.py runs/tiny runs/other --out runs.png
 """
@@ -29,10 +31,14 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
         for d, reports in strips.items()
         if reports
     }  # the last layout's world size, if it changed
-    fig, axes = plt.subplots(1, 3 + len(strips), figsize=(15 + 5 * len(strips), 4))
+    blended = any(k.startswith("train_tokens/") for records in runs.values() for k in records[-1])
+    panels = 3 + blended
+    fig, axes = plt.subplots(1, panels + len(strips), figsize=(5 * (panels + len(strips)), 4))
     loss_ax, speed_ax, mem_ax = axes[:3]
-    for ax, (run_dir, reports) in zip(axes[3:], strips.items(), strict=True):
+    for ax, (run_dir, reports) in zip(axes[panels:], strips.items(), strict=True):
         heat_strip(fig, ax, run_dir.name, reports)
+    if blended:
+        per_source(axes[3], loss_ax, runs)
     for i, (run_dir, records) in enumerate(runs.items()):
         color = f"C{i}"  # one colour per run in every panel
         steps = [r["step"] for r in records]
@@ -51,6 +57,26 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def per_source(share_ax, loss_ax, runs: dict[Path, list[dict]]) -> None:
+    """Each source's share of the tokens trained so far (a line per source and run), and its eval loss."""
+    for i, (run_dir, records) in enumerate(runs.items()):
+        sources = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("train_tokens/")})
+        for j, name in enumerate(sources):
+            rows = [(r["step"], r.get(f"train_tokens/{name}", 0) / sum(v for k, v in r.items()
+                     if k.startswith("train_tokens/"))) for r in records if f"train_tokens/{name}" in r]  # fmt: skip
+            share_ax.plot(*zip(*rows, strict=True), color=f"C{i}", linestyle=("-", "--", ":", "-.")[j % 4],
+                          label=f"{run_dir.name} {name}")  # fmt: skip
+        evals = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("eval_loss/")})
+        for j, name in enumerate(evals):
+            rows = [(r["step"], r[f"eval_loss/{name}"]) for r in records if f"eval_loss/{name}" in r]
+            loss_ax.plot(*zip(*rows, strict=True), marker="osv^D"[j % 5], linestyle=":", color=f"C{i}", alpha=0.6,
+                         label=f"{run_dir.name} eval {name}")  # fmt: skip
+    share_ax.set_title("share of the training tokens, per source")
+    share_ax.set_xlabel("step")
+    share_ax.grid(alpha=0.3)
+    share_ax.legend()
 
 
 def heat_strip(fig, ax, name: str, reports: list[dict]) -> None:

@@ -62,6 +62,17 @@ def identity_differences(saved_config: str, cfg: JobConfig) -> list[str]:
     return out
 
 
+def data_differences(saved: dict, here: dict) -> list[str]:
+    """The training data of a checkpoint against this run's: one dataset's size must match; a blend's sources
+    present on both sides must match by name (a source added or left out is a new phase of the mix)."""
+    if "sources" in saved and "sources" in here:
+        common = saved["sources"].keys() & here["sources"].keys()
+        return [f"training data source {name!r}: {saved['sources'][name]} in the checkpoint, {here['sources'][name]} "
+                "here (give a changed source another name)" for name in sorted(common)
+                if saved["sources"][name] != here["sources"][name]]  # fmt: skip
+    return [] if saved == here else [f"training data: {saved} in the checkpoint, {here} here"]
+
+
 def refuse_foreign(
     path: Path, manifest: dict, cfg: JobConfig, data: dict | None = None, base_weights: str | None = None
 ) -> None:
@@ -69,8 +80,8 @@ def refuse_foreign(
     identity keys, the training data's size when both sides know it, and the fingerprint of base weights
     it does not hold (QLoRA's)."""
     differences = identity_differences(manifest["config"], cfg)
-    if data is not None and manifest.get("data") not in (None, data):
-        differences.append(f"training data: {manifest['data']} in the checkpoint, {data} here")
+    if data is not None and manifest.get("data") is not None:
+        differences += data_differences(manifest["data"], data)
     if base_weights is not None and manifest.get("base_weights") != base_weights:
         differences.append(f"base weights (model.init_from): {manifest.get('base_weights')} in the checkpoint, "
                            f"{base_weights} here")  # fmt: skip

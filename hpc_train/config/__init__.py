@@ -16,6 +16,7 @@ from hpc_train.config.schema import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    DataSource,
     FinetuneConfig,
     JobConfig,
     LoggingConfig,
@@ -27,8 +28,8 @@ from hpc_train.config.schema import (
 )
 
 __all__ = [
-    "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "FinetuneConfig", "JobConfig", "LoggingConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "SlurmConfig", "TrainConfig", "check_values", "derive_dp",
-    "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes", "to_yaml",
+    "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "FinetuneConfig", "JobConfig",
+    "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "SlurmConfig", "TrainConfig", "check_values",
+    "derive_dp", "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes", "to_yaml",
     "validate",
 ]  # fmt: skip

@@ -94,7 +94,28 @@ def _value_problems(cfg: JobConfig) -> list[str]:
         if not any(value.startswith(f"{source}/") or value.endswith(f"/{source}") for source in bad):
             problems.append(f"{key}={value!r} holds a control character (a newline?); remove it")
         bad.append(value)
-    return problems + _slurm_problems(cfg)
+    return problems + _source_problems(cfg) + _slurm_problems(cfg)
+
+
+def _source_problems(cfg: JobConfig) -> list[str]:
+    """data.sources / data.valid_sources: a path each, finite positive weights, distinct names."""
+    d, problems = cfg.data, []
+    if d.sources and d.train_path != BUILTIN_DATA:
+        problems.append(f"data.train_path={d.train_path!r} and data.sources are both set: a blend replaces "
+                        "train_path; give the dataset as one of data.sources (or drop data.sources)")  # fmt: skip
+    for key, sources in (("data.sources", d.sources), ("data.valid_sources", d.valid_sources)):
+        for i, src in enumerate(sources):
+            if not src.path:
+                problems.append(f"{key}[{i}] has no path: give the prefix of a dataset made by prepare-data")
+            if key == "data.sources" and not (math.isfinite(src.weight) and src.weight > 0):
+                problems.append(f"{key}[{i}].weight={src.weight} must be a finite number > 0 (its share of the "
+                                "samples before normalising; leave a source out to drop it)")  # fmt: skip
+            if has_control_chars(src.path):
+                problems.append(f"{key}[{i}].path={src.path!r} holds a control character (a newline?); remove it")
+        labels = [src.label for src in sources]
+        if twice := sorted({label for label in labels if labels.count(label) > 1}):
+            problems.append(f"{key} name {', '.join(twice)} more than once: give each source its own `name`")
+    return problems
 
 
 # Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
@@ -232,6 +253,9 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
     if check_paths:
         data_keys = ("data.train_path", "data.valid_path")
         checks += [lambda key=key: check_data_path(key, _get(cfg, key)) for key in data_keys]
+        for key in ("sources", "valid_sources"):
+            checks += [lambda key=f"data.{key}[{i}].path", p=src.path: check_data_path(key, p)
+                       for i, src in enumerate(getattr(cfg.data, key))]  # fmt: skip
     raise_all(checks)
     return dp
 
@@ -268,7 +292,7 @@ def check_pipeline(cfg: JobConfig) -> None:
 
 
 def check_data_path(key: str, prefix: str | None) -> None:
-    if prefix is None or prefix == BUILTIN_DATA:
+    if not prefix or prefix == BUILTIN_DATA:
         return
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():

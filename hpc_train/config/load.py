@@ -39,8 +39,12 @@ def _merge_error(err: OmegaConfBaseException, source: str) -> ConfigError:
     if isinstance(err, ValidationError) and err.value is not None and key != "?":
         value = err.value._value() if hasattr(err.value, "_value") else err.value
         expected = JobConfig
-        for part in str(key).split("."):
-            expected = typing.get_type_hints(expected)[part]
+        try:
+            for part in str(key).split("."):
+                expected = typing.get_type_hints(expected)[part]
+        except KeyError:  # a field of a list's element (data.sources): omegaconf names the field alone
+            return ConfigError(f"invalid config key '{key}' of a list's element (from {source}): "
+                               f"{str(err.msg).splitlines()[0]}")  # fmt: skip
         expected_name = getattr(expected, "__name__", str(expected))
         return ConfigError(
             f"config key '{key}' (from {source}) got {value!r} of type {type(value).__name__}, expected {expected_name}"

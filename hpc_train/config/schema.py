@@ -181,9 +181,27 @@ class FinetuneConfig:
 
 
 @dataclass
+class DataSource:
+    """One dataset of a blend (data.sources) or of the per-source evaluation (data.valid_sources)."""
+
+    path: str = ""  # prefix of a .bin/.idx pair, or "stdlib" for the embedded corpus
+    weight: float = 1.0  # its share of the training samples, before normalising (valid_sources: unused)
+    name: str | None = None  # in metrics (train_tokens/<name>, eval_loss/<name>); None = the path's file name
+
+    @property
+    def label(self) -> str:
+        """Its name in metrics and checkpoints."""
+        return self.name or self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+@dataclass
 class DataConfig:
     train_path: str = BUILTIN_DATA  # prefix of a .bin/.idx pair, or "stdlib" for the embedded corpus
     valid_path: str | None = None  # None with "stdlib" = its held-out split; None otherwise = no eval
+    # a weighted blend of datasets instead of train_path; weights are normalised; changing them (or adding a
+    # source) on resume starts a new phase that continues each source where it stopped
+    sources: list[DataSource] = field(default_factory=list)
+    valid_sources: list[DataSource] = field(default_factory=list)  # each evaluated alone: eval_loss/<name>
     cache_dir: str = "${oc.env:HPC_TRAIN_CACHE,'~/.cache/hpc_train'}"  # where the embedded corpus is built
 
 

@@ -23,6 +23,10 @@ class Source(Protocol):
         counts (None: all of them)."""
         ...
 
+    def samples(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """`sample` of each index (one call per batch: a blend looks its sources up at once)."""
+        ...
+
     def identity(self) -> dict[str, int]:
         """What the checkpoint manifest records so that a resume on other data is refused."""
         ...
@@ -45,7 +49,7 @@ class Batch:
 
 def collate(source: Source, indices: np.ndarray) -> Batch:
     """The samples at `indices` as one batch: inputs, next-token labels, IGNORE where the mask says so."""
-    samples = [source.sample(int(i)) for i in indices]
+    samples = source.samples(indices)
     rows = torch.from_numpy(np.stack([tokens for tokens, _ in samples]).astype(np.int64))
     labels = rows[:, 1:]
     if samples[0][1] is not None:

@@ -43,13 +43,34 @@ class IndexedDatasetWriter:
         self._mask = open(self._mask_tmp, "wb") if loss_mask else None
 
     def add_document(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
-        """`mask`: which tokens the loss counts (all of them when left out), for a dataset with a loss mask."""
+        """`mask`: which tokens the loss counts (all of them when left out). The first document whose mask
+        leaves a token out gives the dataset a loss mask (the documents before it count every token)."""
         if len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size}) in document {len(self.offsets) - 1}")
+        if self._mask is None and mask is not None and not mask.all():
+            self._start_mask()
         self._bin.write(np.asarray(ids, dtype=self.dtype).tobytes())
         if self._mask is not None:
             self._mask.write(np.ones(len(ids), np.uint8).tobytes() if mask is None else mask.astype(np.uint8).tobytes())
         self.offsets.append(self.offsets[-1] + len(ids))
+
+    def _start_mask(self, chunk: int = 1 << 24) -> None:
+        """A loss mask from here on: every token written so far counts."""
+        self._mask_tmp = f"{self.prefix}.mask.tmp{os.getpid()}"
+        self._mask = open(self._mask_tmp, "wb")
+        for start in range(0, self.offsets[-1], chunk):
+            self._mask.write(np.ones(min(chunk, self.offsets[-1] - start), np.uint8).tobytes())
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    def abort(self) -> None:
+        """Close and delete what was written: nothing of it is committed."""
+        for f, path in ((self._bin, self._bin_tmp), (self._mask, self._mask_tmp)):
+            if f is not None:
+                f.close()
+                Path(path).unlink(missing_ok=True)
 
     def close(self) -> None:
         for f in filter(None, (self._bin, self._mask)):
@@ -146,6 +167,9 @@ class IndexedDataset:  # a data.batch.Source
         start = i * self.seq_len
         mask = None if self.loss_mask is None else self.loss_mask[start + 1 : start + self.seq_len + 1]
         return self.tokens[start : start + self.seq_len + 1], mask
+
+    def samples(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        return [self.sample(i) for i in indices.tolist()]
 
     def identity(self) -> dict[str, int]:
         return {"tokens": len(self.tokens), "documents": len(self.doc_offsets) - 1}

@@ -1,4 +1,5 @@
-"""Text files -> indexed token datasets, and the embedded default corpus.
+"""Text, JSON lines and parquet files -> indexed token datasets (tokenized in worker processes, streamed),
+the checks of the datasets a run reads, and the embedded default corpus.
 
 The embedded corpus is the running interpreter's own standard library (`.py` sources found through
 `sysconfig`), tokenized byte-level: it needs no download and is the same on every machine with the same
@@ -10,18 +11,22 @@ from __future__ import annotations
 import fcntl
 import glob
 import hashlib
-import json
+import multiprocessing
 import os
 import sys
 import sysconfig
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from hpc_train.config import BUILTIN_DATA, ConfigError, DataConfig, ModelConfig
+from hpc_train.data.blend import BlendedSource
 from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter, check_token_ids
-from hpc_train.data.tokenizer import build_tokenizer
+from hpc_train.data.readers import iter_documents
+from hpc_train.data.tokenizer import Encoded, build_tokenizer, encode_documents, quiet_tokenizers
 
 VALID_SUFFIX = "_valid"
 
@@ -43,79 +48,99 @@ def prepare_data(
     valid_every: int = 0,
     progress: bool = True,
     max_tokens: int | None = None,
+    workers: int = 1,
+    text_key: str = "text",
 ) -> dict[str, str]:
-    """Tokenize each text file as one document, and each line of a `.jsonl` file as one example, into
-    OUTPUT.bin/.idx (with a .mask when there are examples: only response tokens count in the loss); with
-    `valid_every=N`, every N-th document goes to the held-out OUTPUT_valid instead. `max_tokens`: longer
-    examples keep their last `max_tokens` tokens (the response and its end). Returns the prefixes written."""
+    """Tokenize the documents of `files` (data/readers.py: parquet and JSON lines by record, other files whole)
+    into OUTPUT.bin/.idx, streamed: `workers` processes tokenize batches of documents while this one writes
+    them in order, so memory stays flat as the corpus grows. Instruction examples give the dataset a .mask
+    (only response tokens count in the loss). With `valid_every=N`, every N-th document goes to the held-out
+    OUTPUT_valid instead. `max_tokens`: longer documents keep their last `max_tokens` tokens (an example's
+    response and its end). Returns the prefixes written."""
     if max_tokens is not None and max_tokens < 1:
         raise ConfigError(f"--max-tokens {max_tokens} must be at least 1 (use model.seq_len)")
-    documents = [(path, doc) for path in files for doc in read_documents(path)]
-    if valid_every < 0 or (valid_every and valid_every > len(documents)):
-        raise ConfigError(f"--valid-every {valid_every} with {len(documents)} document(s) holds out none; "
-                          "use a value between 2 and the number of documents, or 0 for no held-out split")  # fmt: skip
-    if not any(prompt or text for _, (prompt, text) in documents):
-        raise ConfigError(f"the {len(files)} input file(s) hold no text: nothing to tokenize")
+    if workers < 1:
+        raise ConfigError(f"--workers {workers} must be at least 1")
+    if valid_every < 0:
+        raise ConfigError(f"--valid-every {valid_every} holds out none; use a value between 2 and the number of "
+                          "documents, or 0 for no held-out split")  # fmt: skip
     tok = build_tokenizer(tokenizer)
-    masked = any(path.suffix == ".jsonl" for path in files)
-    writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name, masked)}
+    writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name)}
     if valid_every:
-        writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name, masked)
-    cut = 0
-    for i, (_, (prompt, text)) in enumerate(tqdm(documents, desc="tokenizing", unit="doc", disable=not progress)):
-        prompt_ids = tok.encode(prompt) if prompt else np.zeros(0, np.int64)
-        ids = np.concatenate([prompt_ids, tok.encode(text)])
-        if tok.eod_id is not None:
-            ids = np.append(ids, tok.eod_id)
-        mask = np.arange(len(ids)) >= len(prompt_ids)
-        if max_tokens is not None and len(ids) > max_tokens:
-            ids, mask, cut = ids[-max_tokens:], mask[-max_tokens:], cut + 1
-        split = "valid" if valid_every and i % valid_every == valid_every - 1 else "train"
-        writers[split].add_document(ids, mask if masked else None)
+        writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name)
+    seen = {"documents": 0, "text": False, "cut": 0}
+
+    def batches() -> Iterator[list[tuple[str | None, str]]]:
+        for path in files:
+            for batch in iter_documents(path, text_key):
+                seen["text"] = seen["text"] or any(prompt or text for prompt, text in batch)
+                yield batch
+
+    bar = None  # shown from the first batch on: input refused at once prints its error alone
+    try:
+        for encoded in encoded_batches(batches(), tokenizer, max_tokens, workers):
+            if bar is None:
+                bar = tqdm(desc="tokenizing", unit="doc", disable=not progress, delay=1)  # a quick run: none
+            ends = np.cumsum(encoded.lengths)
+            for end, length, n_prompt in zip(ends, encoded.lengths, encoded.prompt_lengths, strict=True):
+                i, seen["documents"] = seen["documents"], seen["documents"] + 1
+                split = "valid" if valid_every and i % valid_every == valid_every - 1 else "train"
+                mask = np.arange(length) >= n_prompt if n_prompt else None
+                writers[split].add_document(encoded.ids[end - length : end], mask)
+            seen["cut"] += encoded.cut
+            bar.update(len(encoded.lengths))
+        if bar is not None:
+            bar.close()
+        if not seen["text"]:
+            raise ConfigError(f"the {len(files)} input file(s) hold no text: nothing to tokenize")
+        if valid_every and not writers["valid"].num_docs:
+            raise ConfigError(f"--valid-every {valid_every} with {seen['documents']} document(s) holds out none; use "
+                              "a value between 2 and the number of documents, or 0 for no held-out split")  # fmt: skip
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
     for writer in writers.values():
         writer.close()
-    if cut and progress:
-        print(f"{cut} example(s) longer than {max_tokens} tokens kept their last {max_tokens}")
+    if seen["cut"] and progress:
+        print(f"{seen['cut']} example(s) longer than {max_tokens} tokens kept their last {max_tokens}")
     return {split: writer.prefix for split, writer in writers.items()}
 
 
-def read_documents(path: Path) -> list[tuple[str | None, str]]:
-    """(prompt, text) pairs: a text file is one document without prompt; each line of a .jsonl file is an
-    example, {"text": ...} or {"prompt": ..., "response": ...} (the loss counts the response only)."""
-    if path.suffix != ".jsonl":
-        return [(None, read_text_input(path))]
-    out = []
-    for number, line in enumerate(read_text_input(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{number} is not JSON ({err.msg})") from None
-        if isinstance(record, dict) and isinstance(record.get("text"), str):
-            out.append((None, record["text"]))
-        elif isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("prompt", "response")):
-            out.append((record["prompt"], record["response"]))
-        else:
-            raise ConfigError(f'{path}:{number} needs {{"text": ...}} or {{"prompt": ..., "response": ...}} strings')
-    return out
+def encoded_batches(
+    batches: Iterator[list[tuple[str | None, str]]], tokenizer: str, max_tokens: int | None, workers: int
+) -> Iterator[Encoded]:
+    """The batches tokenized, in order: here, or by `workers` processes with at most two batches each in
+    flight (a pool's imap would read the whole corpus ahead). The workers import data/tokenizer.py alone
+    (not torch)."""
+    if workers == 1:
+        for batch in batches:
+            yield encode_documents(tokenizer, batch, max_tokens)
+        return
+    pending: deque = deque()
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=quiet_tokenizers) as pool:
+        for batch in batches:
+            pending.append(pool.apply_async(encode_documents, (tokenizer, batch, max_tokens)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
 
-def read_text_input(path: Path) -> str:
-    """A text file's contents; binary input (NUL bytes or invalid UTF-8) is refused by name."""
-    data = path.read_bytes()
-    if b"\0" in data:
-        raise ConfigError(f"input {path} is binary (it holds NUL bytes); prepare-data takes text files")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"input {path} is not UTF-8 text (byte {err.start}); convert it or leave it out") from None
+def data_keys(cfg: DataConfig) -> list[tuple[str, str | None]]:
+    """(config key, dataset prefix) of every dataset the run reads."""
+    train = [(f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.sources)] or [("data.train_path",
+                                                                                          cfg.train_path)]  # fmt: skip
+    valid = [(f"data.valid_sources[{i}].path", s.path) for i, s in enumerate(cfg.valid_sources)]
+    return [*train, ("data.valid_path", cfg.valid_path), *valid]
 
 
 def check_datasets(cfg: DataConfig, model: ModelConfig) -> None:
     """Before any rank starts: every dataset the run reads has a sound index, whole token file and token ids
-    inside the model's vocabulary (the embedded corpus is built by this code and skipped)."""
-    for key, prefix in (("data.train_path", cfg.train_path), ("data.valid_path", cfg.valid_path)):
+    inside the model's vocabulary (the embedded corpus is built by this code and skipped); a blend's sources
+    come from one tokenizer."""
+    seen: dict[str, IndexedDataset] = {}
+    for key, prefix in data_keys(cfg):
         if prefix in (None, BUILTIN_DATA):
             continue
         try:
@@ -127,6 +152,18 @@ def check_datasets(cfg: DataConfig, model: ModelConfig) -> None:
             check_token_ids(dataset, dataset.vocab_size)
         except ValueError as err:
             raise ConfigError(f"{key}={prefix!r}: {err}") from None
+        seen[key] = dataset
+    check_same_tokenizer(seen)
+
+
+def check_same_tokenizer(datasets: dict[str, IndexedDataset]) -> None:
+    """Datasets read by one run hold the same vocabulary size and token dtype (one tokenizer's)."""
+    described = {key: (ds.vocab_size, ds.header["dtype"]) for key, ds in datasets.items()}
+    if len(set(described.values())) > 1:
+        listed = "; ".join(f"{key}: vocabulary {v} ({datasets[key].header.get('tokenizer')}), {d} tokens"
+                           for key, (v, d) in described.items())  # fmt: skip
+        raise ConfigError(f"the datasets of this run come from different tokenizers ({listed}): every source must be "
+                          "prepared with one tokenizer; re-run prepare-data with the same --tokenizer")  # fmt: skip
 
 
 def check_vocabulary(dataset: IndexedDataset, model: ModelConfig) -> None:
@@ -170,11 +207,33 @@ def dataset_prefixes(train_path: str, valid_path: str | None, cache_dir: str, pr
     return train, valid_path
 
 
-def load_datasets(cfg: DataConfig, model: ModelConfig, progress: bool) -> tuple[IndexedDataset, IndexedDataset | None]:
-    """The training and (if any) held-out datasets, checked against the model's vocabulary."""
-    train_prefix, valid_prefix = dataset_prefixes(cfg.train_path, cfg.valid_path, cfg.cache_dir, progress)
-    train_set = IndexedDataset(train_prefix, model.seq_len)
+def load_datasets(
+    cfg: DataConfig, model: ModelConfig, progress: bool
+) -> tuple[IndexedDataset | BlendedSource, IndexedDataset | None]:
+    """The training (one dataset, or the blend of data.sources) and (if any) held-out datasets, checked
+    against the model's vocabulary."""
+    if cfg.sources:
+        train_set = BlendedSource({s.label: load_source(s.path, cfg, model, progress) for s in cfg.sources})
+        valid_prefix = cfg.valid_path  # no default held-out set: data.valid_sources evaluate each source
+        if valid_prefix == BUILTIN_DATA:
+            valid_prefix = builtin_corpus(cfg.cache_dir, progress)[1]
+    else:
+        train_prefix, valid_prefix = dataset_prefixes(cfg.train_path, cfg.valid_path, cfg.cache_dir, progress)
+        train_set = IndexedDataset(train_prefix, model.seq_len)
     valid_set = IndexedDataset(valid_prefix, model.seq_len) if valid_prefix else None
     for ds in filter(None, (train_set, valid_set)):
         check_vocabulary(ds, model)
     return train_set, valid_set
+
+
+def load_source(path: str, cfg: DataConfig, model: ModelConfig, progress: bool) -> IndexedDataset:
+    """One dataset of data.sources / data.valid_sources ("stdlib": the embedded corpus's training split)."""
+    prefix = builtin_corpus(cfg.cache_dir, progress)[0] if path == BUILTIN_DATA else path
+    dataset = IndexedDataset(prefix, model.seq_len)
+    check_vocabulary(dataset, model)
+    return dataset
+
+
+def load_valid_sources(cfg: DataConfig, model: ModelConfig, progress: bool) -> dict[str, IndexedDataset]:
+    """data.valid_sources by name, each evaluated alone."""
+    return {s.label: load_source(s.path, cfg, model, progress) for s in cfg.valid_sources}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +19,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> np.ndarray: ...
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -30,6 +34,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -50,6 +57,9 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
@@ -57,3 +67,43 @@ class HFTokenizer:
 def build_tokenizer(spec: str) -> Tokenizer:
     """`byte` or the path of a Hugging Face tokenizer.json."""
     return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+
+
+@functools.lru_cache(maxsize=2)
+def cached_tokenizer(spec: str) -> Tokenizer:
+    """One tokenizer per process and spec: a tokenizing worker builds it once, not per batch."""
+    return build_tokenizer(spec)
+
+
+@dataclass
+class Encoded:
+    """A batch of documents tokenized: their ids back to back, each one's length and its prompt's."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    prompt_lengths: np.ndarray
+    cut: int  # documents cut to max_tokens
+
+
+def encode_documents(spec: str, documents: list[tuple[str | None, str]], max_tokens: int | None) -> Encoded:
+    """Tokenize (prompt, text) documents, each followed by the end-of-document id; a document longer than
+    `max_tokens` keeps its last `max_tokens` tokens (an example's response and its end). Runs in workers."""
+    tok = cached_tokenizer(spec)
+    prompts = tok.encode_batch([p or "" for p, _ in documents])
+    texts = tok.encode_batch([t for _, t in documents])
+    eod = np.zeros(0, np.int64) if tok.eod_id is None else np.array([tok.eod_id], np.int64)
+    ids, lengths, prompt_lengths, cut = [], [], [], 0
+    for prompt, text in zip(prompts, texts, strict=True):
+        doc, n_prompt = np.concatenate([prompt, text, eod]), len(prompt)
+        if max_tokens is not None and len(doc) > max_tokens:
+            doc, n_prompt, cut = doc[-max_tokens:], max(0, n_prompt - (len(doc) - max_tokens)), cut + 1
+        ids.append(doc)
+        lengths.append(len(doc))
+        prompt_lengths.append(n_prompt)
+    return Encoded(np.concatenate(ids) if ids else np.zeros(0, np.int64), np.array(lengths, np.int64),
+                   np.array(prompt_lengths, np.int64), cut)  # fmt: skip
+
+
+def quiet_tokenizers() -> None:
+    """A worker process tokenizes on its one thread (the processes are the parallelism)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"

@@ -129,6 +129,15 @@ def _restart_figures(run: Run, resumed: Resumed | None) -> dict[str, float] | No
     return figures
 
 
+def evaluate_all(run: Run) -> dict[str, float]:
+    """`eval_loss` (data.valid_path's, else the mean over data.valid_sources) and `eval_loss/<name>` for each
+    of data.valid_sources."""
+    per_source = {f"eval_loss/{name}": evaluate(run.model, ds, run.cfg.train) for name, ds in run.valid_sources.items()}
+    if run.valid_set is not None:
+        return {"eval_loss": evaluate(run.model, run.valid_set, run.cfg.train), **per_source}
+    return {"eval_loss": sum(per_source.values()) / len(per_source), **per_source}
+
+
 def _report_stragglers(run: Run, stragglers: list[dict], step: int) -> None:
     """Rank 0: the slow ranks in the log; the nodes of those past logging.straggler_blame are blamed."""
     log = run.cfg.logging
@@ -173,13 +182,14 @@ def _train(
         with hang.paused():
             profile.after_step(step)
         last_memory.update(stats.memory)
-        record = {"step": step, "lr": lr, "consumed_samples": run.sampler.consumed_samples}
+        record = {"step": step, "lr": lr, **run.sampler.progress()}  # samples read (a blend's: tokens per source)
         if resumed is not None and step == start_step + 1:  # where this run picked up, for the record
             record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout}
         if restart and step == start_step + 1:
             record["restart"] = restart
         pending.append(Pending(record, stats, timings))
-        eval_due = run.valid_set is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps)
+        evaluated = run.valid_set is not None or run.valid_sources
+        eval_due = evaluated and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps)
         if not (step % cfg.logging.log_interval == 0 or step == t.steps or eval_due or monitor.due(step)
                 or run.checkpointer.should_save(step, False)):  # fmt: skip
             watchdog.record(step, 2)
@@ -191,7 +201,8 @@ def _train(
         elapsed = (time.perf_counter() - interval_start) / len(pending)
         if eval_due:
             with hang.paused():
-                result.eval_losses[step] = evaluate(run.model, run.valid_set, cfg.train)
+                evals = evaluate_all(run)
+                result.eval_losses[step] = evals["eval_loss"]
         # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
         agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None)],
                               device=run.device)  # fmt: skip
@@ -218,7 +229,7 @@ def _train(
         pending.clear()
         record = records[-1]
         if eval_due:
-            record["eval_loss"] = result.eval_losses[step]
+            record.update(evals)
         if slow := monitor.report(step):
             record.update(slow)
             _report_stragglers(run, slow["stragglers"], step)
