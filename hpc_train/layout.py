@@ -69,7 +69,7 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
         _check_freeze(cfg, spec)
     if cfg.finetune.adapters:
         _check_adapters(cfg, spec)
-    return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)
+    return ParallelDims(pp=cfg.parallel.pp, dp=dp, cp=cfg.parallel.cp, tp=cfg.parallel.tp)
 
 
 def _check_zero(cfg: JobConfig, dp: int) -> None:
