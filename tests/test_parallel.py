@@ -1,4 +1,4 @@
-"""3D parallelism: every (pp, dp, tp) layout trains exactly like one process on the same global batch,
+"""4D parallelism: every (pp, dp, cp, tp) layout trains exactly like one process on the same global batch,
 for every model family (llama; gpt2, whose tied embeddings span pipeline stages and tp shards).
 
 Each launch runs several layouts one after another in the same worker processes (a fresh process group
@@ -41,6 +41,19 @@ LAYOUTS = {
         ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", "model.recompute=selective"],
     ),
 }
+# context parallelism: each sample's sequence split over cp ranks (ring: zig-zag, KV passed around the ring;
+# Ulysses: all-to-all to head shards), alone and with tp + SP, pp, dp with ZeRO-3, and the ring recomputed
+RING, ULYSSES = "parallel.cp_mode=ring", "parallel.cp_mode=ulysses"
+LAYOUTS.update({
+    "cp2_ring": (2, ["parallel.cp=2", RING, "train.micro_batch_size=4", "train.grad_accum=2", CHUNKED]),
+    "cp2_ulysses": (2, ["parallel.cp=2", ULYSSES, "train.micro_batch_size=8"]),
+    "cp2_ring_recompute": (2, ["parallel.cp=2", RING, "train.micro_batch_size=8", "model.recompute=selective"]),
+    "cp4_ring": (4, ["parallel.cp=4", RING, "train.micro_batch_size=8"]),
+    "cp4_ulysses": (4, ["parallel.cp=4", ULYSSES, "train.micro_batch_size=4", "train.grad_accum=2"]),
+    "tp2_cp2": (4, ["parallel.tp=2", "parallel.cp=2", RING, SP, "train.micro_batch_size=4", "train.grad_accum=2"]),
+    "pp2_cp2": (4, ["parallel.pp=2", "parallel.cp=2", ULYSSES, "train.micro_batch_size=4", "train.grad_accum=2"]),
+    "dp2_cp2_zero3": (4, ["parallel.cp=2", RING, "train.micro_batch_size=4", "optim.zero_stage=3"]),
+})  # fmt: skip
 
 
 def _derive(variants: dict[str, str], extra: list[str]) -> None:
