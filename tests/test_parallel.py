@@ -10,8 +10,10 @@ import pytest
 
 from hpc_train.config import load_config
 from hpc_train.launch.local import launch_sequence
+from hpc_train.planner import cp_traffic_bytes
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
+from tools.bench_parallel import counted_training
 
 STEPS = 3
 TOL = 1e-5
@@ -129,7 +131,7 @@ def runs(tmp_path_factory, small_corpus):
         cfgs = [cfg(arch, n, [*LAYOUTS[n][1], f"parallel.nproc={world}"]) for arch in ARCHS for n in names]
         cfgs += [muon(n, [*LAYOUTS[base][1], f"parallel.nproc={world}"])
                  for n, base in MUON_LAYOUTS.items() if LAYOUTS[base][0] == world]  # fmt: skip
-        launch_sequence(run_training, world, [(c,) for c in cfgs])
+        launch_sequence(counted_training, world, [(c,) for c in cfgs])  # run_training, counting cp's bytes
     compiled = [cfg("llama", f"{n}_compiled", [*LAYOUTS[n][1], "parallel.nproc=2", "train.compile=true"])
                 for n in COMPILED_LAYOUTS]  # fmt: skip
     launch_sequence(run_training, 2, [(c,) for c in compiled])
@@ -187,3 +189,12 @@ def test_muon_layout_matches_single_process(runs, layout):
     assert max_param_diff(read_final_model(runs / layout), read_final_model(runs / "reference_muon")) <= MUON_TOL
     adamw = read_final_model(runs / "reference")  # the rule was applied: Muon's weights are not AdamW's
     assert max_param_diff(read_final_model(runs / "reference_muon"), adamw) > 5 * MUON_TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if "cp" in name])
+def test_context_parallel_bytes_are_the_planners(runs, arch, layout):
+    """What rank 0 sent over cp per step, counted at the primitives, is the planner's cp_traffic_bytes."""
+    cfg = load_config(None, [*COMMON, f"model.arch={arch}", *LAYOUTS[layout][1]])
+    sent = float((runs[arch] / layout / "cp_bytes_0").read_text())
+    assert sent > 0 and sent == pytest.approx(cp_traffic_bytes(cfg), rel=1e-9)
