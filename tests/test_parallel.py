@@ -194,7 +194,11 @@ def test_muon_layout_matches_single_process(runs, layout):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if "cp" in name])
 def test_context_parallel_bytes_are_the_planners(runs, arch, layout):
-    """What rank 0 sent over cp per step, counted at the primitives, is the planner's cp_traffic_bytes."""
+    """What rank 0 sent over cp per step, counted at the primitives, is the planner's cp_traffic_bytes (a
+    pipeline's first step adds the forward that infers its shapes: at most one step's more over the run)."""
     cfg = load_config(None, [*COMMON, f"model.arch={arch}", *LAYOUTS[layout][1]])
-    sent = float((runs[arch] / layout / "cp_bytes_0").read_text())
-    assert sent > 0 and sent == pytest.approx(cp_traffic_bytes(cfg), rel=1e-9)
+    sent, planned = float((runs[arch] / layout / "cp_bytes_0").read_text()), cp_traffic_bytes(cfg)
+    if cfg.parallel.pp == 1:
+        assert sent > 0 and sent == pytest.approx(planned, rel=1e-9)
+    else:
+        assert planned < sent < planned * (1 + 1 / STEPS)
