@@ -303,7 +303,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
                     update = max(update, bucket * (dp + 1) // dp)
             if cls.grads_before_backward:  # stage 2: reduce-scattered from backward, a bucket at a time
                 launched = 2 if o.overlap_grad_reduce else 1
-                block = launched * bucket * (dp + 1) // dp + bucket * element // 4  # fp32 copy, slice; own grads
+                block += launched * bucket * (dp + 1) // dp + bucket * element // 4  # fp32 copy, slice; own grads
             else:  # stage 1: the bucket the head's gradient goes to, allocated whole
                 first = min(grads, bucket)
     fresh = 0  # gradients a block's backward makes before they join those held (stage 1: a tensor's at a time)
