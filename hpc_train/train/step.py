@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.config import TrainConfig
-from hpc_train.data.batch import Source, collate
+from hpc_train.data.batch import SequenceShard, Source, collate
 from hpc_train.distributed.grads import clip_grad_norm
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
 from hpc_train.errors import UserError
@@ -166,8 +166,11 @@ def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:
     return {**memory, **dict.fromkeys(optimizer.offloaded, 0), "host": host}
 
 
-def rank_micro_batches(source: Source, indices: list[np.ndarray], device: torch.device) -> MicroBatches:
-    return [collate(source, idx).to(device) for idx in indices]
+def rank_micro_batches(
+    source: Source, indices: list[np.ndarray], device: torch.device, shard: SequenceShard | None = None
+) -> MicroBatches:
+    """The samples at `indices`, each cut to this context-parallel rank's positions (`shard`)."""
+    return [collate(source, idx).shard(shard).to(device) for idx in indices]
 
 
 def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig) -> float:
@@ -180,7 +183,7 @@ def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig) -> float:
     for b in range(t.eval_batches):
         start = (b * dp + dp_rank) * per_rank
         indices = np.arange(start, start + per_rank) % len(dataset)
-        micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device)
+        micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device, model.sequence_shard)
         total += reduce_loss(model, forward_only(model, micro))
     model.train(True)
     return total.item() / t.eval_batches
