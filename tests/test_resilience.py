@@ -139,7 +139,7 @@ def test_doctor_reports_every_rank_and_every_group(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "doctor: 4 ranks (pp 1, dp 2, tp 2) joined through 127.0.0.1:" in out.stdout
+    assert "doctor: 4 ranks (pp 1, dp 2, cp 1, tp 2) joined through 127.0.0.1:" in out.stdout
     assert all(f"    {r}  " in out.stdout for r in range(4))
     for role, size in (("world", 4), ("dp", 2), ("tp", 2)):
         assert f"  {role:<6} ({size} ranks per group): " in out.stdout

@@ -356,6 +356,6 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
 def test_doctor_job_tests_the_allocation(tmp_path):
     out = hpc_train("doctor", "configs/tiny.yaml", "slurm.nodes=2", "slurm.tasks_per_node=1", f"run_dir={tmp_path}")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "doctor: 2 ranks (pp 1, dp 2, tp 1) joined through n1:" in out.stdout
+    assert "doctor: 2 ranks (pp 1, dp 2, cp 1, tp 1) joined through n1:" in out.stdout
     assert "    0  n1 " in out.stdout and "    1  n2 " in out.stdout
     assert "  world  (2 ranks per group): " in out.stdout and "finished: COMPLETED" in out.stdout
