@@ -76,7 +76,7 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
     if cfg.finetune.adapters:
         _check_adapters(cfg, spec)
     check_fp8(cfg, spec)
-    return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)
+    return ParallelDims(pp=cfg.parallel.pp, dp=dp, cp=cfg.parallel.cp, tp=cfg.parallel.tp)
 
 
 def _check_zero(cfg: JobConfig, dp: int) -> None:

@@ -39,6 +39,7 @@ from hpc_train.optim.buckets import largest_bucket
 from hpc_train.optim.rules import UpdateRule, is_hidden_matrix, rule_class
 
 GiB = 2**30
+LONG_SEQUENCE = 8192  # `plan --search` tries context parallelism from this model.seq_len on
 NF4_DEQUANTIZE_BYTES = 14  # per element of a projection while torchao dequantizes it (see `estimate`)
 
 
@@ -174,7 +175,7 @@ def activation_parts(cfg: JobConfig) -> StageActivations:
     f, policy, compute = cfg.finetune, precision_policy(cfg), compute_bytes(cfg)
     adapters = f.adapters
     casts = policy.autocast_dtype is not None and compute == 4 and not adapters  # autocast over fp32 weights
-    shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len, tp=p.tp,
+    shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len // p.cp, tp=p.tp,  # cp: its shard
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
                             element_bytes=policy.frozen_dtype.itemsize if adapters or casts else compute,
                             lora_targets=tuple(f.lora_targets) if adapters else (),
@@ -259,13 +260,14 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     gradients of its output and of its widest activation, and with QLoRA torchao's dequantization of
     one projection (two int64 index arrays of half its elements, their bf16 lookups and scaled copies,
     the bf16 weight: 14 bytes per element)."""
-    o, dp = cfg.optim, dims.dp
+    o, dp = cfg.optim, dims.dp * dims.cp  # gradients are averaged, and ZeRO shards, over dp x cp
     cls = optimizer_class(o)
     local = local_param_count(cfg, dp=dp if cls.shards_params else 1)
     element, compute = precision_policy(cfg).param_bytes, compute_bytes(cfg)
     parts = activation_parts(cfg)
     static = pipeline_buffers(cfg, parts)  # communication buffers alive through the step
-    first = block = at_end = update = 0  # buffers alive at one of the moments only
+    block = cp_buffers(cfg)  # context parallelism's exchange buffers, alive while an attention runs
+    first = at_end = update = 0  # buffers alive at one of the moments only
     if cls.shards_params:  # the fp32 shards are the master weights
         param_bytes = 4 * local.shard_total
         trainable, matrices = local.shard_trainable, local.shard_trainable_matrices
@@ -281,10 +283,10 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
             reduced = max(compute * local.largest_block, (compute + 4) * local.largest_block - parts.layer["none"])
             if reshards_after_forward(cfg):  # the root, the running block and the next one gathered
                 static += compute * (local.root + local.largest_block) - saved
-                block = compute * local.largest_block - saved + reduced
+                block += compute * local.largest_block - saved + reduced
             else:  # every block stays gathered from its forward to its backward
                 static += compute * local.total - saved * blocks
-                block = reduced
+                block += reduced
     else:  # LoRA's frozen base in the compute dtype, QLoRA's projections in NF4
         frozen = local.total - local.trainable - local.quantized
         frozen_bytes = precision_policy(cfg).frozen_dtype.itemsize if cfg.finetune.adapters else element
@@ -306,7 +308,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
                     update = max(update, bucket * (dp + 1) // dp)
             if cls.grads_before_backward:  # stage 2: reduce-scattered from backward, a bucket at a time
                 launched = 2 if o.overlap_grad_reduce else 1
-                block = launched * bucket * (dp + 1) // dp + bucket * element // 4  # fp32 copy, slice; own grads
+                block += launched * bucket * (dp + 1) // dp + bucket * element // 4  # fp32 copy, slice; own grads
             else:  # stage 1: the bucket the head's gradient goes to, allocated whole
                 first = min(grads, bucket)
     fresh = 0  # gradients a block's backward makes before they join those held (stage 1: a tensor's at a time)
@@ -384,7 +386,7 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
     from hpc_train.optim import OPTIMIZERS
 
     t = cfg.train
-    global_batch = t.micro_batch_size * t.grad_accum * (world // (cfg.parallel.tp * cfg.parallel.pp))
+    global_batch = t.micro_batch_size * t.grad_accum * (world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
     node = cfg.slurm.gpus_per_node or 8
     choices = itertools.product(
         [x for x in (1, 2, 4, 8) if x <= node],  # tp
@@ -393,14 +395,20 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         (1, 2, 4, 8),  # micro-batch size
         ("none", "selective", "full"),  # recompute
         [(zero, offload) for zero, cls in OPTIMIZERS.items() for offload in ("none", "cpu")[: 1 + cls.shards_state]],
+        # context parallelism for long sequences (activations / cp)
+        [(1, "ring")]
+        + [
+            (cp, mode) for cp in (2, 4, 8) for mode in ("ring", "ulysses") if cfg.model.seq_len >= LONG_SEQUENCE
+        ],  # fmt: skip
     )
     rows = []
-    for tp, pp, vp, mbs, recompute, (zero, offload) in choices:
-        if world % (tp * pp) or (vp > 1 and pp == 1) or global_batch % (mbs * (world // (tp * pp))):
+    for tp, pp, vp, mbs, recompute, (zero, offload), (cp, cp_mode) in choices:
+        if world % (tp * pp * cp) or (vp > 1 and pp == 1) or global_batch % (mbs * (world // (tp * pp * cp))):
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
         c = deepcopy(cfg)
         c.parallel.tp, c.parallel.pp, c.parallel.dp, c.parallel.virtual_stages = tp, pp, None, vp
+        c.parallel.cp, c.parallel.cp_mode = cp, cp_mode
         c.parallel.schedule = "interleaved_1f1b" if vp > 1 else "1f1b"
         c.parallel.sequence_parallel = tp > 1
         c.train.micro_batch_size, c.train.grad_accum, c.train.global_batch_size = mbs, global_batch // (mbs * dp), None
@@ -411,7 +419,8 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
             continue
         plan = estimate(c, dims)
         rows.append({
-            "tp": tp, "pp": pp, "vp": vp, "dp": dp, "mbs": mbs, "grad_accum": c.train.grad_accum,
+            "tp": tp, "pp": pp, "vp": vp, "dp": dp, "cp": cp, "cp_mode": cp_mode, "mbs": mbs,
+            "grad_accum": c.train.grad_accum,
             "recompute": recompute, "zero": zero, "offload": offload, "total_gib": plan.total / GiB,
             "fits": plan.total <= gpu_mem_bytes, "step_s": step_time_estimate(c, dims, peak_flops),
         })  # fmt: skip
@@ -427,7 +436,7 @@ def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int, matrices: 
     the stage gathered) and an fp32 reduce-scatter (once per step under pipeline parallelism): three
     collectives where stage 0 has two, 1.5x its elements. A rule that needs whole matrices (Muon) adds,
     where the state is sharded, an fp32 all-gather of the `matrices` elements' updates."""
-    t, o, dp = cfg.train, cfg.optim, dims.dp
+    t, o, dp = cfg.train, cfg.optim, dims.dp * dims.cp
     if dp == 1:
         return 0.0
     ring = params * (dp - 1) / dp
@@ -449,6 +458,50 @@ def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int, matrices: 
     return traffic
 
 
+def attention_elements(cfg: JobConfig) -> tuple[int, int]:
+    """Elements of one micro-batch's q (or attention output) and of its k (or v) on a rank: its shard of
+    the sequence, its tp rank's heads."""
+    m, p = cfg.model, cfg.parallel
+    head_dim, kv_heads = m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
+    tokens = cfg.train.micro_batch_size * m.seq_len // p.cp
+    return tokens * m.n_heads // p.tp * head_dim, tokens * kv_heads // p.tp * head_dim
+
+
+def cp_traffic_bytes(cfg: JobConfig) -> float:
+    """Bytes a rank sends over cp per step, for every block and micro-batch (a recomputed attention
+    exchanges its forward again). Ring: the k and v blocks cp - 1 hops forward and again backward, and
+    their fp32 gradients cp hops. Ulysses: q, k, v and the output through an all-to-all each way, (cp-1)/cp
+    of each (k and v repeated to the q heads when their heads do not split over cp)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    cp = p.cp
+    if cp == 1:
+        return 0.0
+    e = 2 if t.precision != "fp32" else 4
+    q, kv = attention_elements(cfg)
+    forwards = 1 + (m.recompute != "none")
+    if p.cp_mode == "ring":
+        per_block = 2 * kv * e * (cp - 1) * (forwards + 1) + 2 * kv * 4 * cp
+    else:
+        kv_heads = (m.n_kv_heads or m.n_heads) // p.tp
+        kv = kv if kv_heads % cp == 0 else q
+        per_block = (2 * q + 2 * kv) * e * (cp - 1) / cp * (forwards + 1)
+    return per_block * m.n_layers / p.pp * t.grad_accum
+
+
+def cp_buffers(cfg: JobConfig) -> int:
+    """Bytes context parallelism adds while one attention runs (backward, the larger): the ring's received
+    k, v block beside its fp32 gradients, sent and received, and the fp32 q gradient; Ulysses' send and
+    receive copies of q, k, v."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return 0
+    e = compute_bytes(cfg) if cfg.train.precision == "fp32" else 2
+    q, kv = attention_elements(cfg)
+    if p.cp_mode == "ring":
+        return 2 * kv * e + 4 * 2 * kv * 4 + 4 * q
+    return 2 * (q + 2 * kv) * e
+
+
 def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mfu: float = 0.4,
                        nvlink_gbps: float = 300.0, ib_gbps: float = 25.0, pcie_gbps: float = 25.0,
                        host_adam_elements_per_s: float = 1e9) -> float:  # fmt: skip
@@ -459,26 +512,33 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
     host and the updated weights back over PCIe (stage 3: the parameter shards for every all-gather and
     the gradient shards of every reduce-scatter) and AdamW on the host cores of each rank."""
     m, p, t, o, dp = cfg.model, cfg.parallel, cfg.train, cfg.optim, dims.dp
-    tokens = t.micro_batch_size * t.grad_accum * m.seq_len  # per dp rank
+    tokens = t.micro_batch_size * t.grad_accum * m.seq_len  # per dp rank (all its cp ranks)
     compute = tokens * dp * get_spec(m.arch).flops_per_token(m) / (dims.world_size * peak_flops * mfu)
     if m.recompute == "full":
         compute *= 4 / 3
     bubble = compute * bubble_fraction(p, t.grad_accum)
     elt = 2 if t.precision != "fp32" else 4
-    tp_bytes = 0 if p.tp == 1 else 4 * m.n_layers / p.pp * tokens * m.d_model * elt * (p.tp - 1) / p.tp
+    tp_bytes = 0 if p.tp == 1 else 4 * m.n_layers / p.pp * tokens / p.cp * m.d_model * elt * (p.tp - 1) / p.tp
     local = local_param_count(cfg)
     n = local.trainable
     dp_time = dp_traffic_bytes(cfg, dims, n, local.trainable_matrices) / (ib_gbps * 1e9)
+    # cp within a node (beside tp) over NVLink, else InfiniBand; the ring's transfers overlap the attention
+    # blocks it computes (6 x seq x d flops per token and layer, causal, forward and backward), Ulysses' not
+    node = cfg.slurm.gpus_per_node or 8
+    cp_time = cp_traffic_bytes(cfg) / ((nvlink_gbps if p.tp * p.cp <= node else ib_gbps) * 1e9)
+    if p.cp_mode == "ring":
+        attention = 6 * m.seq_len * m.d_model * m.n_layers * tokens * dp / (dims.world_size * peak_flops * mfu)
+        cp_time = max(0.0, cp_time - attention)
     if optimizer_class(o).shards_params:  # FSDP prefetches
         dp_time = max(0.0, dp_time - compute)
     elif o.overlap_grad_reduce:
         dp_time = max(0.0, dp_time - 2 / 3 * compute / t.grad_accum)
     offload = 0.0
     if o.offload == "cpu":
-        owned = math.ceil(n / dp)
+        owned = math.ceil(n / (dp * dims.cp))
         transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
         offload = transfers / (pcie_gbps * 1e9) + owned / host_adam_elements_per_s
-    return compute + bubble + tp_bytes / (nvlink_gbps * 1e9) + dp_time + offload
+    return compute + bubble + tp_bytes / (nvlink_gbps * 1e9) + dp_time + cp_time + offload
 
 
 def plan_world(cfg: JobConfig) -> int:
@@ -496,7 +556,8 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
         ("a block's backward (transient)", plan.block_backward),
         ("total at the peak", plan.total),
     ]  # fmt: skip
-    head = (f"layout tp={p.tp} pp={p.pp} (x{p.virtual_stages} virtual) dp={dp}, micro-batch "
+    cp = f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""
+    head = (f"layout tp={p.tp} pp={p.pp} (x{p.virtual_stages} virtual) dp={dp}{cp}, micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "
             f"zero={cfg.optim.zero_stage}, offload={cfg.optim.offload}, {cfg.train.precision}")  # fmt: skip
     lines = [head]
@@ -520,11 +581,12 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
 
 
 def format_search(rows: list[dict], limit: int = 20) -> str:
-    head = f"{'tp':>3} {'pp':>3} {'vp':>3} {'dp':>4} {'mbs':>4} {'accum':>6} {'recompute':>10} {'zero':>5} " \
+    head = f"{'tp':>3} {'pp':>3} {'vp':>3} {'dp':>4} {'cp':>8} {'mbs':>4} {'accum':>6} {'recompute':>10} {'zero':>5} " \
            f"{'offload':>8} {'GiB/rank':>9} {'fits':>5} {'step s (est.)':>14}"  # fmt: skip
     lines = [head]
     for r in rows[:limit]:
-        lines.append(f"{r['tp']:>3} {r['pp']:>3} {r['vp']:>3} {r['dp']:>4} {r['mbs']:>4} {r['grad_accum']:>6} "
+        cp = f"{r.get('cp', 1)} {r.get('cp_mode', 'ring')}" if r.get("cp", 1) > 1 else "1"
+        lines.append(f"{r['tp']:>3} {r['pp']:>3} {r['vp']:>3} {r['dp']:>4} {cp:>8} {r['mbs']:>4} {r['grad_accum']:>6} "
                      f"{r['recompute']:>10} {r['zero']:>5} {r['offload']:>8} {r['total_gib']:>9.2f} "
                      f"{'yes' if r['fits'] else 'no':>5} {r['step_s']:>14.3f}")  # fmt: skip
     return "\n".join(lines)

@@ -114,6 +114,12 @@ def test_tp2_dp2_zero1_resume_is_bit_exact(world4_runs, rule):
         ("reshard_tp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # tp2 x dp2 ZeRO-1 -> 1 process
         ("reshard_dp", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),  # dp4 -> dp2
         ("reshard_pp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # pp2 -> pp1
+        # context parallelism: cp2 (ring, ZeRO-1) -> 1 process, 1 process -> cp2 (Ulysses)
+        ("reshard_cp", ["train.micro_batch_size=8", "parallel.nproc=1"]),
+        (
+            "reshard_to_cp",
+            ["parallel.cp=2", "parallel.cp_mode=ulysses", "train.micro_batch_size=8", "parallel.nproc=2"],
+        ),
         # across ZeRO stages: 3 dp4 -> 1 dp2, 3 dp4 -> 0 tp2, 2 dp4 -> 3 tp2 x dp2
         ("reshard_zero3_zero1", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),
         ("reshard_zero3_tp", ["parallel.tp=2", "train.micro_batch_size=8", "parallel.nproc=2"]),
@@ -128,12 +134,18 @@ def test_resharded_resume_continues_the_same_run(cfg_for, reference, world4_runs
         src = cfg_for(source, "parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", "train.steps=2",
                       "parallel.nproc=2")  # fmt: skip
         launch(2, src)
+    if source == "reshard_cp":
+        launch(2, cfg_for(source, "parallel.cp=2", "optim.zero_stage=1", "train.micro_batch_size=8", "train.steps=2",
+                          "parallel.nproc=2"))  # fmt: skip
+    if source == "reshard_to_cp":
+        launch(1, cfg_for(source, "train.micro_batch_size=8", "train.steps=2"))
     cfg = cfg_for(source, "train.steps=4", *target)
     launch(cfg.parallel.nproc, cfg)
     (origin,) = resumed_from(cfg.run_dir)  # resumed from the other layout's step 2, not trained afresh
-    saved_layout = {k: origin["layout"][k] for k in ("tp", "pp", "dp")}
+    saved_layout = {k: origin["layout"].get(k, 1) for k in ("tp", "pp", "cp", "dp")}
+    p = cfg.parallel
     assert origin["step"] == 2
-    assert saved_layout != {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": cfg.parallel.nproc}
+    assert saved_layout != {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": p.nproc // (p.tp * p.pp * p.cp)}
     assert losses(cfg.run_dir) == pytest.approx(losses(reference), abs=1e-5)
     assert max_param_diff(read_final_model(cfg.run_dir), read_final_model(reference)) <= 1e-5
 

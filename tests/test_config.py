@@ -27,7 +27,15 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
         (["train.micro_batch_size=2.5"], 1, ["train.micro_batch_size", "2.5", "expected int"]),
         (["train.precision=fp8"], 1, ["train.precision='fp8'", "fp32, bf16, fp16"]),
         (["train.steps=0"], 1, ["train.steps=0 must be > 0"]),
-        (["parallel.tp=2"], 3, ["world size 3 is not divisible by tp x pp = 2 x 1"]),
+        (["parallel.tp=2"], 3, ["world size 3 is not divisible by tp x pp x cp = 2 x 1 x 1"]),
+        (["parallel.cp=2"], 3, ["world size 3 is not divisible by tp x pp x cp = 1 x 1 x 2"]),
+        (["parallel.cp=4", "model.seq_len=36"], 4, ["model.seq_len=36 does not split into 8 chunks", "multiple of 8"]),
+        (
+            ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=36"],
+            4,
+            ["x tp for sequence parallelism", "multiple of 8"],
+        ),
+        (["parallel.cp=4", "parallel.cp_mode=ulysses", "parallel.tp=2"], 8, ["each tp rank's 2 heads", "cp_mode=ring"]),
         (["model.n_heads=4", "parallel.tp=3"], 3, ["model.n_heads=4 is not divisible by parallel.tp=3"]),
         (["model.n_layers=4", "parallel.pp=3"], 3, ["model.n_layers=4 is not divisible by parallel.pp"]),
         (["parallel.dp=4"], 2, ["parallel.dp=4", "gives dp=2"]),
@@ -98,7 +106,7 @@ def test_config_show_cli():
         check=True,
     )
     assert "steps: 3" in out.stdout and "run_dir: runs/tiny" in out.stdout
-    assert "valid for world size 2: pp=1 dp=2 tp=1" in out.stderr
+    assert "valid for world size 2: pp=1 dp=2 cp=1 tp=1" in out.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "hpc_train.cli", "train", "configs/tiny.yaml", "train.stpes=3"],
         cwd=ROOT,
@@ -113,7 +121,7 @@ def test_config_show_cli():
         capture_output=True,
         text=True,
     )
-    assert layout.returncode == 2 and "world size 2 is not divisible by tp x pp = 4 x 1" in layout.stderr
+    assert layout.returncode == 2 and "world size 2 is not divisible by tp x pp x cp = 4 x 1 x 1" in layout.stderr
     assert "hpc_train:" not in layout.stdout  # refused before any rank or process group started
 
 

@@ -81,8 +81,11 @@ def test_document_ids_and_positions_come_from_the_offsets(packed, tmp_path):
     assert np.array_equal(blend.documents(indices), ds.documents(np.array([2, 1])))
 
 
-def test_pipeline_parallelism_is_refused_with_document_options():
+def test_pipeline_and_context_parallelism_are_refused_with_document_options():
     for key in ("data.document_mask", "data.reset_position_ids"):
         cfg = load_config(None, ["model.n_layers=2", "parallel.pp=2", "train.grad_accum=2", f"{key}=true"])
         with pytest.raises(ConfigError, match=rf"{key} with parallel.pp=2: later pipeline stages"):
+            validate(cfg, 2, check_paths=False)
+        cfg = load_config(None, ["model.n_layers=2", "parallel.cp=2", f"{key}=true"])
+        with pytest.raises(ConfigError, match=rf"{key} with parallel.cp=2: context parallelism does not split"):
             validate(cfg, 2, check_paths=False)

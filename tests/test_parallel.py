@@ -1,4 +1,4 @@
-"""3D parallelism: every (pp, dp, tp) layout trains exactly like one process on the same global batch,
+"""4D parallelism: every (pp, dp, cp, tp) layout trains exactly like one process on the same global batch,
 for every model family (llama; gpt2, whose tied embeddings span pipeline stages and tp shards).
 
 Each launch runs several layouts one after another in the same worker processes (a fresh process group
@@ -10,8 +10,10 @@ import pytest
 
 from hpc_train.config import load_config
 from hpc_train.launch.local import launch_sequence
+from hpc_train.planner import cp_traffic_bytes
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
+from tools.bench_parallel import counted_training
 
 STEPS = 3
 TOL = 1e-5
@@ -41,6 +43,19 @@ LAYOUTS = {
         ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", "model.recompute=selective"],
     ),
 }
+# context parallelism: each sample's sequence split over cp ranks (ring: zig-zag, KV passed around the ring;
+# Ulysses: all-to-all to head shards), alone and with tp + SP, pp, dp with ZeRO-3, and the ring recomputed
+RING, ULYSSES = "parallel.cp_mode=ring", "parallel.cp_mode=ulysses"
+LAYOUTS.update({
+    "cp2_ring": (2, ["parallel.cp=2", RING, "train.micro_batch_size=4", "train.grad_accum=2", CHUNKED]),
+    "cp2_ulysses": (2, ["parallel.cp=2", ULYSSES, "train.micro_batch_size=8"]),
+    "cp2_ring_recompute": (2, ["parallel.cp=2", RING, "train.micro_batch_size=8", "model.recompute=selective"]),
+    "cp4_ring": (4, ["parallel.cp=4", RING, "train.micro_batch_size=8"]),
+    "cp4_ulysses": (4, ["parallel.cp=4", ULYSSES, "train.micro_batch_size=4", "train.grad_accum=2"]),
+    "tp2_cp2": (4, ["parallel.tp=2", "parallel.cp=2", RING, SP, "train.micro_batch_size=4", "train.grad_accum=2"]),
+    "pp2_cp2": (4, ["parallel.pp=2", "parallel.cp=2", ULYSSES, "train.micro_batch_size=4", "train.grad_accum=2"]),
+    "dp2_cp2_zero3": (4, ["parallel.cp=2", RING, "train.micro_batch_size=4", "optim.zero_stage=3"]),
+})  # fmt: skip
 
 
 def _derive(variants: dict[str, str], extra: list[str]) -> None:
@@ -129,7 +144,7 @@ def runs(tmp_path_factory, small_corpus, short_documents):
                  for n, base in MUON_LAYOUTS.items() if LAYOUTS[base][0] == world]  # fmt: skip
         cfgs += [docs(arch, f"{n}_documents", [*LAYOUTS[n][1], f"parallel.nproc={world}"])
                  for arch in ARCHS for n in DOCUMENT_LAYOUTS if LAYOUTS[n][0] == world]  # fmt: skip
-        launch_sequence(run_training, world, [(c,) for c in cfgs])
+        launch_sequence(counted_training, world, [(c,) for c in cfgs])  # run_training, counting cp's bytes
     compiled = [cfg("llama", f"{n}_compiled", [*LAYOUTS[n][1], "parallel.nproc=2", "train.compile=true"])
                 for n in COMPILED_LAYOUTS]  # fmt: skip
     launch_sequence(run_training, 2, [(c,) for c in compiled])
@@ -203,3 +218,16 @@ def test_packed_documents_train_alike_at_one_process_and_tp2(runs, arch):
         for r, g in zip(ref, got, strict=True):
             assert abs(r["loss"] - g["loss"]) <= TOL and abs(r.get("eval_loss", 0) - g.get("eval_loss", 0)) <= TOL
         assert max_param_diff(read_final_model(runs / f"{layout}_documents"), reference) <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if "cp" in name])
+def test_context_parallel_bytes_are_the_planners(runs, arch, layout):
+    """What rank 0 sent over cp per step, counted at the primitives, is the planner's cp_traffic_bytes (a
+    pipeline's first step adds the forward that infers its shapes: at most one step's more over the run)."""
+    cfg = load_config(None, [*COMMON, f"model.arch={arch}", *LAYOUTS[layout][1]])
+    sent, planned = float((runs[arch] / layout / "cp_bytes_0").read_text()), cp_traffic_bytes(cfg)
+    if cfg.parallel.pp == 1:
+        assert sent > 0 and sent == pytest.approx(planned, rel=1e-9)
+    else:
+        assert planned < sent < planned * (1 + 1 / STEPS)

@@ -63,3 +63,21 @@ def test_plan_cli_and_submit_refuses_a_layout_that_does_not_fit(capsys):
     assert "does not fit" in err and "--force" in err and "DOES NOT FIT in 24 GiB" in err
     main(["submit", *too_small, "--dry-run", "--force"])
     assert "#SBATCH --gpus-per-node=8" in capsys.readouterr().out
+
+
+def test_plan_counts_context_parallelism():
+    """cp divides a rank's activations by cp (its sequence shard) and `plan --search` tries cp, in both
+    modes, for long sequences only."""
+    from hpc_train.config import load_config
+    from hpc_train.planner import activation_bytes, cp_traffic_bytes, search
+    from tests.conftest import TINY_MODEL
+
+    long = [*TINY_MODEL, "model.seq_len=16384", "train.micro_batch_size=1"]
+    one, four = load_config(None, long), load_config(None, [*long, "parallel.cp=4"])
+    assert activation_bytes(four) == pytest.approx(activation_bytes(one) / 4, rel=0.05)  # + what every rank keeps
+    assert cp_traffic_bytes(one) == 0 < cp_traffic_bytes(four)
+    rows = search(one, 8, 80 * 2**30, 1e15)
+    assert {(r["cp"], r["cp_mode"]) for r in rows if r["cp"] > 1} >= {(2, "ring"), (4, "ulysses")}
+    assert all(r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 for r in rows)
+    short = search(load_config(None, TINY_MODEL), 8, 80 * 2**30, 1e15)
+    assert all(r["cp"] == 1 for r in short)

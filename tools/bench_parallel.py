@@ -1,6 +1,12 @@
-"""Step time and tokens/s of each (pp, dp, tp) layout against the single-process run, same model and
+"""Step time and tokens/s of each (pp, dp, cp, tp) layout against the single-process run, same model and
 global batch, in one run. Each layout trains for --steps steps; the median step time after --warmup
-steps is reported, with the overhead ratio layout / single process.
+steps is reported, with the overhead ratio layout / single process. Context-parallel layouts also report
+the bytes a rank sent over cp per step (counted at the primitives: all_to_all_single and the ring's
+batched isends) against the planner's `cp_traffic_bytes`.
+
+--long: the tiny model at model.seq_len=16384 (one sample per step) at cp=1 and cp=4 (ring and Ulysses):
+rank 0's saved activations and its step's peak of live tensor bytes (logging.measure_peak_step), and the
+largest resident set size over ranks.
 
 On CPU the layouts share the machine's cores (the single process gets all of them, each of N ranks
 1/N), so the ratio measures what parallelism costs here: communication, pipeline bubble, per-rank
@@ -15,8 +21,12 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from hpc_train.config import load_config
+import torch.distributed as dist
+
+from hpc_train.config import JobConfig, load_config
+from hpc_train.launch.bootstrap import RankEnv
 from hpc_train.launch.local import launch_local
+from hpc_train.planner import cp_traffic_bytes
 from hpc_train.train.loop import run_training
 
 SP = "parallel.sequence_parallel=true"
@@ -40,8 +50,63 @@ LAYOUTS = {
     "pp2_tp2": (4, ["parallel.pp=2", "parallel.tp=2", SP, "train.micro_batch_size=4", "train.grad_accum=4"]),
     "pp2_dp2": (4, ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2"]),
     "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2", SP, "train.micro_batch_size=4", "train.grad_accum=2"]),
+    "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_mode=ring", "train.micro_batch_size=16"]),
+    "cp2_ulysses": (2, ["parallel.cp=2", "parallel.cp_mode=ulysses", "train.micro_batch_size=16"]),
+    "cp4_ring": (4, ["parallel.cp=4", "parallel.cp_mode=ring", "train.micro_batch_size=16"]),
+    "cp4_ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses", "train.micro_batch_size=16"]),
+}
+TINY = ["model.n_layers=2", "model.n_heads=4", "model.d_model=64"]
+LONG = {  # name -> (world size, overrides): one sample of 16384 tokens per step
+    "long_cp1": (1, []),
+    "long_cp4_ring": (4, ["parallel.cp=4", "parallel.cp_mode=ring"]),
+    "long_cp4_ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses"]),
 }
 MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "model.seq_len=128"]
+
+
+def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
+    """run_training, counting the bytes this rank sends through context parallelism's primitives (the
+    only users of all_to_all_single and batch_isend_irecv in these layouts); written to run_dir/cp_bytes_<rank>."""
+    sent = [0]
+    all_to_all, batched = dist.all_to_all_single, dist.batch_isend_irecv
+
+    def counted_all_to_all(output, input, *args, group=None, **kwargs):
+        size = dist.get_world_size(group)
+        sent[0] += input.numel() * input.element_size() * (size - 1) // size  # the part for the others
+        return all_to_all(output, input, *args, group=group, **kwargs)
+
+    def counted_batch(ops):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return batched(ops)
+
+    dist.all_to_all_single, dist.batch_isend_irecv = counted_all_to_all, counted_batch
+    try:
+        run_training(rank_env, cfg)
+    finally:
+        dist.all_to_all_single, dist.batch_isend_irecv = all_to_all, batched
+    (Path(cfg.run_dir) / f"cp_bytes_{rank_env.rank}").write_text(str(sent[0] / cfg.train.steps))
+
+
+def bench_long(steps: int, overrides: list[str]) -> None:
+    """The long-sequence run: per-rank memory at cp=1 and cp=4."""
+    print(
+        f"{'layout':<18} {'ranks':>5} {'step s':>8} {'activations MiB':>16} {'step peak MiB':>14} {'max RSS MiB':>12}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (world, extra) in LONG.items():
+            cfg = load_config(None, [*TINY, "model.seq_len=16384", f"train.steps={steps}", "train.eval_interval=0",
+                                     "train.micro_batch_size=1", "logging.progress=none",
+                                     "train.save_final_model=false", "logging.measure_peak_step=2",
+                                     f"run_dir={Path(tmp) / name}", f"parallel.nproc={world}", *extra,
+                                     *overrides])  # fmt: skip
+            launch_local(run_training, world, cfg)
+            records = [json.loads(line) for line in (Path(tmp) / name / "metrics.jsonl").read_text().splitlines()]
+            memory = records[1]["memory_bytes"]
+            step_s = statistics.median(r["step_time_s"] for r in records[1:])
+            print(
+                f"{name:<18} {world:>5} {step_s:>8.2f} {memory['activations_peak'] / 2**20:>16.1f} "
+                f"{memory['step_peak'] / 2**20:>14.1f} {max(r['memory_gb'] for r in records) * 1e9 / 2**20:>12.0f}"
+            )
 
 
 def main() -> None:
@@ -50,7 +115,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset")
+    parser.add_argument("--long", action="store_true", help="the long-sequence memory run instead (cp=1 vs cp=4)")
     args = parser.parse_args()
+    if args.long:
+        bench_long(args.steps, args.overrides)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.layouts.split(","):
@@ -59,15 +128,21 @@ def main() -> None:
                                      "logging.progress=none", "train.save_final_model=false",
                                      f"run_dir={Path(tmp) / name}", f"parallel.nproc={world}", *extra,
                                      *args.overrides])  # fmt: skip
-            launch_local(run_training, world, cfg)
+            launch_local(counted_training if cfg.parallel.cp > 1 else run_training, world, cfg)
             lines = (Path(tmp) / name / "metrics.jsonl").read_text().splitlines()
             times = [json.loads(line)["step_time_s"] for line in lines][args.warmup :]
-            rows.append((name, world, statistics.median(times)))
+            cp_bytes = ""
+            if cfg.parallel.cp > 1:  # rank 0's (every cp rank sends the same)
+                measured = float((Path(tmp) / name / "cp_bytes_0").read_text())
+                cp_bytes = f"{measured / 2**20:.2f} / {cp_traffic_bytes(cfg) / 2**20:.2f}"
+            rows.append((name, world, statistics.median(times), cp_bytes))
     tokens = 16 * 128
-    base = next((t for n, _, t in rows if n == "single"), rows[0][2])
-    print(f"{'layout':<16} {'ranks':>5} {'step ms':>9} {'tokens/s':>10} {'vs single':>10}")
-    for name, world, step_time in rows:
-        print(f"{name:<16} {world:>5} {step_time * 1e3:>9.1f} {tokens / step_time:>10,.0f} {step_time / base:>10.2f}")
+    base = next((t for n, _, t, _ in rows if n == "single"), rows[0][2])
+    print(f"{'layout':<16} {'ranks':>5} {'step ms':>9} {'tokens/s':>10} {'vs single':>10} "
+          f"{'cp MiB/step sent, measured / planned':>38}")  # fmt: skip
+    for name, world, step_time, cp_bytes in rows:
+        print(f"{name:<16} {world:>5} {step_time * 1e3:>9.1f} {tokens / step_time:>10,.0f} {step_time / base:>10.2f} "
+              f"{cp_bytes:>38}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,18 +25,18 @@ def has_control_chars(value: str) -> bool:
 
 
 def derive_dp(cfg: JobConfig, world_size: int) -> int:
-    """The data-parallel size: world / (tp * pp), checked against `parallel.dp` when that is given."""
+    """The data-parallel size: world / (tp * pp * cp), checked against `parallel.dp` when that is given."""
     p = cfg.parallel
-    model_parallel = p.tp * p.pp
+    model_parallel = p.tp * p.pp * p.cp
     if world_size % model_parallel:
         raise ConfigError(
-            f"world size {world_size} is not divisible by tp x pp = {p.tp} x {p.pp} = {model_parallel}; "
-            f"use a world size that is a multiple of {model_parallel} or change parallel.tp / parallel.pp"
+            f"world size {world_size} is not divisible by tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {model_parallel}; "
+            f"use a world size that is a multiple of {model_parallel} or change parallel.tp / parallel.pp / parallel.cp"
         )
     dp = world_size // model_parallel
     if p.dp is not None and p.dp != dp:
         raise ConfigError(
-            f"parallel.dp={p.dp} but world size {world_size} / (tp x pp = {model_parallel}) gives dp={dp}; "
+            f"parallel.dp={p.dp} but world size {world_size} / (tp x pp x cp = {model_parallel}) gives dp={dp}; "
             f"set parallel.dp={dp}, leave it out to derive it, or change the number of processes"
         )
     return dp
@@ -249,7 +249,7 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
                 "global_batch_size out"
             )
 
-    checks = [layout, lambda: check_pipeline(cfg), lambda: check_documents(cfg)]
+    checks = [layout, lambda: check_pipeline(cfg), lambda: check_context(cfg), lambda: check_documents(cfg)]
     if check_paths:
         data_keys = ("data.train_path", "data.valid_path")
         checks += [lambda key=key: check_data_path(key, _get(cfg, key)) for key in data_keys]
@@ -291,9 +291,34 @@ def check_pipeline(cfg: JobConfig) -> None:
         raise ConfigError(f"interleaved 1F1B needs train.grad_accum={ga} to be a multiple of parallel.pp={p.pp}")
 
 
+def check_context(cfg: JobConfig) -> None:
+    """Context parallelism's shapes: the sequence splits into equal shards (2 chunks per rank for the ring's
+    zig-zag split), each further split over tp under sequence parallelism; Ulysses splits each tp rank's
+    heads over cp."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return
+    pieces = 2 * p.cp if p.cp_mode == "ring" else p.cp
+    pieces *= p.tp if p.sequence_parallel else 1
+    if m.seq_len % pieces:
+        split = f"{2 * p.cp} chunks (ring: 2 per cp rank)" if p.cp_mode == "ring" else f"{p.cp} shards"
+        raise ConfigError(f"model.seq_len={m.seq_len} does not split into {split}"
+                          f"{' x tp for sequence parallelism' if p.sequence_parallel else ''}: use a seq_len that is a "
+                          f"multiple of {pieces}")  # fmt: skip
+    heads = m.n_heads // p.tp if m.n_heads % p.tp == 0 else m.n_heads
+    if p.cp_mode == "ulysses" and heads % p.cp:
+        raise ConfigError(f"parallel.cp_mode=ulysses splits each tp rank's {heads} heads (model.n_heads={m.n_heads} / "
+                          f"parallel.tp={p.tp}) over parallel.cp={p.cp}: pick a cp dividing them, or "
+                          "parallel.cp_mode=ring")  # fmt: skip
+
+
 def check_documents(cfg: JobConfig) -> None:
-    """Packed-document positions and masks reach the first pipeline stage only: refused with pp > 1."""
+    """Packed-document positions and masks reach the first pipeline stage only, and are not split over the
+    sequence: refused with pp > 1 or cp > 1."""
     on = [f"data.{key}" for key in ("reset_position_ids", "document_mask") if getattr(cfg.data, key)]
+    if on and cfg.parallel.cp > 1:
+        raise ConfigError(f"{' and '.join(on)} with parallel.cp={cfg.parallel.cp}: context parallelism does not "
+                          "split document positions and masks yet; use parallel.cp=1 or turn them off")  # fmt: skip
     if on and cfg.parallel.pp > 1:
         raise ConfigError(f"{' and '.join(on)} with parallel.pp={cfg.parallel.pp}: later pipeline stages see only "
                           "hidden states, not the documents; use parallel.pp=1 (tp, dp and FSDP work) or turn "

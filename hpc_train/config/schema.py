@@ -83,7 +83,11 @@ class ParallelConfig:
     nproc: int = positive(1)  # local processes when not started by Slurm or torchrun
     tp: int = positive(1)
     pp: int = positive(1)
-    dp: int | None = None  # None = world_size / (tp * pp)
+    dp: int | None = None  # None = world_size / (tp * pp * cp)
+    # context parallelism: each sample's sequence split over cp ranks; attention exchanges keys and values
+    # around a ring (zig-zag split: equal causal work per rank) or all-to-all between sequence and head shards
+    cp: int = positive(1)
+    cp_mode: str = choice("ring", "ulysses")
     virtual_stages: int = positive(1)
     schedule: str = choice("1f1b", "interleaved_1f1b")
     sequence_parallel: bool = False

@@ -57,6 +57,33 @@ class Batch:
         fields = (getattr(self, f.name) for f in dataclasses.fields(self))
         return Batch(*(t if t is None else t.to(device, non_blocking=True) for t in fields))
 
+    def shard(self, shard: SequenceShard | None) -> Batch:
+        """This context-parallel rank's positions of every sample (the whole batch without a shard)."""
+        if shard is None:
+            return self
+        positions = shard.positions(self.tokens.shape[1] // shard.size, self.tokens.device)
+        return Batch(self.tokens[:, positions], self.labels[:, positions])
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """Which positions of each sample a context-parallel rank holds. `zigzag` (the ring's load balance): the
+    sequence in 2 x size chunks, rank r holding chunks r and 2 size - 1 - r, so that under a causal mask every
+    rank attends to as many keys as every other; otherwise (Ulysses) the contiguous r-th of size shards."""
+
+    size: int
+    rank: int
+    zigzag: bool
+
+    def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The global positions, ascending, of a rank's `local_len` tokens."""
+        if not self.zigzag:
+            return torch.arange(self.rank * local_len, (self.rank + 1) * local_len, device=device)
+        chunk = local_len // 2
+        first, second = self.rank * chunk, (2 * self.size - 1 - self.rank) * chunk
+        return torch.cat([torch.arange(first, first + chunk, device=device),
+                          torch.arange(second, second + chunk, device=device)])  # fmt: skip
+
 
 def collate(
     source: Source, indices: np.ndarray, reset_position_ids: bool = False, document_mask: bool = False

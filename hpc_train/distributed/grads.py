@@ -102,7 +102,7 @@ def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh, device: torch
     if mesh.size("tp") > 1:
         dist.all_reduce(sharded_sq, group=mesh.group("tp"))
     total_sq += sharded_sq
-    for role in ("pp", "dp") if grads.dp_sharded else ("pp",):
+    for role in ("pp", "dp_cp") if grads.dp_sharded else ("pp",):
         if mesh.size(role) > 1:
             dist.all_reduce(total_sq, group=mesh.group(role))
     norm = total_sq.double().sqrt()

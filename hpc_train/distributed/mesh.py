@@ -14,8 +14,10 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DIMS = ("pp", "dp", "tp")  # outermost first
-ROLES: dict[str, tuple[str, ...]] = {"pp": ("pp",), "dp": ("dp",), "tp": ("tp",)}
+DIMS = ("pp", "dp", "cp", "tp")  # outermost first
+# dp_cp: the ranks that hold the same parameters and see different tokens (dp's samples, cp's sequence
+# slices): gradients are averaged and ZeRO shards over it (torchtitan's dp_shard_cp)
+ROLES: dict[str, tuple[str, ...]] = {"pp": ("pp",), "dp": ("dp",), "cp": ("cp",), "tp": ("tp",), "dp_cp": ("dp", "cp")}
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class ParallelDims:
 
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     tp: int = 1
 
     @property
@@ -49,7 +52,8 @@ class Mesh:
     def sub(self, role: str) -> DeviceMesh:
         """The one-dimensional mesh of `role` this rank belongs to (for DTensor and pipeline APIs)."""
         if role not in self._roles:
-            dims = ROLES[role]
+            sizes = self.dims.as_dict()
+            dims = tuple(d for d in ROLES[role] if sizes[d] > 1) or ROLES[role][:1]  # cp=1: dp_cp is dp
             mesh = self.device_mesh[dims[0]] if len(dims) == 1 else self.device_mesh[dims]._flatten(role)
             self._roles[role] = mesh
         return self._roles[role]
@@ -77,6 +81,7 @@ class Mesh:
 
     def ranks_along(self, role: str) -> list[list[int]]:
         """Every group of global ranks that `role` connects, one list per group (for custom subgroups)."""
-        dims = [DIMS.index(dim) for dim in ROLES[role]]
+        sizes = self.dims.as_dict()
+        dims = [DIMS.index(dim) for dim in ROLES[role] if sizes[dim] > 1] or [DIMS.index(ROLES[role][0])]
         grid = self.device_mesh.mesh.movedim(dims, list(range(-len(dims), 0)))
         return grid.reshape(-1, self.size(role)).tolist()

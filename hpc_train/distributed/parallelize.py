@@ -25,11 +25,12 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import ModelConfig
-from hpc_train.data.batch import Batch
+from hpc_train.data.batch import Batch, SequenceShard
 from hpc_train.distributed.grads import all_reduce_on, fix_grad_placements, local
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.transforms import StagePlan, apply_transforms
+from hpc_train.distributed.transforms.context_parallel import sequence_shard
 from hpc_train.distributed.transforms.float8 import precompute_scales
 from hpc_train.distributed.transforms.fsdp import reshard
 from hpc_train.finetune.lora import init_adapters, is_adapter, quantize_projections
@@ -56,6 +57,7 @@ class ParallelModel:
     masked_loss: bool = False  # the data has a loss mask: the loss is a mean over the global batch's counted targets
     loss_tokens: torch.Tensor | None = None  # with a mask, this step's counted targets per micro-batch (Decoder.loss)
     after_update: Callable[[], None] | None = None  # runs after each optimizer step (float8 all-gather's scales)
+    sequence_shard: SequenceShard | None = None  # context parallelism: the positions of each sample held here
 
     def scaled_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A pipeline micro-batch's share of the batch loss (from the last stage's final-norm output), times
@@ -168,7 +170,8 @@ def parallelize(plan: StagePlan) -> ParallelModel:
         chunks.append(chunk)
     tied_copy, tied_group = _tied_pipeline_copy(chunks, mesh)
     model = ParallelModel(cfg.model, spec, chunks, mesh, device, cfg.train.grad_accum, plan.compute_dtype,
-                          tied_copy=tied_copy, tied_group=tied_group)  # fmt: skip
+                          tied_copy=tied_copy, tied_group=tied_group,
+                          sequence_shard=sequence_shard(mesh, p.cp_mode))  # fmt: skip
     freeze(model, cfg.train.freeze, cfg.finetune.adapters)
     if cfg.train.fp8_all_gather:
         model.after_update = functools.partial(precompute_scales, chunks)
@@ -224,12 +227,12 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
 
 
 def counted_targets(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
-    """The global batch's targets the loss mask counts, per micro-batch (one all-reduce over dp; left on
-    the device)."""
+    """The global batch's targets the loss mask counts, per micro-batch and rank of dp x cp (one all-reduce
+    over dp x cp; left on the device)."""
     count = sum(b.loss_mask.sum() for b in micro_batches).float()
-    if model.mesh.size("dp") > 1:
-        dist.all_reduce(count, group=model.mesh.group("dp"))
-    return count.clamp(min=1.0) / (len(micro_batches) * model.mesh.size("dp"))
+    if model.mesh.size("dp_cp") > 1:
+        dist.all_reduce(count, group=model.mesh.group("dp_cp"))
+    return count.clamp(min=1.0) / (len(micro_batches) * model.mesh.size("dp_cp"))
 
 
 def forward_backward(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
@@ -245,11 +248,11 @@ def forward_only(model: ParallelModel, micro_batches: MicroBatches) -> torch.Ten
 
 def reduce_loss(model: ParallelModel, loss: torch.Tensor) -> torch.Tensor:
     """The global-batch mean, the same on every rank: taken from the last pipeline stage, averaged over dp
-    (left on the device)."""
-    for role in ("pp", "dp"):
+    and cp (each cp rank's is the mean over its equal share of the tokens; left on the device)."""
+    for role in ("pp", "dp_cp"):
         if model.mesh.size(role) > 1:
             dist.all_reduce(loss, group=model.mesh.group(role))
-    return loss / model.mesh.size("dp")
+    return loss / model.mesh.size("dp_cp")
 
 
 def unpadded(spec: ModelSpec, name: str, t: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -276,7 +279,7 @@ def full_state_dict(model: ParallelModel) -> dict[str, torch.Tensor] | None:
             if chunk.canonical_name(name) in model.quantized:  # QLoRA's NF4, dequantized
                 value = value.to(torch.float32)
             state[name] = unpadded(model.spec, name, value, m.vocab_size).detach().cpu()
-    if model.mesh.rank("dp") != 0 or model.mesh.rank("tp") != 0:
+    if model.mesh.rank("dp_cp") != 0 or model.mesh.rank("tp") != 0:
         return None
     if model.mesh.size("pp") > 1:  # the pp group of global rank 0: every stage's (dp=0, tp=0) rank
         parts = [None] * model.mesh.size("pp") if dist.get_rank() == 0 else None

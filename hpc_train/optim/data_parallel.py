@@ -47,7 +47,7 @@ class DataParallelOptimizer:
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):
         self.model, self.params = model, model.trainable_parameters
-        self.dp_group = model.mesh.group("dp")
+        self.dp_group = model.mesh.group("dp_cp")  # every rank with these parameters: dp x cp
         self.rule = build_rule(model, self.params, cfg)
         limit = int(cfg.bucket_mb * 2**20)
         buckets = [[self.params[i] for i in b] for b in bucketize([local(p) for p in self.params], limit)]

@@ -90,8 +90,8 @@ class ZeroOptimizer:
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):
         self.model, self.params = model, model.trainable_parameters
-        self.dp_group = model.mesh.group("dp")
-        self.dp, self.dp_rank = model.mesh.size("dp"), model.mesh.rank("dp")
+        self.dp_group = model.mesh.group("dp_cp")  # every rank with these parameters: dp x cp
+        self.dp, self.dp_rank = model.mesh.size("dp_cp"), model.mesh.rank("dp_cp")
         self.device = model.device
         self.offload = cfg.offload == "cpu"
         self.state_device = torch.device("cpu") if self.offload else self.device

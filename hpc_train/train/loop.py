@@ -176,7 +176,8 @@ def _train(
         # the first step of a process sets up communicators and compiles: a longer allowance
         hang.arm(step, allowance=watchdog.START_ALLOWANCE if step == start_step + 1 else 1)
         lr = lr_at(step - 1, cfg.optim, t.steps)
-        micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device, cfg.data)
+        micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device,
+                                           run.model.sequence_shard, cfg.data)  # fmt: skip
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
         options = StepOptions(cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged,

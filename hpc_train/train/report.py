@@ -47,7 +47,8 @@ def announce(run: Run, start_step: int) -> StepMeter:
             n_params = count_params(run.model.spec.build_stage(cfg.model))
         run.metrics.message(
             f"hpc_train: {cfg.model.arch} {n_params / 1e6:.2f}M params | world {dims.world_size} (pp {dims.pp}, "
-            f"dp {dims.dp}, tp {dims.tp}) on {run.device.type} | global batch {global_batch} x {cfg.model.seq_len} "
+            f"dp {dims.dp}{f', cp {dims.cp}' if dims.cp > 1 else ''}, tp {dims.tp}) on {run.device.type} | "
+            f"global batch {global_batch} x {cfg.model.seq_len} "
             f"tokens | {run.train_set.prefix} ({len(run.train_set):,} samples)"
         )
     predicted = estimate(cfg, dims)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.config import DataConfig, TrainConfig
-from hpc_train.data.batch import Source, collate
+from hpc_train.data.batch import SequenceShard, Source, collate
 from hpc_train.distributed.grads import clip_grad_norm
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
 from hpc_train.errors import UserError
@@ -167,11 +167,16 @@ def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:
 
 
 def rank_micro_batches(
-    source: Source, indices: list[np.ndarray], device: torch.device, data: DataConfig | None = None
+    source: Source,
+    indices: list[np.ndarray],
+    device: torch.device,
+    shard: SequenceShard | None = None,
+    data: DataConfig | None = None,
 ) -> MicroBatches:
-    """The micro-batches at `indices`, on `device`, with `data`'s document positions and masks (if on)."""
+    """The samples at `indices`, on `device`, with `data`'s document positions and masks (if on), each cut to
+    this context-parallel rank's positions (`shard`)."""
     reset, mask = (False, False) if data is None else (data.reset_position_ids, data.document_mask)
-    return [collate(source, idx, reset, mask).to(device) for idx in indices]
+    return [collate(source, idx, reset, mask).shard(shard).to(device) for idx in indices]
 
 
 def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig, data: DataConfig | None = None) -> float:
@@ -184,7 +189,7 @@ def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig, data: DataCo
     for b in range(t.eval_batches):
         start = (b * dp + dp_rank) * per_rank
         indices = np.arange(start, start + per_rank) % len(dataset)
-        micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device, data)
+        micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device, model.sequence_shard, data)
         total += reduce_loss(model, forward_only(model, micro))
     model.train(True)
     return total.item() / t.eval_batches

@@ -7,13 +7,22 @@ beside tensor parallelism, FSDP stays last (it wraps what the others made)."""
 
 from __future__ import annotations
 
-from hpc_train.distributed.transforms import float8, fsdp, lora, recompute, regional_compile, tensor_parallel
+from hpc_train.distributed.transforms import (
+    context_parallel,
+    float8,
+    fsdp,
+    lora,
+    recompute,
+    regional_compile,
+    tensor_parallel,
+)
 from hpc_train.distributed.transforms.plan import StagePlan, Transform
 from hpc_train.models.spec import StageModule
 
 TRANSFORMS: tuple[Transform, ...] = (
     float8.TRANSFORM,  # train.fp8: the block projections become Float8Linear, which tp then shards
     tensor_parallel.TRANSFORM,  # tp and sequence parallelism (or the family's own parallelize hook)
+    context_parallel.TRANSFORM,  # the sequence split over cp: positions and the attention exchange
     recompute.TRANSFORM,
     lora.TRANSFORM,  # adapters placed like their tp-sharded base
     regional_compile.TRANSFORM,  # on the eager, sharded blocks

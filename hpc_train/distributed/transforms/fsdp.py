@@ -57,7 +57,9 @@ def apply_fsdp(
 
 def _apply(stage: StageModule, plan: StagePlan) -> None:
     offload = plan.cfg.optim.offload == "cpu"
-    apply_fsdp(stage, plan.mesh.sub("dp"), plan.compute_dtype, reshards_after_forward(plan.cfg), offload, plan.device)
+    apply_fsdp(
+        stage, plan.mesh.sub("dp_cp"), plan.compute_dtype, reshards_after_forward(plan.cfg), offload, plan.device
+    )
 
 
 TRANSFORM = Transform("fsdp", lambda plan: plan.shards_params, _apply)

@@ -10,6 +10,7 @@ Its tensor-parallel plan is tp_plan.py's, its FLOP and activation formulas costs
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ConfigError, ModelConfig
+from hpc_train.data.batch import SequenceShard
 from hpc_train.models.spec import param_generator
 from hpc_train.placement import distribute_like
 
@@ -69,10 +71,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal SDPA over (batch, heads, seq, head_dim); grouped-query k, v shared by their q heads. `mask`
+    (packed documents: causal and within one document) replaces the causal rule."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its q group
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, arch: Architecture):
         super().__init__()
         self.recompute_core = False  # selective recompute: keep only q, k, v for the attention core
+        # context parallelism (distributed/transforms/context_parallel.py): the core that exchanges keys and
+        # values between cp ranks, and which sequence positions this rank's tokens are
+        self.core: AttentionCore = causal_attention
+        self.shard: SequenceShard | None = None
         self.rotary = arch.rotary
         self.head_dim = cfg.d_model // cfg.n_heads
         kv_heads = cfg.n_kv_heads or cfg.n_heads
@@ -92,17 +112,15 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if cos is not None:
-            if cos.dim() == 2:  # one table for every row
-                cos, sin = cos[:seq], sin[:seq]
+            if cos.dim() == 2:  # one table for every row: this rank's positions of it
+                at = slice(None, seq) if self.shard is None else self.shard.positions(seq, cos.device)
+                cos, sin = cos[at], sin[at]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its q group
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        core = self.core if mask is None else functools.partial(causal_attention, mask=mask)
         if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=mask is None,
-                             use_reentrant=False)  # fmt: skip
+            out = checkpoint(core, q, k, v, use_reentrant=False)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            out = core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -161,6 +179,7 @@ class Decoder(nn.Module):
         self.output = nn.Linear(cfg.d_model, vocab, bias=False) if last else None
         self.emits_hidden = False  # a pipeline's last stage: forward ends at the final norm, the loss takes over
         self.compiled = False  # compile_regions was applied
+        self.shard: SequenceShard | None = None  # context parallelism: the positions of this rank's tokens
         self.tie_weights()
         for name, value in self.buffer_values(vocab if last else None).items():
             self.register_buffer(name, value, persistent=False)
@@ -201,9 +220,11 @@ class Decoder(nn.Module):
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
             if (learned := self.pos_embeddings) is not None:
-                x = self.sequence_scatter(
-                    x + (learned.weight[: x.shape[1]] if positions is None else learned(positions))
-                )
+                if positions is not None:
+                    x = self.sequence_scatter(x + learned(positions))
+                else:
+                    at = slice(None, x.shape[1]) if self.shard is None else self.shard.positions(x.shape[1], x.device)
+                    x = self.sequence_scatter(x + learned.weight[at])
         cos, sin = (self.rope_cos, self.rope_sin) if self.arch.rotary else (None, None)
         if cos is not None and positions is not None:  # each row's tables, broadcast over the heads
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
