@@ -32,6 +32,16 @@ def small_corpus(tmp_path_factory) -> str:
     return prefix
 
 
+@pytest.fixture(scope="session")
+def short_documents(tmp_path_factory) -> str:
+    """Lines of standard-library files as JSON-lines documents (about 30 bytes each): most samples of a tiny
+    model hold several documents (data.reset_position_ids / data.document_mask)."""
+    base = tmp_path_factory.mktemp("short_documents")
+    lines = [line for path in stdlib_sources()[:4] for line in path.read_text().splitlines() if line.strip()]
+    (base / "lines.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:3000]))
+    return prepare_data([base / "lines.jsonl"], str(base / "lines"), "byte", progress=False)["train"]
+
+
 @pytest.fixture
 def make_cfg(tmp_path, small_corpus):
     def make(*overrides: str, run: str = "run") -> JobConfig:

@@ -111,18 +111,29 @@ MUON_LAYOUTS = {"tp2_muon": "tp2", "dp2_zero1_muon": "dp2_zero1"}
 MUON_TOL = 1e-4
 
 
+# data.reset_position_ids + data.document_mask on a corpus of short documents (several per sample), with
+# evaluation, against one process with them on (and off, llama: the loop applies them to training and evaluation)
+DOCUMENTS = ["data.reset_position_ids=true", "data.document_mask=true", f"train.eval_interval={STEPS}"]
+DOCUMENTS_OFF = ["data.reset_position_ids=false", "data.document_mask=false"]
+DOCUMENT_LAYOUTS = ("tp2_sp",)
+
+
 def _config(base, arch: str, name: str, extra: list[str], corpus: str):
     overrides = [*COMMON, f"model.arch={arch}", f"data.train_path={corpus}", f"run_dir={base / arch / name}", *extra]
     return load_config(None, overrides)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, small_corpus):
+def runs(tmp_path_factory, small_corpus, short_documents):
     """Run directory per model family: <arch>/reference and <arch>/<layout>."""
     base = tmp_path_factory.mktemp("layouts")
     cfg = lambda arch, name, extra: _config(base, arch, name, extra, small_corpus)
     muon = lambda name, extra: cfg("llama", name, [*extra, "optim.name=muon"])
+    docs = lambda arch, name, extra: cfg(arch, name, [*DOCUMENTS, f"data.train_path={short_documents}",
+                                                      f"data.valid_path={short_documents}", *extra])  # fmt: skip
     references = [cfg(arch, "reference", ["train.micro_batch_size=8"]) for arch in ARCHS]
+    references += [docs(arch, "reference_documents", ["train.micro_batch_size=8"]) for arch in ARCHS]
+    references.append(docs("llama", "documents_off", ["train.micro_batch_size=8", *DOCUMENTS_OFF]))
     muon_runs = [muon("reference_muon", ["train.micro_batch_size=8"]),
                  muon("split_muon", ["train.micro_batch_size=4", "train.grad_accum=2"])]  # fmt: skip
     launch_sequence(run_training, 1, [(c,) for c in [*references, *muon_runs]])
@@ -131,6 +142,8 @@ def runs(tmp_path_factory, small_corpus):
         cfgs = [cfg(arch, n, [*LAYOUTS[n][1], f"parallel.nproc={world}"]) for arch in ARCHS for n in names]
         cfgs += [muon(n, [*LAYOUTS[base][1], f"parallel.nproc={world}"])
                  for n, base in MUON_LAYOUTS.items() if LAYOUTS[base][0] == world]  # fmt: skip
+        cfgs += [docs(arch, f"{n}_documents", [*LAYOUTS[n][1], f"parallel.nproc={world}"])
+                 for arch in ARCHS for n in DOCUMENT_LAYOUTS if LAYOUTS[n][0] == world]  # fmt: skip
         launch_sequence(counted_training, world, [(c,) for c in cfgs])  # run_training, counting cp's bytes
     compiled = [cfg("llama", f"{n}_compiled", [*LAYOUTS[n][1], "parallel.nproc=2", "train.compile=true"])
                 for n in COMPILED_LAYOUTS]  # fmt: skip
@@ -189,6 +202,22 @@ def test_muon_layout_matches_single_process(runs, layout):
     assert max_param_diff(read_final_model(runs / layout), read_final_model(runs / "reference_muon")) <= MUON_TOL
     adamw = read_final_model(runs / "reference")  # the rule was applied: Muon's weights are not AdamW's
     assert max_param_diff(read_final_model(runs / "reference_muon"), adamw) > 5 * MUON_TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_documents_train_alike_at_one_process_and_tp2(runs, arch):
+    runs = runs[arch]
+    ref = read_metrics(runs / "reference_documents")
+    assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"] and "eval_loss" in ref[-1]
+    if arch == "llama":
+        off = read_metrics(runs / "documents_off")
+        assert abs(ref[0]["loss"] - off[0]["loss"]) > 1e-4 and abs(ref[-1]["eval_loss"] - off[-1]["eval_loss"]) > 1e-4
+    reference = read_final_model(runs / "reference_documents")
+    for layout in DOCUMENT_LAYOUTS:
+        got = read_metrics(runs / f"{layout}_documents")
+        for r, g in zip(ref, got, strict=True):
+            assert abs(r["loss"] - g["loss"]) <= TOL and abs(r.get("eval_loss", 0) - g.get("eval_loss", 0)) <= TOL
+        assert max_param_diff(read_final_model(runs / f"{layout}_documents"), reference) <= TOL
 
 
 @pytest.mark.parametrize("arch", ARCHS)

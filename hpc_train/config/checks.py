@@ -249,7 +249,7 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
                 "global_batch_size out"
             )
 
-    checks = [layout, lambda: check_pipeline(cfg), lambda: check_context(cfg)]
+    checks = [layout, lambda: check_pipeline(cfg), lambda: check_context(cfg), lambda: check_documents(cfg)]
     if check_paths:
         data_keys = ("data.train_path", "data.valid_path")
         checks += [lambda key=key: check_data_path(key, _get(cfg, key)) for key in data_keys]
@@ -310,6 +310,19 @@ def check_context(cfg: JobConfig) -> None:
         raise ConfigError(f"parallel.cp_mode=ulysses splits each tp rank's {heads} heads (model.n_heads={m.n_heads} / "
                           f"parallel.tp={p.tp}) over parallel.cp={p.cp}: pick a cp dividing them, or "
                           "parallel.cp_mode=ring")  # fmt: skip
+
+
+def check_documents(cfg: JobConfig) -> None:
+    """Packed-document positions and masks reach the first pipeline stage only, and are not split over the
+    sequence: refused with pp > 1 or cp > 1."""
+    on = [f"data.{key}" for key in ("reset_position_ids", "document_mask") if getattr(cfg.data, key)]
+    if on and cfg.parallel.cp > 1:
+        raise ConfigError(f"{' and '.join(on)} with parallel.cp={cfg.parallel.cp}: context parallelism does not "
+                          "split document positions and masks yet; use parallel.cp=1 or turn them off")  # fmt: skip
+    if on and cfg.parallel.pp > 1:
+        raise ConfigError(f"{' and '.join(on)} with parallel.pp={cfg.parallel.pp}: later pipeline stages see only "
+                          "hidden states, not the documents; use parallel.pp=1 (tp, dp and FSDP work) or turn "
+                          f"{' and '.join(on)} off")  # fmt: skip
 
 
 def check_data_path(key: str, prefix: str | None) -> None:

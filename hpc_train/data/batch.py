@@ -4,6 +4,7 @@ packed documents and blended sources extend these (positions, a source per sampl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +32,11 @@ class Source(Protocol):
         """What the checkpoint manifest records so that a resume on other data is refused."""
         ...
 
+    def documents(self, indices: np.ndarray) -> np.ndarray:
+        """(len(indices), seq_len): the document of each input token of each sample, counted from the one
+        the sample starts in (0), from the dataset's document offsets."""
+        ...
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -38,13 +44,18 @@ class Batch:
 
     tokens: torch.Tensor  # (micro-batch, seq_len) input ids
     labels: torch.Tensor  # (micro-batch, seq_len) next-token targets; IGNORE where the loss mask leaves one out
+    # data.reset_position_ids: each token's position in its document (None: its position in the sample)
+    positions: torch.Tensor | None = None
+    # data.document_mask: each token's document in its sample; attention stays inside one (None: causal only)
+    documents: torch.Tensor | None = None
 
     @property
     def loss_mask(self) -> torch.Tensor:
         return self.labels != IGNORE
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.tokens.to(device, non_blocking=True), self.labels.to(device, non_blocking=True))
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Batch(*(t if t is None else t.to(device, non_blocking=True) for t in fields))
 
     def shard(self, shard: SequenceShard | None) -> Batch:
         """This context-parallel rank's positions of every sample (the whole batch without a shard)."""
@@ -74,12 +85,29 @@ class SequenceShard:
                           torch.arange(second, second + chunk, device=device)])  # fmt: skip
 
 
-def collate(source: Source, indices: np.ndarray) -> Batch:
-    """The samples at `indices` as one batch: inputs, next-token labels, IGNORE where the mask says so."""
+def collate(
+    source: Source, indices: np.ndarray, reset_position_ids: bool = False, document_mask: bool = False
+) -> Batch:
+    """The samples at `indices` as one batch: inputs, next-token labels, IGNORE where the mask says so; with
+    `reset_position_ids` / `document_mask` (data.*), the positions / documents of the packed documents."""
     samples = source.samples(indices)
     rows = torch.from_numpy(np.stack([tokens for tokens, _ in samples]).astype(np.int64))
     labels = rows[:, 1:]
     if samples[0][1] is not None:
         counted = torch.from_numpy(np.stack([mask for _, mask in samples]).astype(bool))
         labels = labels.masked_fill(~counted, IGNORE)
-    return Batch(rows[:, :-1], labels)
+    positions = documents = None
+    if reset_position_ids or document_mask:
+        docs = source.documents(indices)
+        positions = torch.from_numpy(document_positions(docs)) if reset_position_ids else None
+        documents = torch.from_numpy(docs) if document_mask else None
+    return Batch(rows[:, :-1], labels, positions, documents)
+
+
+def document_positions(documents: np.ndarray) -> np.ndarray:
+    """Each token's position in its document, from (rows, seq_len) document numbers that never decrease
+    along a row: 0 at every document start (and at the row's start)."""
+    index = np.broadcast_to(np.arange(documents.shape[1]), documents.shape)
+    starts = np.ones(documents.shape, dtype=bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)

@@ -93,6 +93,10 @@ class BlendedSource:  # a data.batch.Source
             out = [(tokens, ones if mask is None else mask) for tokens, mask in out]
         return out
 
+    def documents(self, indices: np.ndarray) -> np.ndarray:
+        shift, local = SOURCE_SHIFT, LOCAL_MASK
+        return np.concatenate([self.datasets[i >> shift].documents(np.array([i & local])) for i in indices.tolist()])
+
     def identity(self) -> dict[str, dict[str, dict[str, int]]]:
         """Each source's identity, by name: a resume refuses a source whose data changed under its name."""
         return {"sources": {n: d.identity() for n, d in zip(self.names, self.datasets, strict=True)}}

@@ -174,6 +174,18 @@ class IndexedDataset:  # a data.batch.Source
     def identity(self) -> dict[str, int]:
         return {"tokens": len(self.tokens), "documents": len(self.doc_offsets) - 1}
 
+    def documents(self, indices: np.ndarray) -> np.ndarray:
+        """The document of each input token of each sample, counted from the one the sample starts in: a
+        new one at each document offset inside the sample (two binary searches per sample)."""
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        first = np.searchsorted(self.doc_offsets, starts, side="right")
+        last = np.searchsorted(self.doc_offsets, starts + self.seq_len - 1, side="right")
+        out = np.empty((len(starts), self.seq_len), dtype=np.int64)
+        position = np.arange(self.seq_len)
+        for row, (start, lo, hi) in enumerate(zip(starts.tolist(), first.tolist(), last.tolist(), strict=True)):
+            out[row] = np.searchsorted(np.asarray(self.doc_offsets[lo:hi]) - start, position, side="right")
+        return out
+
     def batch(self, indices: np.ndarray) -> Batch:
         return collate(self, indices)
 

@@ -208,7 +208,8 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
     with step_context(model, device):
         if model.schedule is None:
             for batch in micro_batches:
-                loss = model.chunks[0](batch.tokens, batch.labels, model.loss_tokens) / len(micro_batches)
+                loss = model.chunks[0](batch.tokens, batch.labels, model.loss_tokens, positions=batch.positions,
+                                       documents=batch.documents) / len(micro_batches)  # fmt: skip
                 if backward:
                     (loss * model.loss_scale).backward()
                 total += local(loss.detach())

@@ -132,9 +132,12 @@ def _restart_figures(run: Run, resumed: Resumed | None) -> dict[str, float] | No
 def evaluate_all(run: Run) -> dict[str, float]:
     """`eval_loss` (data.valid_path's, else the mean over data.valid_sources) and `eval_loss/<name>` for each
     of data.valid_sources."""
-    per_source = {f"eval_loss/{name}": evaluate(run.model, ds, run.cfg.train) for name, ds in run.valid_sources.items()}
+    per_source = {
+        f"eval_loss/{name}": evaluate(run.model, ds, run.cfg.train, run.cfg.data)
+        for name, ds in run.valid_sources.items()
+    }
     if run.valid_set is not None:
-        return {"eval_loss": evaluate(run.model, run.valid_set, run.cfg.train), **per_source}
+        return {"eval_loss": evaluate(run.model, run.valid_set, run.cfg.train, run.cfg.data), **per_source}
     return {"eval_loss": sum(per_source.values()) / len(per_source), **per_source}
 
 
@@ -174,7 +177,7 @@ def _train(
         hang.arm(step, allowance=watchdog.START_ALLOWANCE if step == start_step + 1 else 1)
         lr = lr_at(step - 1, cfg.optim, t.steps)
         micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device,
-                                           run.model.sequence_shard)  # fmt: skip
+                                           run.model.sequence_shard, cfg.data)  # fmt: skip
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
         options = StepOptions(cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged,

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpc_train.config import TrainConfig
+from hpc_train.config import DataConfig, TrainConfig
 from hpc_train.data.batch import SequenceShard, Source, collate
 from hpc_train.distributed.grads import clip_grad_norm
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
@@ -167,15 +167,21 @@ def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:
 
 
 def rank_micro_batches(
-    source: Source, indices: list[np.ndarray], device: torch.device, shard: SequenceShard | None = None
+    source: Source,
+    indices: list[np.ndarray],
+    device: torch.device,
+    shard: SequenceShard | None = None,
+    data: DataConfig | None = None,
 ) -> MicroBatches:
-    """The samples at `indices`, each cut to this context-parallel rank's positions (`shard`)."""
-    return [collate(source, idx).shard(shard).to(device) for idx in indices]
+    """The samples at `indices`, on `device`, with `data`'s document positions and masks (if on), each cut to
+    this context-parallel rank's positions (`shard`)."""
+    reset, mask = (False, False) if data is None else (data.reset_position_ids, data.document_mask)
+    return [collate(source, idx, reset, mask).shard(shard).to(device) for idx in indices]
 
 
-def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig) -> float:
+def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig, data: DataConfig | None = None) -> float:
     """Mean loss over the first eval_batches global batches of the held-out set, read in order: the same
-    samples, in the same micro-batch shapes as training, whatever the layout."""
+    samples, in the same micro-batch shapes as training (and `data`'s document options), whatever the layout."""
     model.train(False)
     dp, dp_rank = model.mesh.size("dp"), model.mesh.rank("dp")
     per_rank, device = t.micro_batch_size * t.grad_accum, model.device
@@ -183,7 +189,7 @@ def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig) -> float:
     for b in range(t.eval_batches):
         start = (b * dp + dp_rank) * per_rank
         indices = np.arange(start, start + per_rank) % len(dataset)
-        micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device, model.sequence_shard)
+        micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device, model.sequence_shard, data)
         total += reduce_loss(model, forward_only(model, micro))
     model.train(True)
     return total.item() / t.eval_batches

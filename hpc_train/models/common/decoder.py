@@ -10,6 +10,7 @@ Its tensor-parallel plan is tp_plan.py's, its FLOP and activation formulas costs
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,12 +71,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA over (batch, heads, seq, head_dim); grouped-query k, v shared by their q heads."""
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal SDPA over (batch, heads, seq, head_dim); grouped-query k, v shared by their q heads. `mask`
+    (packed documents: causal and within one document) replaces the causal rule."""
     if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its q group
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,19 +102,25 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        """`cos`, `sin`: the RoPE tables, or None with learned positions."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`cos`, `sin`: the RoPE tables (or each row's, (batch, 1, seq, head_dim)), or None with learned
+        positions. `mask`: where attention may look (True), (batch, 1, seq, seq); None: causal."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if cos is not None:
-            at = slice(None, seq) if self.shard is None else self.shard.positions(seq, cos.device)
-            q, k = apply_rotary(q, cos[at], sin[at]), apply_rotary(k, cos[at], sin[at])
+            if cos.dim() == 2:  # one table for every row: this rank's positions of it
+                at = slice(None, seq) if self.shard is None else self.shard.positions(seq, cos.device)
+                cos, sin = cos[at], sin[at]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        core = self.core if mask is None else functools.partial(causal_attention, mask=mask)
         if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, k, v, use_reentrant=False)
+            out = checkpoint(core, q, k, v, use_reentrant=False)
         else:
-            out = self.core(q, k, v)
+            out = core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -123,13 +133,17 @@ class Block(nn.Module):
         self.mlp_norm = arch.norm(cfg.d_model, cfg.norm_eps)
         self.mlp = arch.mlp(cfg.d_model, arch.ffn_size(cfg), arch.linear_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.recompute_all and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, mask)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def _forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask=mask)  # a keyword: the TP plan prepares (x, cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -192,20 +206,33 @@ class Decoder(nn.Module):
         return values
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, loss_tokens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        loss_tokens: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (or a previous stage's hidden states) -> hidden states, or padded logits on the last
-        stage (its final hidden states with `emits_hidden`); with `targets`, the next-token loss (`loss`)."""
+        stage (its final hidden states with `emits_hidden`); with `targets`, the next-token loss (`loss`).
+        Packed documents (data/batch.py Batch): `positions`, each token's position (default: its index);
+        `documents`, each token's document: attention stays inside it (default: causal over the sample)."""
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
-            if self.pos_embeddings is not None:
-                at = slice(None, x.shape[1]) if self.shard is None else self.shard.positions(x.shape[1], x.device)
-                x = self.sequence_scatter(x + self.pos_embeddings.weight[at])
+            if (learned := self.pos_embeddings) is not None:
+                if positions is not None:
+                    x = self.sequence_scatter(x + learned(positions))
+                else:
+                    at = slice(None, x.shape[1]) if self.shard is None else self.shard.positions(x.shape[1], x.device)
+                    x = self.sequence_scatter(x + learned.weight[at])
         cos, sin = (self.rope_cos, self.rope_sin) if self.arch.rotary else (None, None)
+        if cos is not None and positions is not None:  # each row's tables, broadcast over the heads
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        mask = None if documents is None else document_mask(documents)
         if self.compiled and isinstance(x, AsyncCollectiveTensor):
             x = x.clone()  # wait for the embedding's tp collective: compiled regions mishandle its async wrapper
         for layer in self.layers.values():
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         if self.output is None:
             return x
         hidden = self.norm(x)
@@ -249,6 +276,14 @@ class Decoder(nn.Module):
             block.compile()
         if self.output is not None and not isinstance(self.output.weight, DTensor):  # loss_parallel does not compile
             self.summed_loss = torch.compile(self.summed_loss)
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) boolean SDPA mask from each token's document, (batch, seq): causal and inside one
+    document (a mask rules out SDPA's flash kernel: the memory-efficient or math kernel runs)."""
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return ((documents.unsqueeze(2) == documents.unsqueeze(1)) & causal).unsqueeze(1)
 
 
 def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, tp: int = 1, *, arch: Architecture) -> Decoder:
