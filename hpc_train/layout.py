@@ -76,7 +76,26 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
     if cfg.finetune.adapters:
         _check_adapters(cfg, spec)
     check_fp8(cfg, spec)
+    if cfg.model.moe.num_experts:
+        _check_moe(cfg)
     return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)
+
+
+def _check_moe(cfg: JobConfig) -> None:
+    """What MoE layers do not run with yet (until expert parallelism composes them), refused before any rank
+    starts: one line per problem."""
+    unsupported = {
+        "parallel.pp": (cfg.parallel.pp > 1, "set parallel.pp=1"),
+        "parallel.tp": (cfg.parallel.tp > 1, "set parallel.tp=1"),
+        "optim.zero_stage=3": (cfg.optim.zero_stage == 3, "use optim.zero_stage 0, 1 or 2"),
+        "train.fp8": (cfg.train.fp8 != "off", "set train.fp8=off"),
+        "train.compile": (cfg.train.compile, "set train.compile=false"),
+        f"finetune.method={cfg.finetune.method}": (cfg.finetune.adapters, "use finetune.method=full"),
+    }
+    problems = [f"{key} is not supported with model.moe.num_experts={cfg.model.moe.num_experts} yet: {fix}"
+                for key, (refused, fix) in unsupported.items() if refused]  # fmt: skip
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def _check_zero(cfg: JobConfig, dp: int) -> None:

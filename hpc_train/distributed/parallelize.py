@@ -33,6 +33,7 @@ from hpc_train.distributed.transforms import StagePlan, apply_transforms
 from hpc_train.distributed.transforms.float8 import precompute_scales
 from hpc_train.distributed.transforms.fsdp import reshard
 from hpc_train.finetune.lora import init_adapters, is_adapter, quantize_projections
+from hpc_train.models.common.moe import set_aux_grad_scale
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 from hpc_train.placement import gathered
 
@@ -202,6 +203,7 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
     total = torch.zeros((), device=device)
     if model.masked_loss:
         model.loss_tokens = counted_targets(model, micro_batches)
+    set_aux_grad_scale(model.chunks, model.loss_scale / len(micro_batches))  # MoE: as the main loss's share
     with step_context(model, device):
         if model.schedule is None:
             for batch in micro_batches:
