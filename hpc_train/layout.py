@@ -71,13 +71,13 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
     spec = get_spec(cfg.model.arch)
     raise_all([lambda: spec.validate(cfg.model, cfg.parallel.tp), lambda: optimizer_class(cfg.optim),
                lambda: _check_zero(cfg, dp)])  # fmt: skip
+    if cfg.model.moe.num_experts:
+        _check_moe(cfg)
     if cfg.train.freeze:
         _check_freeze(cfg, spec)
     if cfg.finetune.adapters:
         _check_adapters(cfg, spec)
     check_fp8(cfg, spec)
-    if cfg.model.moe.num_experts:
-        _check_moe(cfg)
     return ParallelDims(pp=cfg.parallel.pp, dp=dp, tp=cfg.parallel.tp)
 
 
