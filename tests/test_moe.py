@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hpc_train.config import ConfigError, load_config
-from hpc_train.launch.local import launch_local
+from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.models.common.moe import (
@@ -28,7 +28,7 @@ from hpc_train.models.common.moe import (
 from hpc_train.models.llama.model import SwiGLU
 from hpc_train.planner import moe_param_counts
 from hpc_train.train.loop import run_training
-from tests.conftest import TINY_MODEL, read_metrics
+from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32"]
 
@@ -205,3 +205,33 @@ def test_bias_balancing_brings_the_expert_load_below_1_3_within_200_steps(small_
         print(f"bias_update_rate={rate}: " + " ".join(f"{w:.2f}" for w in windows[rate]))
     assert min(windows[0.01]) < 1.3 and windows[0.01][-1] < 1.4
     assert min(windows[0.0]) >= 1.3
+
+
+DP_LAYOUTS = {  # name -> (world, overrides); global batch 8 as two micro-batches of 4 samples everywhere
+    "reference": (1, ["train.micro_batch_size=4", "train.grad_accum=2"]),
+    "dp2": (2, ["train.micro_batch_size=4"]),
+    "dp2_zero1": (2, ["train.micro_batch_size=4", "optim.zero_stage=1", "optim.bucket_mb=0.05"]),
+    "dp2_zero2": (2, ["train.micro_batch_size=4", "optim.zero_stage=2", "optim.bucket_mb=0.05"]),
+}
+
+
+def test_data_parallel_moe_matches_one_process(tmp_path, small_corpus):
+    """Dropless MoE with the aux loss and bias balancing: data parallelism (plain, ZeRO-1, ZeRO-2) gives the
+    single-process loss curve, per-layer figures and final weights (routing biases included) within 1e-5.
+    The aux loss is per micro-batch, so the reference splits its batch as the ranks do."""
+    moe = [*MOE, "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.01", "model.moe.num_shared_experts=1"]
+    cfgs = {name: load_config(None, [*TINY_MODEL, *moe, "train.steps=3", f"data.train_path={small_corpus}",
+                                     f"run_dir={tmp_path / name}", f"parallel.nproc={world}", *extra])
+            for name, (world, extra) in DP_LAYOUTS.items()}  # fmt: skip
+    launch_local(run_training, 1, cfgs["reference"])
+    launch_sequence(run_training, 2, [(cfgs[name],) for name in DP_LAYOUTS if name != "reference"])
+    reference = read_metrics(cfgs["reference"].run_dir)
+    final = read_final_model(cfgs["reference"].run_dir)
+    assert final["layers.1.mlp.router.expert_bias"].abs().sum() > 0  # the biases moved
+    for name in DP_LAYOUTS:
+        records = read_metrics(cfgs[name].run_dir)
+        for ours, ref in zip(records, reference, strict=True):
+            assert ours["loss"] == pytest.approx(ref["loss"], abs=1e-5), name
+            for layer, figures in ref["moe"].items():
+                assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (name, layer)
+        assert max_param_diff(read_final_model(cfgs[name].run_dir), final) < 1e-5, name
