@@ -86,7 +86,7 @@ def _check_moe(cfg: JobConfig) -> None:
     starts: one line per problem."""
     unsupported = {
         "parallel.pp": (cfg.parallel.pp > 1, "set parallel.pp=1"),
-        "parallel.tp": (cfg.parallel.tp > 1, "set parallel.tp=1"),
+        "parallel.sequence_parallel": (cfg.parallel.sequence_parallel, "set parallel.sequence_parallel=false"),
         "optim.zero_stage=3": (cfg.optim.zero_stage == 3, "use optim.zero_stage 0, 1 or 2"),
         "train.fp8": (cfg.train.fp8 != "off", "set train.fp8=off"),
         "train.compile": (cfg.train.compile, "set train.compile=false"),

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hpc_train.config import ConfigError, load_config
+from hpc_train.distributed.transforms.tensor_parallel import sharded_parameter_names
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
@@ -126,11 +127,17 @@ def test_config_checks_and_refused_layouts(make_cfg):
     with pytest.raises(ConfigError, match="model.arch=gpt2 has no MoE blocks"):
         get_spec("gpt2").validate(model_cfg("model.arch=gpt2"), 1)
     refused = make_cfg(
-        *MOE, "parallel.pp=2", "train.grad_accum=2", "parallel.tp=2", "optim.zero_stage=3", "train.fp8=tensorwise"
+        *MOE,
+        "parallel.pp=2",
+        "train.grad_accum=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "optim.zero_stage=3",
+        "train.fp8=tensorwise",
     )
     with pytest.raises(ConfigError) as err:
         check_run(refused, 8, check_paths=False)
-    for key in ("parallel.pp", "parallel.tp", "optim.zero_stage=3", "train.fp8"):
+    for key in ("parallel.pp", "parallel.sequence_parallel", "optim.zero_stage=3", "train.fp8"):
         assert f"{key} is not supported with model.moe.num_experts=4 yet" in str(err.value)
     check_run(make_cfg(*MOE, "optim.zero_stage=2"), 2, check_paths=False)  # data parallel, ZeRO 1-2: accepted
 
@@ -147,6 +154,9 @@ def test_active_flops_and_the_planners_total_and_active_parameters(make_cfg):
     cfg = make_cfg(*MOE, "model.moe.num_shared_experts=1")
     total, active = moe_param_counts(cfg)
     built = spec.build_stage(cfg.model)
+    sharded = sharded_parameter_names(built, spec.tp_plan(built, False))  # under tp: shared experts, not routed
+    assert {"layers.0.mlp.shared.w1.weight", "layers.0.mlp.shared.w2.weight"} <= sharded
+    assert not any(".experts." in name or "router" in name for name in sharded)
     assert total == sum(p.numel() for p in built.parameters())
     assert total - active == 2 * 2 * 3 * 64 * 32  # two layers, two of four experts idle per token
 
@@ -212,11 +222,14 @@ DP_LAYOUTS = {  # name -> (world, overrides); global batch 8 as two micro-batche
     "dp2": (2, ["train.micro_batch_size=4"]),
     "dp2_zero1": (2, ["train.micro_batch_size=4", "optim.zero_stage=1", "optim.bucket_mb=0.05"]),
     "dp2_zero2": (2, ["train.micro_batch_size=4", "optim.zero_stage=2", "optim.bucket_mb=0.05"]),
+    # attention and shared experts tp-sharded, router and routed experts replicated
+    "tp2": (2, ["parallel.tp=2", "train.micro_batch_size=4", "train.grad_accum=2"]),
 }
 
 
-def test_data_parallel_moe_matches_one_process(tmp_path, small_corpus):
-    """Dropless MoE with the aux loss and bias balancing: data parallelism (plain, ZeRO-1, ZeRO-2) gives the
+def test_data_and_tensor_parallel_moe_match_one_process(tmp_path, small_corpus):
+    """Dropless MoE with the aux loss and bias balancing: data parallelism (plain, ZeRO-1, ZeRO-2) and tensor
+    parallelism (without sequence parallelism) give the
     single-process loss curve, per-layer figures and final weights (routing biases included) within 1e-5.
     The aux loss is per micro-batch, so the reference splits its batch as the ranks do."""
     moe = [*MOE, "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.01", "model.moe.num_shared_experts=1"]

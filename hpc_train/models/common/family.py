@@ -16,7 +16,7 @@ from hpc_train.models.common.decoder import (
     validate_decoder,
 )
 from hpc_train.models.common.hf import HFFormat
-from hpc_train.models.common.moe import reset_expert_bias, validate_moe
+from hpc_train.models.common.moe import expert_hidden, reset_expert_bias, validate_moe
 from hpc_train.models.common.tp_plan import decoder_tp_plan
 from hpc_train.models.spec import ModelSpec, StageModule
 
@@ -34,6 +34,10 @@ def validate_family(cfg: ModelConfig, tp: int, *, name: str, arch: Architecture)
         raise ConfigError(f"model.moe.num_experts={cfg.moe.num_experts}: model.arch={name} has no MoE blocks; "
                           "use model.arch=llama or model.moe.num_experts=0")  # fmt: skip
     validate_moe(cfg)
+    shared = expert_hidden(cfg, arch.ffn_size(cfg)) * cfg.moe.num_shared_experts
+    if cfg.moe.num_experts and shared % tp:
+        raise ConfigError(f"the shared experts' width {shared} is not divisible by parallel.tp={tp}; set "
+                          "model.moe.expert_ffn_hidden to a multiple of tp")  # fmt: skip
 
 
 def decoder_spec(name: str, arch: Architecture, hf: HFFormat | None = None) -> ModelSpec:
