@@ -132,12 +132,13 @@ def test_config_checks_and_refused_layouts(make_cfg):
         "train.grad_accum=2",
         "parallel.tp=2",
         "parallel.sequence_parallel=true",
+        "model.init_from=base",
         "optim.zero_stage=3",
         "train.fp8=tensorwise",
     )
     with pytest.raises(ConfigError) as err:
         check_run(refused, 8, check_paths=False)
-    for key in ("parallel.pp", "parallel.sequence_parallel", "optim.zero_stage=3", "train.fp8"):
+    for key in ("parallel.pp", "parallel.sequence_parallel", "optim.zero_stage=3", "train.fp8", "model.init_from"):
         assert f"{key} is not supported with model.moe.num_experts=4 yet" in str(err.value)
     check_run(make_cfg(*MOE, "optim.zero_stage=2"), 2, check_paths=False)  # data parallel, ZeRO 1-2: accepted
 

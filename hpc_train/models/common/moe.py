@@ -111,7 +111,9 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
 def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
     """The same as `grouped_swiglu`, one expert at a time (the fallback; reads the counts to the host)."""
     parts = x.split(counts.tolist())
-    outs = [(F.silu(part @ w1[e]) * (part @ w3[e])) @ w2[e] for e, part in enumerate(parts)]
+    # unbind once: indexing w[e] per expert would make each backward write a whole zero-filled w gradient
+    w1s, w3s, w2s = w1.unbind(0), w3.unbind(0), w2.unbind(0)
+    outs = [(F.silu(part @ w1s[e]) * (part @ w3s[e])) @ w2s[e] for e, part in enumerate(parts)]
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
