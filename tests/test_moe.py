@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hpc_train import planner
 from hpc_train.config import ConfigError, load_config
 from hpc_train.distributed.transforms.tensor_parallel import sharded_parameter_names
 from hpc_train.launch.local import launch_local, launch_sequence
@@ -29,7 +30,7 @@ from hpc_train.models.common.moe import (
 from hpc_train.models.llama.model import SwiGLU
 from hpc_train.planner import moe_param_counts
 from hpc_train.train.loop import run_training
-from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
+from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32"]
 
@@ -160,6 +161,14 @@ def test_active_flops_and_the_planners_total_and_active_parameters(make_cfg):
     assert not any(".experts." in name or "router" in name for name in sharded)
     assert total == sum(p.numel() for p in built.parameters())
     assert total - active == 2 * 2 * 3 * 64 * 32  # two layers, two of four experts idle per token
+
+
+def test_demo_config_and_preset_plan():
+    check_run(load_config(ROOT / "configs/moe_tiny.yaml", []), 1, check_paths=False)
+    preset = load_config(ROOT / "configs/moe_qwen3_30b_a3b.yaml", [])
+    dims = check_run(preset, planner.plan_world(preset), check_paths=False)
+    text = planner.format_estimate(preset, dims, planner.estimate(preset, dims), 80 * 2**30)
+    assert "30.079B parameters, 2.900B active per token (8 of 128 routed experts)" in text and "fits" in text
 
 
 def test_training_records_moe_metrics_and_persists_the_routing_bias(make_cfg):
