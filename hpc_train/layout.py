@@ -87,7 +87,6 @@ def _check_moe(cfg: JobConfig) -> None:
     unsupported = {
         "parallel.pp": (cfg.parallel.pp > 1, "set parallel.pp=1"),
         "parallel.sequence_parallel": (cfg.parallel.sequence_parallel, "set parallel.sequence_parallel=false"),
-        "optim.zero_stage=3": (cfg.optim.zero_stage == 3, "use optim.zero_stage 0, 1 or 2"),
         "train.fp8": (cfg.train.fp8 != "off", "set train.fp8=off"),
         "train.compile": (cfg.train.compile, "set train.compile=false"),
         f"finetune.method={cfg.finetune.method}": (cfg.finetune.adapters, "use finetune.method=full"),
