@@ -259,3 +259,21 @@ def test_data_and_tensor_parallel_moe_match_one_process(tmp_path, small_corpus):
             for layer, figures in ref["moe"].items():
                 assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (name, layer)
         assert max_param_diff(read_final_model(cfgs[name].run_dir), final) < 1e-5, name
+
+
+def test_resume_continues_the_routing_biases(make_cfg):
+    """A run stopped at step 3 and resumed trains steps 4-5 as the run that never stopped: the routing biases
+    come back from the checkpoint (with zero biases the resumed routing, loss and loads would differ)."""
+    moe = [*MOE, "model.moe.bias_update_rate=0.3", "checkpoint.interval=3"]
+    whole = make_cfg(*moe, "train.steps=5", run="whole")
+    launch_local(run_training, 1, whole)
+    stopped = make_cfg(*moe, "train.steps=3", run="resumed")
+    launch_local(run_training, 1, stopped)
+    assert read_final_model(stopped.run_dir)["layers.0.mlp.router.expert_bias"].abs().sum() > 0  # saved nonzero
+    resumed_cfg = make_cfg(*moe, "train.steps=5", run="resumed")
+    launch_local(run_training, 1, resumed_cfg)
+    resumed, reference = read_metrics(resumed_cfg.run_dir), read_metrics(whole.run_dir)
+    assert resumed[3]["resumed_from"]["step"] == 3
+    for ours, ref in zip(resumed[3:], reference[3:], strict=True):
+        assert ours["loss"] == pytest.approx(ref["loss"], abs=1e-6) and ours["moe"] == ref["moe"]  # the same loads
+    assert max_param_diff(read_final_model(resumed_cfg.run_dir), read_final_model(whole.run_dir)) < 1e-6
