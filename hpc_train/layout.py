@@ -85,7 +85,6 @@ def _check_moe(cfg: JobConfig) -> None:
     """What MoE layers do not run with yet (until expert parallelism composes them), refused before any rank
     starts: one line per problem."""
     unsupported = {
-        "parallel.pp": (cfg.parallel.pp > 1, "set parallel.pp=1"),
         "parallel.sequence_parallel": (cfg.parallel.sequence_parallel, "set parallel.sequence_parallel=false"),
         "train.fp8": (cfg.train.fp8 != "off", "set train.fp8=off"),
         "train.compile": (cfg.train.compile, "set train.compile=false"),

@@ -129,8 +129,6 @@ def test_config_checks_and_refused_layouts(make_cfg):
         get_spec("gpt2").validate(model_cfg("model.arch=gpt2"), 1)
     refused = make_cfg(
         *MOE,
-        "parallel.pp=2",
-        "train.grad_accum=2",
         "parallel.tp=2",
         "parallel.sequence_parallel=true",
         "model.init_from=base",
@@ -138,10 +136,11 @@ def test_config_checks_and_refused_layouts(make_cfg):
         "train.compile=true",
     )
     with pytest.raises(ConfigError) as err:
-        check_run(refused, 8, check_paths=False)
-    for key in ("parallel.pp", "parallel.sequence_parallel", "train.fp8", "train.compile", "model.init_from"):
+        check_run(refused, 2, check_paths=False)
+    for key in ("parallel.sequence_parallel", "train.fp8", "train.compile", "model.init_from"):
         assert f"{key} is not supported with model.moe.num_experts=4 yet" in str(err.value)
-    check_run(make_cfg(*MOE, "optim.zero_stage=3", "parallel.tp=2"), 4, check_paths=False)  # accepted
+    accepted = make_cfg(*MOE, "optim.zero_stage=3", "parallel.tp=2", "parallel.pp=2", "train.grad_accum=2")
+    check_run(accepted, 8, check_paths=False)
 
 
 def test_active_flops_and_the_planners_total_and_active_parameters(make_cfg):
@@ -233,14 +232,15 @@ DP_LAYOUTS = {  # name -> (world, overrides); global batch 8 as two micro-batche
     "dp2_zero1": (2, ["train.micro_batch_size=4", "optim.zero_stage=1", "optim.bucket_mb=0.05"]),
     "dp2_zero2": (2, ["train.micro_batch_size=4", "optim.zero_stage=2", "optim.bucket_mb=0.05"]),
     "dp2_zero3": (2, ["train.micro_batch_size=4", "optim.zero_stage=3"]),
+    "pp2": (2, ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2"]),
     # attention and shared experts tp-sharded, router and routed experts replicated
     "tp2": (2, ["parallel.tp=2", "train.micro_batch_size=4", "train.grad_accum=2"]),
 }
 
 
 def test_data_and_tensor_parallel_moe_match_one_process(tmp_path, small_corpus):
-    """Dropless MoE with the aux loss and bias balancing: data parallelism (plain, ZeRO-1, -2, -3) and tensor
-    parallelism (without sequence parallelism) give the
+    """Dropless MoE with the aux loss and bias balancing: data parallelism (plain, ZeRO-1, -2, -3), pipeline
+    parallelism (1F1B) and tensor parallelism (without sequence parallelism) give the
     single-process loss curve, per-layer figures and final weights (routing biases included) within 1e-5.
     The aux loss is per micro-batch, so the reference splits its batch as the ranks do."""
     moe = [*MOE, "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.01", "model.moe.num_shared_experts=1"]

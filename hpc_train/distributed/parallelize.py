@@ -33,7 +33,7 @@ from hpc_train.distributed.transforms import StagePlan, apply_transforms
 from hpc_train.distributed.transforms.float8 import precompute_scales
 from hpc_train.distributed.transforms.fsdp import reshard
 from hpc_train.finetune.lora import init_adapters, is_adapter, quantize_projections
-from hpc_train.models.common.moe import set_aux_grad_scale
+from hpc_train.models.common.moe import set_aux_grad_scale, skip_shape_inference
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 from hpc_train.placement import gathered
 
@@ -176,6 +176,7 @@ def parallelize(plan: StagePlan) -> ParallelModel:
     if pp > 1:
         if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time
             chunks[-1].emits_hidden = True
+        skip_shape_inference(chunks)  # MoE statistics
         model.schedule = build_schedule(chunks, stages, p, cfg.train.grad_accum, mesh.sub("pp"), device,
                                         model.scaled_loss)  # fmt: skip
     return model

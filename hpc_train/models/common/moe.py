@@ -172,6 +172,7 @@ class MoE(nn.Module):
         self.shared = shared_mlp(cfg.d_model, hidden * m.num_shared_experts, False) if m.num_shared_experts else None
         self.aux_grad_scale: float | torch.Tensor = 1.0  # the main loss's scale per micro-batch (set each step)
         self.stats: torch.Tensor | None = None  # (tokens per expert..., aux loss, dropped), summed over the step
+        self.unrecorded_forwards = 0  # training forwards left out of the statistics (a pipeline's shape inference)
 
     def capacity(self, tokens: int) -> int | None:
         if not self.capacity_factor:
@@ -221,6 +222,9 @@ class MoE(nn.Module):
         """Adds this forward to the step's statistics: only training forwards, not a recompute in backward."""
         if not (self.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
             return
+        if self.unrecorded_forwards:
+            self.unrecorded_forwards -= 1
+            return
         aux = aux.detach() if aux is not None else counts.new_zeros((), dtype=torch.float32)
         row = torch.cat([counts.float(), aux.float().reshape(1), dropped.float().reshape(1)])
         self.stats = row if self.stats is None else self.stats + row
@@ -232,6 +236,13 @@ def moe_layers(chunks: list[nn.Module]) -> Iterator[tuple[str, MoE]]:
         for name, module in chunk.named_modules():
             if isinstance(module, MoE):
                 yield name.removesuffix(".mlp"), module
+
+
+def skip_shape_inference(chunks: list[nn.Module]) -> None:
+    """A pipeline schedule's first training step runs one extra forward per stage to infer its shapes (on the
+    first stage's real micro-batch, on uninitialized tensors after it): left out of the statistics."""
+    for _, moe in moe_layers(chunks):
+        moe.unrecorded_forwards = 1
 
 
 def set_aux_grad_scale(chunks: list[nn.Module], scale: float | torch.Tensor) -> None:
