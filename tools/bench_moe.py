@@ -1,6 +1,6 @@
 """The routed experts' forward + backward with one grouped GEMM per projection (`torch._grouped_mm`) against
-the per-expert loop, on CPU (or CUDA in bf16 on compute capability 9.0+), for a few MoE shapes: tokens
-(after top-k: assignments), experts, model width, expert width. Tokens are spread over the experts as a
+the per-expert loop, on CPU (models/common/moe.py runs the grouped GEMM only there so far), for a few MoE
+shapes: tokens (after top-k: assignments), experts, model width, expert width. Tokens are spread over the experts as a
 router would (a skewed draw, some experts nearly empty). Prints a table, or JSON with --json.
 
     python tools/bench_moe.py                   # CPU, fp32, every thread

@@ -204,7 +204,8 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
     total = torch.zeros((), device=device)
     if model.masked_loss:
         model.loss_tokens = counted_targets(model, micro_batches)
-    set_aux_grad_scale(model.chunks, model.loss_scale / len(micro_batches))  # MoE: as the main loss's share
+    if model.model_cfg.moe.num_experts:  # the aux loss's gradient: the main loss's share of the batch
+        set_aux_grad_scale(model.chunks, model.loss_scale / len(micro_batches))
     with step_context(model, device):
         if model.schedule is None:
             for batch in micro_batches:
