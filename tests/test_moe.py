@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from hpc_train import planner
-from hpc_train.config import ConfigError, load_config
+from hpc_train.checkpoint.ownership import identity_differences
+from hpc_train.config import ConfigError, load_config, to_yaml
 from hpc_train.distributed.transforms.tensor_parallel import sharded_parameter_names
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
@@ -160,6 +162,17 @@ def test_active_flops_and_the_planners_total_and_active_parameters(make_cfg):
     assert not any(".experts." in name or "router" in name for name in sharded)
     assert total == sum(p.numel() for p in built.parameters())
     assert total - active == 2 * 2 * 3 * 64 * 32  # two layers, two of four experts idle per token
+
+
+def test_a_checkpoint_of_another_moe_shape_is_not_this_runs(make_cfg):
+    dense, moe = make_cfg(), make_cfg(*MOE)
+    assert identity_differences(to_yaml(dense), moe) == [
+        "model.moe.num_experts: 0 in the checkpoint, 4 here",
+        "model.moe.expert_ffn_hidden: None in the checkpoint, 32 here",
+    ]
+    older = yaml.safe_load(to_yaml(dense))
+    del older["model"]["moe"]  # recorded before model.moe existed: a dense model
+    assert identity_differences(yaml.safe_dump(older), dense) == []
 
 
 def test_demo_config_and_preset_plan():
