@@ -290,3 +290,18 @@ def test_resume_continues_the_routing_biases(make_cfg):
     for ours, ref in zip(resumed[3:], reference[3:], strict=True):
         assert ours["loss"] == pytest.approx(ref["loss"], abs=1e-6) and ours["moe"] == ref["moe"]  # the same loads
     assert max_param_diff(read_final_model(resumed_cfg.run_dir), read_final_model(whole.run_dir)) < 1e-6
+
+
+def test_a_skipped_step_leaves_the_routing_biases(make_cfg, monkeypatch):
+    """A step whose update is dropped (a planted non-finite loss) moves neither the weights nor the routing
+    biases: two steps with the second skipped end where one step ends."""
+    moe = [*MOE, "model.moe.bias_update_rate=0.3", "train.skip_nonfinite=1"]
+    one = make_cfg(*moe, "train.steps=1", run="one")
+    launch_local(run_training, 1, one)
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "loss@2@0@nan")
+    skipped = make_cfg(*moe, "train.steps=2", run="skipped")
+    launch_local(run_training, 1, skipped)
+    assert read_metrics(skipped.run_dir)[1]["skipped"]
+    final = read_final_model(skipped.run_dir)
+    assert final["layers.0.mlp.router.expert_bias"].abs().sum() > 0
+    assert max_param_diff(final, read_final_model(one.run_dir)) == 0

@@ -12,10 +12,13 @@ from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.models.common.moe import STATS, is_moe_layer, moe_layers, take_stats, update_expert_bias
 
 
-def finish_moe_step(model: ParallelModel, micro_batches: int) -> dict[str, torch.Tensor]:
+def finish_moe_step(
+    model: ParallelModel, micro_batches: int, skipped: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Per MoE layer of the model: (busiest expert's tokens / mean, aux loss per micro-batch, dropped
     assignments) over the global batch; with model.moe.bias_update_rate, each layer's routing bias updated
-    from its global loads (the same on every data-parallel rank). Every rank gets every layer's figures."""
+    from its global loads (the same on every data-parallel rank) unless the step's update was `skipped`.
+    Every rank gets every layer's figures."""
     cfg = model.model_cfg
     if not cfg.moe.num_experts:
         return {}
@@ -31,7 +34,7 @@ def finish_moe_step(model: ParallelModel, micro_batches: int) -> dict[str, torch
         if cfg.moe.bias_update_rate:
             layers = dict(moe_layers(model.chunks))
             for name, load in zip(names, loads, strict=True):
-                update_expert_bias(layers[name], load, cfg.moe.bias_update_rate)
+                update_expert_bias(layers[name], load, cfg.moe.bias_update_rate, skipped)
         held = torch.tensor([int(name.split(".")[1]) for name in names], device=model.device)
         figures[held] = torch.stack(
             [loads.max(1).values / loads.mean(1).clamp(min=1e-9), rows[:, -2] / (micro_batches * dp), rows[:, -1]], 1

@@ -156,7 +156,8 @@ def _train_step(
     mean_loss = reduce_loss(model, loss)  # before the update: a non-finite loss drops it too
     figures = apply_gradients(model, optimizer, lr, options, mean_loss)
     memory["optimizer"] = optimizer.state_bytes()
-    return StepResult(figures, by_place(memory, optimizer), finish_moe_step(model, len(micro_batches)))
+    skipped = (figures[2] > 0) | ~torch.isfinite(figures[1]) | ~torch.isfinite(figures[0])  # as apply_gradients
+    return StepResult(figures, by_place(memory, optimizer), finish_moe_step(model, len(micro_batches), skipped))
 
 
 def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:

@@ -265,11 +265,15 @@ def summarize(loads: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor, mic
     return [(loads.max() / loads.mean().clamp(min=1e-9)).item(), aux.item() / micro_batches, dropped.item()]
 
 
-def update_expert_bias(moe: MoE, loads: torch.Tensor, rate: float) -> None:
+def update_expert_bias(moe: MoE, loads: torch.Tensor, rate: float, skipped: torch.Tensor | None = None) -> None:
     """DeepSeek-V3's auxiliary-loss-free step: each expert's bias moves by `rate` towards the mean load
-    (`loads`: the step's tokens per expert over the whole data-parallel batch)."""
+    (`loads`: the step's tokens per expert over the whole data-parallel batch); not when `skipped` (a step
+    whose update was dropped, decided on the device)."""
+    step = torch.sign(loads.mean() - loads) * rate
+    if skipped is not None:
+        step = torch.where(skipped, torch.zeros_like(step), step)
     with torch.no_grad():
-        moe.router.expert_bias.add_(torch.sign(loads.mean() - loads) * rate)
+        moe.router.expert_bias.add_(step)
 
 
 def reset_expert_bias(model: nn.Module) -> None:
