@@ -33,6 +33,7 @@ from hpc_train.finetune.lora import NF4_BLOCK, nf4_scaler_block, projections
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.models.common.decoder import recompute_choice
+from hpc_train.models.common.moe import moe_layers
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen
 from hpc_train.optim import optimizer_class, precision_policy
 from hpc_train.optim.buckets import largest_bucket
@@ -89,7 +90,7 @@ def local_param_count(cfg: JobConfig, pp_rank: int = 0, dp: int = 1) -> LocalPar
     """Exact parameter elements held by a rank of pipeline rank `pp_rank` (ZeRO-3 shards over `dp`)."""
     p = cfg.parallel
     f = cfg.finetune
-    return _param_count(tuple(asdict(cfg.model).items()), p.tp, p.pp, p.virtual_stages, pp_rank,
+    return _param_count(tuple(vars(cfg.model).items()), p.tp, p.pp, p.virtual_stages, pp_rank,
                         tuple(cfg.train.freeze), dp, (f.method, f.lora_rank, tuple(f.lora_targets)))  # fmt: skip
 
 
@@ -546,6 +547,17 @@ def plan_world(cfg: JobConfig) -> int:
     return cfg.slurm.nodes * cfg.slurm.tasks_per_node if cfg.slurm.gpus_per_node else cfg.parallel.nproc
 
 
+def moe_param_counts(cfg: JobConfig) -> tuple[int, int]:
+    """(total, active) parameters of the whole model with MoE blocks: a token goes through top_k of each
+    layer's routed experts (counted on the meta device)."""
+    with torch.device("meta"):
+        model = get_spec(cfg.model.arch).build_stage(cfg.model)
+    total = sum(p.numel() for p in model.parameters())
+    moe = cfg.model.moe
+    routed = sum(p.numel() for _, layer in moe_layers([model]) for p in layer.experts.parameters())
+    return total, total - routed * (moe.num_experts - moe.top_k) // moe.num_experts
+
+
 def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gpu_mem_bytes: float) -> str:
     p, dp = cfg.parallel, dims.dp
     rows = [
@@ -561,6 +573,10 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "
             f"zero={cfg.optim.zero_stage}, offload={cfg.optim.offload}, {cfg.train.precision}")  # fmt: skip
     lines = [head]
+    if cfg.model.moe.num_experts:
+        total, active = moe_param_counts(cfg)
+        lines.append(f"mixture of experts: {total / 1e9:.3f}B parameters, {active / 1e9:.3f}B active per token "
+                     f"({cfg.model.moe.top_k} of {cfg.model.moe.num_experts} routed experts)")  # fmt: skip
     if cfg.finetune.adapters:
         local = local_param_count(cfg)
         frozen = (local.total - local.trainable) / 1e6

@@ -29,6 +29,8 @@ IDENTITY_KEYS = (
     "name", "model.arch", "model.vocab_size", "model.n_layers", "model.n_heads",
     "model.n_kv_heads", "model.d_model", "model.ffn_hidden", "model.ffn_multiple", "model.tie_embeddings",
     "model.seq_len", "finetune.method", "finetune.lora_rank", "finetune.lora_targets",
+    "model.moe.num_experts", "model.moe.num_shared_experts", "model.moe.expert_ffn_hidden",
+    "model.moe.first_dense_layers",
 )  # fmt: skip
 LOCK = ".lock"
 

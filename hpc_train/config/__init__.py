@@ -21,6 +21,7 @@ from hpc_train.config.schema import (
     JobConfig,
     LoggingConfig,
     ModelConfig,
+    MoEConfig,
     OptimConfig,
     ParallelConfig,
     SlurmConfig,
@@ -29,7 +30,8 @@ from hpc_train.config.schema import (
 
 __all__ = [
     "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "FinetuneConfig", "JobConfig",
-    "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "SlurmConfig", "TrainConfig", "check_values",
+    "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "SlurmConfig", "TrainConfig",
+    "check_values",
     "derive_dp", "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes", "to_yaml",
     "validate",
 ]  # fmt: skip

@@ -40,6 +40,25 @@ class ConfigError(UserError, ValueError):
     """A configuration problem, with a message that names the key and what to change."""
 
 
+@dataclass(unsafe_hash=True)
+class MoEConfig:
+    """Mixture of experts in the feed-forward of every block from `first_dense_layers` on (models/common/moe.py).
+    num_experts=0: a dense model. Checked in models/common/moe.py `validate_moe`."""
+
+    num_experts: int = 0  # routed experts per MoE layer; 0 = dense
+    top_k: int = 2  # routed experts per token
+    num_shared_experts: int = 0  # experts every token goes through (DeepSeek), as one SwiGLU of this many widths
+    expert_ffn_hidden: int | None = None  # each expert's hidden width; None = the dense MLP's
+    first_dense_layers: int = 0  # the first N blocks keep the dense MLP (DeepSeek-V3: 3)
+    score_func: str = "softmax"  # softmax | sigmoid (DeepSeek-V3); the top-k gates are renormalized to sum to 1
+    aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss weight; 0 = off
+    # auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing bias moves by this
+    # rate towards the mean load (sign of the difference); 0 = off
+    bias_update_rate: float = 0.0
+    capacity_factor: float = 0.0  # 0 = dropless; else each expert takes ceil(cf * tokens * top_k / experts)
+    grouped_mm: bool = True  # torch._grouped_mm for the experts where it runs; false: a loop over experts
+
+
 @dataclass
 class ModelConfig:
     arch: str = "llama"  # model family: llama | gpt2 (hpc_train/models)
@@ -71,6 +90,7 @@ class ModelConfig:
     # start from these weights (step 0, fresh optimizer): a Hugging Face folder (config.json + safetensors) or
     # an hpc_train checkpoint / run directory; the architecture keys above are taken from it
     init_from: str | None = None
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (models/common/moe.py)
 
     @property
     def context_len(self) -> int:

@@ -34,6 +34,7 @@ from hpc_train.distributed.transforms.context_parallel import sequence_shard
 from hpc_train.distributed.transforms.float8 import precompute_scales
 from hpc_train.distributed.transforms.fsdp import reshard
 from hpc_train.finetune.lora import init_adapters, is_adapter, quantize_projections
+from hpc_train.models.common.moe import set_aux_grad_scale, skip_shape_inference
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 from hpc_train.placement import gathered
 
@@ -178,6 +179,7 @@ def parallelize(plan: StagePlan) -> ParallelModel:
     if pp > 1:
         if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time
             chunks[-1].emits_hidden = True
+        skip_shape_inference(chunks)  # MoE statistics
         model.schedule = build_schedule(chunks, stages, p, cfg.train.grad_accum, mesh.sub("pp"), device,
                                         model.scaled_loss)  # fmt: skip
     return model
@@ -205,6 +207,8 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
     total = torch.zeros((), device=device)
     if model.masked_loss:
         model.loss_tokens = counted_targets(model, micro_batches)
+    if model.model_cfg.moe.num_experts:  # the aux loss's gradient: the main loss's share of the batch
+        set_aux_grad_scale(model.chunks, model.loss_scale / len(micro_batches))
     with step_context(model, device):
         if model.schedule is None:
             for batch in micro_batches:

@@ -29,6 +29,7 @@ from hpc_train.resilience.bad_nodes import blame
 from hpc_train.resilience.preemption import StopRequest, requeue_slurm_job
 from hpc_train.resilience.stragglers import StragglerMonitor, describe_stragglers
 from hpc_train.resilience.watchdog import HangWatchdog
+from hpc_train.train.moe import moe_record
 from hpc_train.train.report import TrainResult, announce, finish
 from hpc_train.train.step import (
     NonFiniteStep,
@@ -228,6 +229,8 @@ def _train(
             r.update(meter.fields(r["step"], elapsed, p.result.memory, tuple(peak), p.timings))
             if run.scaler:
                 r.update(loss_scale=f["loss_scale"], skipped_steps=int(f["skipped_steps"]))
+            if p.result.moe:
+                r["moe"] = moe_record(p.result.moe)
             result.losses.append(f["loss"])
             records.append(r)
         pending.clear()

@@ -23,6 +23,7 @@ from hpc_train.optim.protocol import Optimizer
 from hpc_train.resilience import watchdog
 from hpc_train.resilience.faults import fault_point
 from hpc_train.resilience.stragglers import ComputeClock
+from hpc_train.train.moe import finish_moe_step
 
 
 class NonFiniteStep(UserError, RuntimeError):
@@ -55,6 +56,7 @@ FIGURES = ("loss", "grad_norm", "overflow", "overflow_at_floor", "loss_scale", "
 class StepResult:
     figures: torch.Tensor  # FIGURES, on the device until `read_figures`
     memory: dict[str, int] = field(default_factory=dict)  # this rank's bytes by category
+    moe: dict[str, torch.Tensor] = field(default_factory=dict)  # per MoE layer, train/moe.py's figures
 
 
 def read_figures(results: list[StepResult]) -> list[dict[str, float]]:
@@ -154,7 +156,8 @@ def _train_step(
     mean_loss = reduce_loss(model, loss)  # before the update: a non-finite loss drops it too
     figures = apply_gradients(model, optimizer, lr, options, mean_loss)
     memory["optimizer"] = optimizer.state_bytes()
-    return StepResult(figures, by_place(memory, optimizer))
+    skipped = (figures[2] > 0) | ~torch.isfinite(figures[1]) | ~torch.isfinite(figures[0])  # as apply_gradients
+    return StepResult(figures, by_place(memory, optimizer), finish_moe_step(model, len(micro_batches), skipped))
 
 
 def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hpc_train.config import ModelConfig
 from hpc_train.models.common.decoder import Architecture, loss_chunk_rows, padded_vocab_size, recompute_choice
+from hpc_train.models.common.moe import is_moe_layer, moe_block_weights
 from hpc_train.models.spec import ActivationShape, StageActivations
 
 
@@ -24,11 +25,23 @@ def block_matmul_weights(cfg: ModelConfig, arch: Architecture) -> int:
     return d * d * 2 + d * kv * 2 + mlp_matrices * d * arch.ffn_size(cfg)
 
 
+def layer_matmul_weights(cfg: ModelConfig, arch: Architecture, layer_id: int, active: bool = True) -> int:
+    """`block_matmul_weights` of block `layer_id`; an MoE block counts its router, shared experts and, when
+    `active`, the top_k routed experts a token goes through (else all of them)."""
+    weights = block_matmul_weights(cfg, arch)
+    if not (arch.moe and is_moe_layer(cfg, layer_id)):
+        return weights
+    dense_mlp = (len(arch.mlp.column_parallel) + 1) * cfg.d_model * arch.ffn_size(cfg)
+    return weights - dense_mlp + moe_block_weights(cfg, arch.ffn_size(cfg), active)
+
+
 def decoder_flops_per_token(cfg: ModelConfig, *, arch: Architecture) -> int:
     """Training FLOPs per token, 6N + 12 * L * d * s (Megatron / nanoGPT / PaLM): N counts every weight
-    that takes part in a matmul (the input embeddings are lookups; the head counts once, tied or not)."""
+    that takes part in a matmul (the input embeddings are lookups; the head counts once, tied or not); in
+    MoE blocks only the active ones (router, shared and top_k routed experts)."""
     d, layers, vocab = cfg.d_model, cfg.n_layers, padded_vocab_size(cfg)
-    return 6 * (layers * block_matmul_weights(cfg, arch) + vocab * d) + 12 * layers * d * cfg.seq_len
+    blocks = sum(layer_matmul_weights(cfg, arch, i) for i in range(layers))
+    return 6 * (blocks + vocab * d) + 12 * layers * d * cfg.seq_len
 
 
 def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Architecture) -> StageActivations:

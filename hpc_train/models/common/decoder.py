@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.data.batch import SequenceShard
+from hpc_train.models.common.moe import MoE, is_moe_layer
 from hpc_train.models.spec import param_generator
 from hpc_train.placement import distribute_like
 
@@ -46,6 +47,7 @@ class Architecture:
     residual_projections: tuple[str, ...]  # initialized with init_std / sqrt(2 * n_layers)
     # (tokens, width, element bytes, weight trainable, compiled): one norm's saved tensors
     norm_saved_bytes: Callable[[int, int, int, bool, bool], int]
+    moe: bool = False  # model.moe can replace the MLP of blocks (models/common/moe.py; experts are SwiGLU)
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
@@ -125,13 +127,16 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, arch: Architecture):
+    def __init__(self, cfg: ModelConfig, arch: Architecture, layer_id: int = 0):
         super().__init__()
         self.recompute_all = False  # full recompute: keep only the block's input
         self.attn_norm = arch.norm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, arch)
         self.mlp_norm = arch.norm(cfg.d_model, cfg.norm_eps)
-        self.mlp = arch.mlp(cfg.d_model, arch.ffn_size(cfg), arch.linear_bias)
+        if arch.moe and is_moe_layer(cfg, layer_id):
+            self.mlp = MoE(cfg, arch.mlp, arch.ffn_size(cfg))
+        else:
+            self.mlp = arch.mlp(cfg.d_model, arch.ffn_size(cfg), arch.linear_bias)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mask: torch.Tensor | None = None
@@ -174,7 +179,7 @@ class Decoder(nn.Module):
         self.pos_embeddings = nn.Embedding(cfg.context_len, cfg.d_model) if first and not arch.rotary else None
         # where the embedding sum enters the sequence-parallel region: the TP plan makes it a scatter
         self.sequence_scatter = nn.Identity() if self.pos_embeddings is not None else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, arch) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, arch, i) for i in layer_ids})
         self.norm = arch.norm(cfg.d_model, cfg.norm_eps) if last else None
         self.output = nn.Linear(cfg.d_model, vocab, bias=False) if last else None
         self.emits_hidden = False  # a pipeline's last stage: forward ends at the final norm, the loss takes over

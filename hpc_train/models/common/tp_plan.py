@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hpc_train.models.common.decoder import Decoder
+from hpc_train.models.common.moe import MoE
 
 
 def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -50,7 +51,25 @@ def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, Parall
             **{f"mlp.{layer}": ColwiseParallel() for layer in mlp.column_parallel},
             f"mlp.{mlp.row_parallel}": RowwiseParallel(output_layouts=stream),
         }
+        if isinstance(model.layers[name].mlp, MoE):
+            block.update(moe_tp_plan(model.layers[name].mlp, mlp, stream))
+            del block[f"mlp.{mlp.row_parallel}"]
+            for layer in mlp.column_parallel:
+                del block[f"mlp.{layer}"]
         if sequence_parallel:
             block.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
         plan.update({f"layers.{name}.{key}": style for key, style in block.items()})
+    return plan
+
+
+def moe_tp_plan(moe: MoE, mlp: type, stream: Replicate | Shard) -> dict[str, ParallelStyle]:
+    """An MoE feed-forward under tp (without sequence parallelism): its input as a full local tensor; the
+    router and routed experts replicated (every rank routes and computes all tokens alike, until expert
+    parallelism shards them); the shared experts column- and row-parallel like the dense MLP."""
+    plan: dict[str, ParallelStyle] = {
+        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=True)
+    }
+    if moe.shared is not None:
+        plan.update({f"mlp.shared.{layer}": ColwiseParallel() for layer in mlp.column_parallel})
+        plan[f"mlp.shared.{mlp.row_parallel}"] = RowwiseParallel(output_layouts=stream)
     return plan

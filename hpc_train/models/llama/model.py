@@ -42,6 +42,7 @@ ARCH = Architecture(
     linear_bias=False,
     rotary=True,
     tie_embeddings=False,
-    residual_projections=("attn.wo.weight", "mlp.w2.weight"),
+    residual_projections=("attn.wo.weight", "mlp.w2.weight", "mlp.experts.w2", "mlp.shared.w2.weight"),
     norm_saved_bytes=rms_norm_saved_bytes,
+    moe=True,
 )

@@ -1,0 +1,293 @@
+"""Mixture of experts for the decoder skeleton's feed-forward (`model.moe`): a router picks `top_k` of
+`num_experts` SwiGLU experts per token, optional shared experts see every token (DeepSeek), and the experts
+run as one grouped GEMM (`torch._grouped_mm`) over the tokens sorted by expert, or a loop over experts.
+
+Load balancing: a Switch/GShard auxiliary loss (`aux_loss_coef`), whose gradient is injected in backward at
+the layer's output (Megatron's approach), so it needs no path through the model's loss or the pipeline; and
+DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias added to the scores for the selection only,
+moved after each optimizer step towards the mean load (`update_expert_bias`). Dropless unless
+`capacity_factor` caps each expert's tokens; the dropped assignments are counted.
+
+Each MoE layer accumulates its step's statistics (tokens per expert, aux loss, dropped assignments) over the
+training forwards of a step (not evaluation, not a recompute in backward); `step_stats` collects them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpc_train.config import ConfigError, ModelConfig
+
+STATS = ("load_max_mean", "aux_loss", "dropped")  # per layer and step, in the metrics record
+
+
+def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
+    return cfg.moe.num_experts > 0 and layer_id >= cfg.moe.first_dense_layers
+
+
+def expert_hidden(cfg: ModelConfig, dense_hidden: int) -> int:
+    return cfg.moe.expert_ffn_hidden or dense_hidden
+
+
+def validate_moe(cfg: ModelConfig) -> None:
+    """model.moe's own rules, one error naming every problem and its fix."""
+    m, problems = cfg.moe, []
+    if m.num_experts < 0:
+        problems.append(f"model.moe.num_experts={m.num_experts} must be >= 0 (0 = a dense model)")
+    if m.num_experts > 0:
+        if not 1 <= m.top_k <= m.num_experts:
+            problems.append(f"model.moe.top_k={m.top_k} must be in 1..model.moe.num_experts={m.num_experts}")
+        if m.score_func not in ("softmax", "sigmoid"):
+            problems.append(f"model.moe.score_func={m.score_func!r} is not one of softmax, sigmoid")
+        if m.first_dense_layers < 0 or m.first_dense_layers >= cfg.n_layers:
+            problems.append(f"model.moe.first_dense_layers={m.first_dense_layers} must be in 0..model.n_layers-1="
+                            f"{cfg.n_layers - 1} (at least one MoE layer)")  # fmt: skip
+    for key in ("num_shared_experts",):
+        if getattr(m, key) < 0:
+            problems.append(f"model.moe.{key}={getattr(m, key)} must be >= 0")
+    for key in ("aux_loss_coef", "bias_update_rate", "capacity_factor"):
+        value = getattr(m, key)
+        if not math.isfinite(value) or value < 0:
+            problems.append(f"model.moe.{key}={value} must be a finite number >= 0")
+    if m.expert_ffn_hidden is not None and m.expert_ffn_hidden <= 0:
+        problems.append(f"model.moe.expert_ffn_hidden={m.expert_ffn_hidden} must be > 0 (or left out)")
+    if m.num_experts > 0 and m.capacity_factor > 0 and m.capacity_factor * m.top_k < 1 / m.num_experts:
+        problems.append(f"model.moe.capacity_factor={m.capacity_factor} leaves no expert any token; use >= 1")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+class ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: `_grouped_mm`'s backward fails on an
+    expanded (stride-0) gradient (ENGINES.md)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Returns `output` unchanged; in backward, `aux_loss` gets the gradient `scale` (the step's loss scale
+    over its micro-batches, as the main loss has), so the load-balancing loss trains the router without being
+    added to the model's loss (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss, scale)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        aux_loss, scale = ctx.saved_tensors
+        return grad, torch.ones_like(aux_loss) * scale.to(aux_loss.dtype), None
+
+
+def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
+    """Whether `torch._grouped_mm` takes these operands here: present, on the CPU, every row stride a multiple
+    of 16 bytes. Not on CUDA yet: its kernel wants each expert's token count padded (to 8 rows in bf16, for
+    the weight gradient's grouped GEMM), which is not done yet and no GPU has run this; the loop runs there."""
+    if not hasattr(torch, "_grouped_mm") or any(w * x.element_size() % 16 for w in widths):
+        return False
+    return x.device.type == "cpu"
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
+    """SwiGLU of each expert on its rows of `x` (sorted by expert, `counts` rows each), one grouped GEMM a
+    projection. w1, w3: (experts, d, h); w2: (experts, h, d)."""
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    hidden = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
+    return ContiguousGrad.apply(torch._grouped_mm(hidden, w2, offs=offsets))
+
+
+def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
+    """The same as `grouped_swiglu`, one expert at a time (the fallback; reads the counts to the host)."""
+    parts = x.split(counts.tolist())
+    # unbind once: indexing w[e] per expert would make each backward write a whole zero-filled w gradient
+    w1s, w3s, w2s = w1.unbind(0), w3.unbind(0), w2.unbind(0)
+    outs = [(F.silu(part @ w1s[e]) * (part @ w3s[e])) @ w2s[e] for e, part in enumerate(parts)]
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+class Experts(nn.Module):
+    """`num_experts` SwiGLU MLPs stored as stacked weights (what a grouped GEMM takes)."""
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int, grouped: bool = True):
+        super().__init__()
+        self.grouped = grouped
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, hidden))  # gate
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_model, hidden))  # up
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, d_model))  # down (residual projection)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (rows, d) sorted by expert, `counts` rows per expert."""
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        x, weights = x.to(dtype), [w.to(dtype) for w in (self.w1, self.w3, self.w2)]
+        if self.grouped and grouped_mm_runs(x, x.shape[-1], self.w1.shape[-1]):
+            return grouped_swiglu(x, counts, *weights)
+        return looped_swiglu(x, counts, *weights)
+
+
+class Router(nn.Module):
+    """Token -> top_k experts and their gates, in fp32. `expert_bias` (a buffer, checkpointed) shifts the
+    selection only, never the gates (DeepSeek-V3)."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, score_func: str):
+        super().__init__()
+        self.top_k, self.score_func = top_k, score_func
+        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (tokens, d) -> scores (tokens, experts), chosen experts and their gates (tokens, top_k)."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        gates = scores.gather(1, chosen)
+        return scores, chosen, gates / gates.sum(-1, keepdim=True)
+
+
+class MoE(nn.Module):
+    """The feed-forward of an MoE block: router, routed experts, optional shared experts (a SwiGLU `shared`
+    of num_shared_experts x the expert width). Accumulates the step's statistics while training."""
+
+    def __init__(self, cfg: ModelConfig, shared_mlp: type[nn.Module], dense_hidden: int):
+        super().__init__()
+        m = cfg.moe
+        hidden = expert_hidden(cfg, dense_hidden)
+        self.num_experts, self.top_k = m.num_experts, m.top_k
+        self.aux_loss_coef, self.capacity_factor = m.aux_loss_coef, m.capacity_factor
+        self.router = Router(cfg.d_model, m.num_experts, m.top_k, m.score_func)
+        self.experts = Experts(m.num_experts, cfg.d_model, hidden, m.grouped_mm)
+        self.shared = shared_mlp(cfg.d_model, hidden * m.num_shared_experts, False) if m.num_shared_experts else None
+        self.aux_grad_scale: float | torch.Tensor = 1.0  # the main loss's scale per micro-batch (set each step)
+        self.stats: torch.Tensor | None = None  # (tokens per expert..., aux loss, dropped), summed over the step
+        self.unrecorded_forwards = 0  # training forwards left out of the statistics (a pipeline's shape inference)
+
+    def capacity(self, tokens: int) -> int | None:
+        if not self.capacity_factor:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        tokens = x.shape[0]
+        scores, chosen, gates = self.router(x)
+        experts = chosen.flatten()
+        order = torch.argsort(experts, stable=True)  # assignments grouped by expert, in token order within
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        kept_counts, dropped = counts, counts.new_zeros(())
+        capacity = self.capacity(tokens)
+        if capacity is not None:  # an expert's assignments past its capacity (the later tokens) are dropped
+            starts = torch.cumsum(counts, 0) - counts
+            position = torch.arange(order.numel(), device=x.device) - starts[experts[order]]
+            keep = position < capacity
+            order, kept_counts = order[keep], counts.clamp(max=capacity)
+            dropped = (~keep).sum()
+        token_of = order // self.top_k
+        routed = self.experts(x[token_of], kept_counts)
+        weighted = routed.float() * gates.flatten()[order, None]
+        out = torch.zeros(tokens, shape[-1], device=x.device, dtype=torch.float32).index_add_(0, token_of, weighted)
+        out = out.to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        aux = self.aux_loss(scores, counts, tokens)
+        if aux is not None and torch.is_grad_enabled():
+            scale = torch.as_tensor(self.aux_grad_scale, device=x.device, dtype=torch.float32)
+            out = AuxLossGrad.apply(out, aux, scale)
+        self.record(counts, aux, dropped)
+        return out.reshape(shape)
+
+    def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor | None:
+        """Switch/GShard's balance loss, coef x experts x sum_i f_i P_i: f_i the fraction of assignments to
+        expert i, P_i its mean score (scores normalized per token): 1 x coef when perfectly balanced."""
+        if not self.aux_loss_coef:
+            return None
+        fraction = counts.float() / (tokens * self.top_k)
+        probs = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        return self.aux_loss_coef * self.num_experts * (fraction * probs).sum()
+
+    def record(self, counts: torch.Tensor, aux: torch.Tensor | None, dropped: torch.Tensor) -> None:
+        """Adds this forward to the step's statistics: only training forwards, not a recompute in backward."""
+        if not (self.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
+            return
+        if self.unrecorded_forwards:
+            self.unrecorded_forwards -= 1
+            return
+        aux = aux.detach() if aux is not None else counts.new_zeros((), dtype=torch.float32)
+        row = torch.cat([counts.float(), aux.float().reshape(1), dropped.float().reshape(1)])
+        self.stats = row if self.stats is None else self.stats + row
+
+
+def moe_layers(chunks: list[nn.Module]) -> Iterator[tuple[str, MoE]]:
+    """(block name `layers.<i>`, its MoE) of every MoE block in these stages."""
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if isinstance(module, MoE):
+                yield name.removesuffix(".mlp"), module
+
+
+def skip_shape_inference(chunks: list[nn.Module]) -> None:
+    """A pipeline schedule's first training step runs one extra forward per stage to infer its shapes (on the
+    first stage's real micro-batch, on uninitialized tensors after it): left out of the statistics."""
+    for _, moe in moe_layers(chunks):
+        moe.unrecorded_forwards = 1
+
+
+def set_aux_grad_scale(chunks: list[nn.Module], scale: float | torch.Tensor) -> None:
+    for _, moe in moe_layers(chunks):
+        moe.aux_grad_scale = scale
+
+
+def take_stats(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Each MoE layer's statistics of the step (left on the device), which start again from zero."""
+    out = {}
+    for name, moe in moe_layers(chunks):
+        if moe.stats is not None:
+            out[name] = moe.stats
+        moe.stats = None
+    return out
+
+
+def summarize(loads: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor, micro_batches: int) -> list[float]:
+    """STATS of one layer: the busiest expert's tokens over the mean, the mean aux loss per micro-batch
+    (without its coefficient's zero: 0 when off), the dropped assignments."""
+    return [(loads.max() / loads.mean().clamp(min=1e-9)).item(), aux.item() / micro_batches, dropped.item()]
+
+
+def update_expert_bias(moe: MoE, loads: torch.Tensor, rate: float, skipped: torch.Tensor | None = None) -> None:
+    """DeepSeek-V3's auxiliary-loss-free step: each expert's bias moves by `rate` towards the mean load
+    (`loads`: the step's tokens per expert over the whole data-parallel batch); not when `skipped` (a step
+    whose update was dropped, decided on the device)."""
+    step = torch.sign(loads.mean() - loads) * rate
+    if skipped is not None:
+        step = torch.where(skipped, torch.zeros_like(step), step)
+    with torch.no_grad():
+        moe.router.expert_bias.add_(step)
+
+
+def reset_expert_bias(model: nn.Module) -> None:
+    """The routing biases start at zero (after a meta-device build's `to_empty`)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Router):
+                module.expert_bias.zero_()
+
+
+def moe_block_weights(cfg: ModelConfig, dense_hidden: int, active: bool) -> int:
+    """Matmul weight elements of one MoE feed-forward: the router, the experts (only top_k when `active`,
+    what one token multiplies), the shared experts."""
+    m, d = cfg.moe, cfg.d_model
+    hidden = expert_hidden(cfg, dense_hidden)
+    experts = m.top_k if active else m.num_experts
+    return d * m.num_experts + 3 * d * hidden * (experts + m.num_shared_experts)
