@@ -70,7 +70,7 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
     dp = validate(cfg, world_size, check_paths)
     spec = get_spec(cfg.model.arch)
     raise_all([lambda: spec.validate(cfg.model, cfg.parallel.tp), lambda: optimizer_class(cfg.optim),
-               lambda: _check_zero(cfg, dp)])  # fmt: skip
+               lambda: _check_zero(cfg, dp * cfg.parallel.cp)])  # fmt: skip
     if cfg.model.moe.num_experts:
         _check_moe(cfg)
     if cfg.train.freeze:
@@ -98,13 +98,13 @@ def _check_moe(cfg: JobConfig) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def _check_zero(cfg: JobConfig, dp: int) -> None:
-    """Options that only one side of ZeRO-3 (FSDP2) has."""
+def _check_zero(cfg: JobConfig, dp_cp: int) -> None:
+    """Options that only one side of ZeRO-3 (FSDP2) has; it shards over dp x cp."""
     o = cfg.optim
     if optimizer_class(o).shards_params:
-        if dp == 1:
+        if dp_cp == 1:
             raise ConfigError(
-                "optim.zero_stage=3 shards over dp, and dp=1 here: use optim.zero_stage=1 (or more ranks)"
+                "optim.zero_stage=3 shards over dp x cp, and dp x cp=1 here: use optim.zero_stage=1 (or more ranks)"
             )
         if o.overlap_grad_reduce:
             raise ConfigError("optim.overlap_grad_reduce is for zero stages 0-2 (FSDP2 always reduces in backward): "

@@ -355,7 +355,7 @@ def float8_working_bytes(cfg: JobConfig) -> int:
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
     if t.fp8 == "off":
         return 0
-    tokens, d = t.micro_batch_size * m.seq_len, m.d_model
+    tokens, d = t.micro_batch_size * m.seq_len // cfg.parallel.cp, m.d_model  # the rank's sequence shard
     f = max(projection.out_features for projection in fp8_projections_of(cfg).values()) // tp
     elements = tokens * d + d * f + tokens * f
     scales = 4 * (2 * tokens + d + f) if t.fp8 == "rowwise" else 4 * 3

@@ -348,15 +348,18 @@ def test_hung_rank_ends_the_job_with_an_error_naming_it(tmp_path, small_corpus):
 
 
 @pytest.mark.parametrize(("release", "digest"), [("08c1275", "sha256"), ("1364ba4", "xxh3_128")])
-def test_checkpoint_written_by_an_earlier_release_resumes_on_its_loss_curve(tmp_path, release, digest):
+def test_checkpoint_written_by_an_earlier_release_resumes_on_its_loss_curve(tmp_path, capfd, release, digest):
     """The checkpoints of 08c1275 (llama, dp2 ZeRO-1) and 1364ba4 (gpt2, tp2 + SP ZeRO-1), in
-    tests/fixtures, still load, and training goes on exactly as that release itself went on from them."""
+    tests/fixtures, still load, and training goes on exactly as that release itself went on from them; their
+    layout (written before context parallelism, without cp) is the same layout, not a reshard."""
     fixture = ROOT / f"tests/fixtures/checkpoint_{release}"
     expected = json.loads((fixture / "expected.json").read_text())
     shutil.copytree(fixture / "step_0000002", tmp_path / "run/checkpoints/step_0000002")
     cfg = load_config(None, [*expected["overrides"], f"data.train_path={fixture / 'data'}", "train.steps=6",
                              f"run_dir={tmp_path / 'run'}"])  # fmt: skip
     launch_local(run_training, 2, cfg)
+    out = capfd.readouterr().out
+    assert "resumed from" in out and "resharded" not in out
     metrics = read_metrics(tmp_path / "run")
     assert [m["resumed_from"] for m in metrics if "resumed_from" in m] == expected["resumed_from"]
     assert [m["step"] for m in metrics] == [3, 4, 5, 6]

@@ -255,8 +255,10 @@ def test_data_and_tensor_parallel_moe_match_one_process(tmp_path, small_corpus):
     """Dropless MoE with the aux loss and bias balancing: data parallelism (plain, ZeRO-2, ZeRO-3), pipeline
     parallelism (1F1B) and tensor parallelism (without sequence parallelism) give the
     single-process loss curve, per-layer figures and final weights (routing biases included) within 1e-5.
-    The aux loss is per micro-batch, so the reference splits its batch as the ranks do."""
-    moe = [*MOE, "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.01", "model.moe.num_shared_experts=1"]
+    The aux loss is per micro-batch, so the reference splits its batch as the ranks do. An evaluation after
+    every step: the pipeline's shape inference after each is not counted."""
+    moe = [*MOE, "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.01", "model.moe.num_shared_experts=1",
+           "train.eval_interval=1", "train.eval_batches=1", f"data.valid_path={small_corpus}_valid"]  # fmt: skip
     cfgs = {name: load_config(None, [*TINY_MODEL, *moe, "train.steps=3", f"data.train_path={small_corpus}",
                                      f"run_dir={tmp_path / name}", f"parallel.nproc={world}", *extra])
             for name, (world, extra) in DP_LAYOUTS.items()}  # fmt: skip

@@ -48,7 +48,8 @@ LAYOUTS = {
 RING, ULYSSES = "parallel.cp_mode=ring", "parallel.cp_mode=ulysses"
 LAYOUTS.update({
     "cp2_ring": (2, ["parallel.cp=2", RING, "train.micro_batch_size=4", "train.grad_accum=2", CHUNKED]),
-    "cp2_ulysses": (2, ["parallel.cp=2", ULYSSES, "train.micro_batch_size=8"]),
+    # ZeRO-3 at dp=1: FSDP2 shards over dp x cp
+    "cp2_ulysses_zero3": (2, ["parallel.cp=2", ULYSSES, "train.micro_batch_size=8", "optim.zero_stage=3"]),
     "cp2_ring_recompute": (2, ["parallel.cp=2", RING, "train.micro_batch_size=8", "model.recompute=selective"]),
     "cp4_ring": (4, ["parallel.cp=4", RING, "train.micro_batch_size=8"]),
     "cp4_ulysses": (4, ["parallel.cp=4", ULYSSES, "train.micro_batch_size=4", "train.grad_accum=2"]),

@@ -71,7 +71,8 @@ def test_dry_run_prints_the_job_and_submits_nothing(capsys, tmp_path):
     expected = [
         "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --partition=debug", "#SBATCH --time=150",
         "#SBATCH --account=proj", "#SBATCH --signal=USR2@120", "#SBATCH --mail-type=END", "module load cuda",
-        "--kill-on-bad-exit=1", "4 ranks as (pp=1, dp=4, tp=1)", "-m submitit.core._submit", "# ---- resolved config",
+        "--kill-on-bad-exit=1", "4 ranks as (pp=1, dp=4, cp=1, tp=1)", "-m submitit.core._submit",
+        "# ---- resolved config",
     ]  # fmt: skip
     for line in expected:
         assert line in out, line

@@ -61,6 +61,8 @@ class Batch:
         """This context-parallel rank's positions of every sample (the whole batch without a shard)."""
         if shard is None:
             return self
+        if self.positions is not None or self.documents is not None:
+            raise ValueError("packed-document positions and masks are not split over cp (config checks refuse it)")
         positions = shard.positions(self.tokens.shape[1] // shard.size, self.tokens.device)
         return Batch(self.tokens[:, positions], self.labels[:, positions])
 

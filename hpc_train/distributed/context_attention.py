@@ -54,26 +54,18 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One Ulysses all-to-all (`to_heads`: sequence shards to head shards, else back); its gradient is the
+    other one."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _seq_to_heads(grad, ctx.group), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.group), None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -81,10 +73,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     cp = dist.get_world_size(group)
     if k.shape[1] % cp:  # too few kv heads to split: share them out repeated
         k, v = _repeat_kv(k, v, q.shape[1])
-    q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    q, k, v = (_Exchange.apply(t, group, True) for t in (q, k, v))
     k, v = _repeat_kv(k, v, q.shape[1])
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return _HeadsToSeq.apply(out, group)
+    return _Exchange.apply(out, group, False)
 
 
 # ---------------------------------------------------------------------------------------------------- ring

@@ -59,6 +59,7 @@ class ParallelModel:
     loss_tokens: torch.Tensor | None = None  # with a mask, this step's counted targets per micro-batch (Decoder.loss)
     after_update: Callable[[], None] | None = None  # runs after each optimizer step (float8 all-gather's scales)
     sequence_shard: SequenceShard | None = None  # context parallelism: the positions of each sample held here
+    schedule_mode: str | None = None  # the pipeline schedule's last call, step or eval (a switch re-infers shapes)
 
     def scaled_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A pipeline micro-batch's share of the batch loss (from the last stage's final-norm output), times
@@ -179,7 +180,6 @@ def parallelize(plan: StagePlan) -> ParallelModel:
     if pp > 1:
         if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time
             chunks[-1].emits_hidden = True
-        skip_shape_inference(chunks)  # MoE statistics
         model.schedule = build_schedule(chunks, stages, p, cfg.train.grad_accum, mesh.sub("pp"), device,
                                         model.scaled_loss)  # fmt: skip
     return model
@@ -223,6 +223,10 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
         inputs = (tokens,) if model.mesh.is_first_stage else ()
         target = targets if model.mesh.is_last_stage else None
         losses: list[torch.Tensor] = []
+        mode = "step" if backward else "eval"
+        if backward and model.schedule_mode != mode:  # torch infers the stages' shapes again: one more forward
+            skip_shape_inference(model.chunks)  # left out of the MoE statistics
+        model.schedule_mode = mode
         run = model.schedule.step if backward else model.schedule.eval
         run(*inputs, target=target, losses=losses)
         for loss in losses:

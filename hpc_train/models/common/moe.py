@@ -238,8 +238,9 @@ def moe_layers(chunks: list[nn.Module]) -> Iterator[tuple[str, MoE]]:
 
 
 def skip_shape_inference(chunks: list[nn.Module]) -> None:
-    """A pipeline schedule's first training step runs one extra forward per stage to infer its shapes (on the
-    first stage's real micro-batch, on uninitialized tensors after it): left out of the statistics."""
+    """A pipeline schedule's first training step, and its first after an evaluation, runs one extra forward per
+    stage to infer its shapes (on the first stage's real micro-batch, on uninitialized tensors after it): left
+    out of the statistics."""
     for _, moe in moe_layers(chunks):
         moe.unrecorded_forwards = 1
 
