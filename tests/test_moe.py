@@ -132,16 +132,17 @@ def test_config_checks_and_refused_layouts(make_cfg):
     refused = make_cfg(
         *MOE,
         "parallel.tp=2",
-        "parallel.cp=2",
         "parallel.sequence_parallel=true",
         "model.init_from=base",
         "train.fp8=tensorwise",
         "train.compile=true",
     )
     with pytest.raises(ConfigError) as err:
-        check_run(refused, 4, check_paths=False)
-    for key in ("parallel.sequence_parallel", "parallel.cp=2", "train.fp8", "train.compile", "model.init_from"):
+        check_run(refused, 2, check_paths=False)
+    for key in ("parallel.sequence_parallel", "train.fp8", "train.compile", "model.init_from"):
         assert f"{key} is not supported with model.moe.num_experts=4 yet" in str(err.value)
+    with pytest.raises(ConfigError, match="parallel.cp=2 is not supported with model.moe.num_experts=4 yet"):
+        check_run(make_cfg(*MOE, "parallel.cp=2"), 2, check_paths=False)
     accepted = make_cfg(*MOE, "optim.zero_stage=3", "parallel.tp=2", "parallel.pp=2", "train.grad_accum=2")
     check_run(accepted, 8, check_paths=False)
 
