@@ -79,11 +79,7 @@ class BlendedSource:  # a data.batch.Source
         return index >> SOURCE_SHIFT
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
-        s = self.source_of(index)
-        tokens, mask = self.datasets[s].sample(index - self.offsets[s])
-        if mask is None and self.loss_mask:
-            mask = np.ones(self.seq_len, dtype=np.uint8)
-        return tokens, mask
+        return self.samples(np.array([index]))[0]
 
     def samples(self, indices: np.ndarray) -> list[tuple[np.ndarray, np.ndarray | None]]:
         sample, shift, local = self._sample, SOURCE_SHIFT, LOCAL_MASK

@@ -46,9 +46,8 @@ def validate_moe(cfg: ModelConfig) -> None:
         if m.first_dense_layers < 0 or m.first_dense_layers >= cfg.n_layers:
             problems.append(f"model.moe.first_dense_layers={m.first_dense_layers} must be in 0..model.n_layers-1="
                             f"{cfg.n_layers - 1} (at least one MoE layer)")  # fmt: skip
-    for key in ("num_shared_experts",):
-        if getattr(m, key) < 0:
-            problems.append(f"model.moe.{key}={getattr(m, key)} must be >= 0")
+    if m.num_shared_experts < 0:
+        problems.append(f"model.moe.num_shared_experts={m.num_shared_experts} must be >= 0")
     for key in ("aux_loss_coef", "bias_update_rate", "capacity_factor"):
         value = getattr(m, key)
         if not math.isfinite(value) or value < 0:
@@ -258,12 +257,6 @@ def take_stats(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
             out[name] = moe.stats
         moe.stats = None
     return out
-
-
-def summarize(loads: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor, micro_batches: int) -> list[float]:
-    """STATS of one layer: the busiest expert's tokens over the mean, the mean aux loss per micro-batch
-    (without its coefficient's zero: 0 when off), the dropped assignments."""
-    return [(loads.max() / loads.mean().clamp(min=1e-9)).item(), aux.item() / micro_batches, dropped.item()]
 
 
 def update_expert_bias(moe: MoE, loads: torch.Tensor, rate: float, skipped: torch.Tensor | None = None) -> None:
