@@ -67,7 +67,9 @@ def _zero_checks(rank_env, cfg):
         if dist.get_rank() == 3:
             _local(model.parameters[2].grad).view(-1)[0] = float("inf")
         loss = torch.ones(())
-        (figures,) = read_figures([StepResult(apply_gradients(model, optimizer, 1e-3, StepOptions(1.0, scaler), loss))])
+        figures, skip = apply_gradients(model, optimizer, 1e-3, StepOptions(1.0, scaler), loss)
+        assert skip.item()  # the overflow drops the update
+        (figures,) = read_figures([StepResult(figures)])
         assert figures["overflow"] == 1 and skip_reason(figures) is None  # absorbed by the scale, not non-finite
         assert (figures["loss_scale"], figures["skipped_steps"]) == (512.0, 1)
         assert all(torch.equal(b, _local(p)) for b, p in zip(before, model.parameters, strict=True))

@@ -83,11 +83,11 @@ def skip_reason(figures: dict[str, float]) -> str | None:
 
 def apply_gradients(
     model: ParallelModel, optimizer: Optimizer, lr: float, options: StepOptions, loss: torch.Tensor
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step
     (`before_update` first: an async checkpoint's copy must be done). The update is dropped on the device,
     on every rank alike, when the gradients overflowed or the norm or the global `loss` is not finite: no
-    host read decides it. Returns the step's FIGURES."""
+    host read decides it. Returns the step's FIGURES and that decision (a bool on the device)."""
     scaler, timings, device = options.scaler, options.timings, model.device
     with timed(timings, "grad_reduce", device):
         optimizer.reduce_gradients()
@@ -107,7 +107,8 @@ def apply_gradients(
         if model.after_update is not None:
             model.after_update()
         optimizer.zero_grad()
-    return torch.stack([t.to(device, torch.float64) for t in (loss, grad_norm, overflow, at_floor, scale, skipped)])
+    figures = torch.stack([t.to(device, torch.float64) for t in (loss, grad_norm, overflow, at_floor, scale, skipped)])
+    return figures, skip
 
 
 def train_step(
@@ -154,9 +155,8 @@ def _train_step(
         "activations_peak": saved.peak_bytes,
     }
     mean_loss = reduce_loss(model, loss)  # before the update: a non-finite loss drops it too
-    figures = apply_gradients(model, optimizer, lr, options, mean_loss)
+    figures, skipped = apply_gradients(model, optimizer, lr, options, mean_loss)
     memory["optimizer"] = optimizer.state_bytes()
-    skipped = (figures[2] > 0) | ~torch.isfinite(figures[1]) | ~torch.isfinite(figures[0])  # as apply_gradients
     return StepResult(figures, by_place(memory, optimizer), finish_moe_step(model, len(micro_batches), skipped))
 
 
