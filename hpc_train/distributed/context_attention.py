@@ -20,14 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpc_train.models.common.decoder import repeat_kv
+
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def _repeat_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if k.shape[1] == heads:
-        return k, v
-    repeat = heads // k.shape[1]
-    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
 
 # ---------------------------------------------------------------------------------------------- Ulysses
@@ -72,9 +67,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     """Causal attention of contiguous sequence shards, through head shards (all-to-all)."""
     cp = dist.get_world_size(group)
     if k.shape[1] % cp:  # too few kv heads to split: share them out repeated
-        k, v = _repeat_kv(k, v, q.shape[1])
+        k, v = repeat_kv(k, v, q.shape[1])
     q, k, v = (_Exchange.apply(t, group, True) for t in (q, k, v))
-    k, v = _repeat_kv(k, v, q.shape[1])
+    k, v = repeat_kv(k, v, q.shape[1])
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     return _Exchange.apply(out, group, False)
 
@@ -151,7 +146,7 @@ class _RingAttention(torch.autograd.Function):
         block = [k, v]
         for step in range(ring.size):
             pending = ring.shift(block) if step < ring.size - 1 else None
-            bk, bv = _repeat_kv(*block, heads)
+            bk, bv = repeat_kv(*block, heads)
             part = _ring_step_parts(step, (ring.rank - step) % ring.size, ring.rank)
             if part == "causal":
                 out, lse = _merge(out, lse, *_block_forward(q, bk, bv, True, scale))
@@ -182,7 +177,7 @@ class _RingAttention(torch.autograd.Function):
         dv = torch.zeros_like(dk)
         for step in range(ring.size):
             pending = ring.shift(block) if step < ring.size - 1 else None
-            bk, bv = _repeat_kv(*block, heads)
+            bk, bv = repeat_kv(*block, heads)
             part = _ring_step_parts(step, (ring.rank - step) % ring.size, ring.rank)
             gk = torch.zeros(bk.shape, dtype=torch.float32, device=k.device)
             gv = torch.zeros_like(gk)

@@ -73,14 +73,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: each kv head repeated for the `heads` q heads of its group."""
+    if k.shape[1] == heads:
+        return k, v
+    repeat = heads // k.shape[1]
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal SDPA over (batch, heads, seq, head_dim); grouped-query k, v shared by their q heads. `mask`
     (packed documents: causal and within one document) replaces the causal rule."""
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its q group
-        repeat = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    k, v = repeat_kv(k, v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
