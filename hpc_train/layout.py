@@ -90,7 +90,6 @@ def _check_moe(cfg: JobConfig) -> None:
         "train.fp8": (cfg.train.fp8 != "off", "set train.fp8=off"),
         "train.compile": (cfg.train.compile, "set train.compile=false"),
         f"finetune.method={cfg.finetune.method}": (cfg.finetune.adapters, "use finetune.method=full"),
-        "model.init_from": (bool(cfg.model.init_from), "train from scratch (drop model.init_from)"),
     }
     problems = [f"{key} is not supported with model.moe.num_experts={cfg.model.moe.num_experts} yet: {fix}"
                 for key, (refused, fix) in unsupported.items() if refused]  # fmt: skip

@@ -11,26 +11,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from hpc_train.builder import build_run
-from hpc_train.checkpoint.hf_io import HFFolder
-from hpc_train.checkpoint.init_from import newest_checkpoint, with_source_model
+from hpc_train.checkpoint.hf_io import HFFolder, save_hf
+from hpc_train.checkpoint.init_from import newest_checkpoint, with_model_fields, with_source_model
 from hpc_train.cli import main
-from hpc_train.commands.convert import export_hf, import_config, import_hf, load_model
+from hpc_train.commands.convert import export_hf, import_config, import_hf, load_model, load_whole
 from hpc_train.commands.generate import generate
 from hpc_train.config import ConfigError, load_config
-from hpc_train.data.prepare import prepare_data, stdlib_sources
+from hpc_train.data.batch import collate
+from hpc_train.data.prepare import load_datasets, prepare_data, stdlib_sources
+from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.parallelize import step_context
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
 from hpc_train.layout import check_run
+from hpc_train.models import get_spec
 from hpc_train.models.common.hf import plan_import
 from hpc_train.train.loop import run_training
 from tests.conftest import max_param_diff, read_final_model, read_metrics
@@ -61,9 +66,14 @@ def hf_models(tmp_path_factory) -> dict[str, str]:
                                      rope_theta=5000.0, rms_norm_eps=1e-5)  # fmt: skip
     gpt2 = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32,
                                    bos_token_id=0, eos_token_id=0)  # fmt: skip
+    # experts narrower than the model (a transposed expert weight has the wrong shape), top 2 of 4
+    mixtral = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                         rope_theta=5000.0, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
     return {
         "llama": _save_random(transformers.LlamaForCausalLM(llama), root / "llama"),
         "gpt2": _save_random(transformers.GPT2LMHeadModel(gpt2), root / "gpt2"),
+        "mixtral": _save_random(transformers.MixtralForCausalLM(mixtral), root / "mixtral"),
     }
 
 
@@ -108,7 +118,8 @@ def _cfg(make_cfg, *overrides: str, run: str):
 
 
 def test_imported_models_give_the_logits_of_transformers(make_cfg, hf_models, tmp_path):
-    """One process, tp2 and pp2, for both families, against `transformers`' own forward."""
+    """One process, tp2 and pp2, for every family (Mixtral: llama with model.moe), against `transformers`'
+    own forward."""
     layouts = {"single": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2", "train.grad_accum=2"]}
     jobs = {}
     for arch, path in hf_models.items():
@@ -216,7 +227,7 @@ def test_a_checkpoint_that_does_not_match_is_named(hf_models):
 def _model_cfg(folder: HFFolder):
     from hpc_train.config import ModelConfig
 
-    return ModelConfig(**{**folder.model_fields(), "seq_len": 16})
+    return with_model_fields(ModelConfig(seq_len=16), folder.model_fields())
 
 
 def _expected(cfg) -> dict[str, tuple[int, ...]]:
@@ -227,6 +238,72 @@ def _expected(cfg) -> dict[str, tuple[int, ...]]:
         whole = spec.build_stage(cfg)
     return {name: (cfg.vocab_size, *p.shape[1:]) if name in spec.vocab_params else tuple(p.shape)
             for name, p in whole.named_parameters()}  # fmt: skip
+
+
+def test_a_run_from_mixtral_starts_at_its_loss_and_exports_to_transformers(make_cfg, hf_models, tmp_path):
+    """model.init_from a Mixtral folder: the first step's loss is `transformers`' on that batch; the trained
+    model, exported, loads in `transformers` (MixtralForCausalLM) with our logits; a run from its checkpoint
+    takes the experts' shape and routing from it."""
+    cfg = _cfg(make_cfg, f"model.init_from={hf_models['mixtral']}", "train.steps=2", "checkpoint.interval=2",
+               "optim.lr=1e-2", run="mixtral_run")  # fmt: skip
+    launch_local(run_training, 1, cfg)
+    first_loss = [r["loss"] for r in read_metrics(cfg.run_dir) if "loss" in r][0]
+    model_cfg = with_source_model(cfg).model
+    train_set, _ = load_datasets(cfg.data, model_cfg, progress=False)
+    t = cfg.train
+    indices = ResumableSampler(len(train_set), t.micro_batch_size, t.micro_batch_size, 0, 1, t.seed)
+    batch = collate(train_set, indices.next_micro_batches()[0])
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_models["mixtral"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = theirs(batch.tokens).logits
+    assert first_loss == pytest.approx(F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()).item(), abs=TOL)
+
+    ours = str(tmp_path / "mixtral_ours.pt")
+    launch_local(logits_entry, 1, cfg, ours, True)
+    with single_process_group():
+        export_hf(cfg.run_dir, str(tmp_path / "mixtral_out"))
+    trained = torch.load(ours)
+    assert (trained - hf_logits(hf_models["mixtral"])).abs().max() > 1e-3  # training changed the model
+    assert _hf_config(tmp_path / "mixtral_out")["architectures"] == ["MixtralForCausalLM"]
+    assert (hf_logits(str(tmp_path / "mixtral_out")) - trained).abs().max() < TOL
+
+    again = with_source_model(_cfg(make_cfg, f"model.init_from={cfg.run_dir}", run="from_ours")).model
+    assert again.moe == dataclasses.replace(model_cfg.moe, expert_ffn_hidden=96) and again.ffn_hidden == 96
+
+
+def test_what_mixtral_and_hpc_train_do_not_share_is_refused(make_cfg, hf_models, tmp_path):
+    """Importing a Mixtral option hpc_train's model lacks, exporting an MoE Mixtral cannot express (shared
+    experts, dense first layers, sigmoid scores, a routing bias moved by auxiliary-loss-free balancing), or
+    init_from a source whose experts differ from the config's: each an error naming the key."""
+    folder = HFFolder(hf_models["mixtral"])
+    for key, value in {"sliding_window": 16, "router_jitter_noise": 0.1}.items():
+        with pytest.raises(ConfigError, match=f"Hugging Face config {key}={value} is not supported"):
+            folder.format.model_fields({**folder.config, key: value})
+    experts = "model.layers.1.block_sparse_moe.experts"
+    cfg, shapes = _model_cfg(folder), dict(folder.shapes)
+    del shapes[f"{experts}.3.w2.weight"]
+    shapes[f"{experts}.2.w1.weight"] = (64, 96)
+    with pytest.raises(ConfigError) as err:
+        plan_import(folder.format, cfg, shapes, _expected(cfg))
+    assert str(err.value).endswith(f"{experts}.2.w1.weight has shape (64, 96), unlike {experts}.0.w1.weight's "
+                                   f"(96, 64); missing tensor {experts}.3.w2.weight")  # fmt: skip
+    conflicts = {"mixtral": ("model.moe.top_k=1", "model.moe.top_k=1 (it has 2)"),
+                 "llama": ("model.moe.num_experts=4", "model.moe.num_experts=4 (it has 0)")}  # fmt: skip
+    for arch, (override, message) in conflicts.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            with_source_model(_cfg(make_cfg, f"model.init_from={hf_models[arch]}", override, run=arch))
+
+    with single_process_group():
+        cfg, state = load_whole(hf_models["mixtral"])
+    spec, moe = get_spec("llama"), cfg.model.moe
+    save_hf(tmp_path / "zero_bias", spec, cfg.model, state)  # the routing bias is there, and zero
+    unfit = dataclasses.replace(moe, num_shared_experts=1, first_dense_layers=1, score_func="sigmoid")
+    with pytest.raises(ConfigError, match=r"num_shared_experts=1 .*first_dense_layers=1 .*score_func='sigmoid'"):
+        save_hf(tmp_path / "unfit", spec, dataclasses.replace(cfg.model, moe=unfit), state)
+    state["layers.1.mlp.router.expert_bias"][2] = 0.5
+    with pytest.raises(ConfigError, match=r"no place for layers.1.mlp.router.expert_bias, which are not zero"):
+        save_hf(tmp_path / "biased", spec, cfg.model, state)
+    assert not (tmp_path / "biased").exists() and (tmp_path / "zero_bias" / "model.safetensors").is_file()
 
 
 LORA = ["finetune.method=lora", "finetune.lora_targets=[wq,wv,w2]", "finetune.lora_rank=4", "optim.lr=1e-2",

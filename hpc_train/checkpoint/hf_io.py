@@ -17,7 +17,7 @@ import torch
 
 from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.models import MODEL_SPECS
-from hpc_train.models.common.hf import HFFormat, export_state
+from hpc_train.models.common.hf import HFFormat, export_state, format_for, formats
 from hpc_train.models.spec import ModelSpec
 
 CONFIG, INDEX, WEIGHTS = "config.json", "model.safetensors.index.json", "model.safetensors"
@@ -39,10 +39,11 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
 
 def family(config: dict[str, Any]) -> tuple[ModelSpec, HFFormat]:
     """The model family whose Hugging Face counterpart wrote `config`."""
-    for spec in MODEL_SPECS.values():
-        if spec.hf is not None and spec.hf.model_type == config.get("model_type"):
-            return spec, spec.hf
-    known = [spec.hf.architecture for spec in MODEL_SPECS.values() if spec.hf is not None]
+    known = [(spec, fmt) for spec in MODEL_SPECS.values() if spec.hf is not None for fmt in formats(spec.hf)]
+    for spec, fmt in known:
+        if fmt.model_type == config.get("model_type"):
+            return spec, fmt
+    known = [fmt.architecture for _, fmt in known]
     raise ConfigError(f"Hugging Face model_type={config.get('model_type')!r} is not supported; hpc_train reads "
                       f"{', '.join(known)}")  # fmt: skip
 
@@ -92,9 +93,11 @@ def save_hf(out: str | os.PathLike, spec: ModelSpec, cfg: ModelConfig, state: di
     transformers, save_file = require_module("transformers"), require_module("safetensors.torch").save_file
     if spec.hf is None:
         raise ConfigError(f"model.arch={spec.name} has no Hugging Face counterpart to export to")
-    tensors = export_state(spec.hf, cfg, state)
-    config = transformers.AutoConfig.for_model(spec.hf.model_type, **spec.hf.hf_config(cfg))
-    config.architectures = [spec.hf.architecture]
+    fmt = format_for(spec.hf, cfg)
+    kwargs = fmt.hf_config(cfg)  # refuses what the HF class cannot express
+    tensors = export_state(fmt, cfg, state)
+    config = transformers.AutoConfig.for_model(fmt.model_type, **kwargs)
+    config.architectures = [fmt.architecture]
     config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     with written_into(out) as tmp:
         config.save_pretrained(tmp)

@@ -5,6 +5,7 @@ section come from the source; only the base model's weights are loaded (LoRA ada
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -48,7 +49,22 @@ def source_model_fields(path: str) -> dict[str, Any]:
         return HFFolder(path).model_fields()
     info = newest_checkpoint(path, report=lambda message: None, full=False)  # its manifest only
     model = yaml.safe_load(info.manifest["config"])["model"]
-    return {key: model.get(key) for key in ARCH_FIELDS}  # max_position_embeddings: None before it was recorded
+    # max_position_embeddings: None before it was recorded; checkpoints written before model.moe were dense
+    saved = {**model, **{f"moe.{key}": value for key, value in (model.get("moe") or {}).items()}}
+    return {key: saved.get(key, _model_key(ModelConfig(), key) if key.startswith("moe.") else None)
+            for key in ARCH_FIELDS}  # fmt: skip
+
+
+def _model_key(model: ModelConfig, key: str) -> Any:
+    """An ARCH_FIELDS key's value: `moe.<key>` is model.moe's."""
+    return functools.reduce(getattr, key.split("."), model)
+
+
+def with_model_fields(model: ModelConfig, fields: dict[str, Any]) -> ModelConfig:
+    """`model` with ARCH_FIELDS' `fields` (a source's) set, model.moe's in its section."""
+    moe = {key.removeprefix("moe."): value for key, value in fields.items() if key.startswith("moe.")}
+    rest = {key: value for key, value in fields.items() if not key.startswith("moe.")}
+    return dataclasses.replace(model, **rest, moe=dataclasses.replace(model.moe, **moe))
 
 
 def with_source_model(cfg: JobConfig) -> JobConfig:
@@ -65,12 +81,12 @@ def with_source_model(cfg: JobConfig) -> JobConfig:
     except CheckpointError as err:
         raise ConfigError(f"model.init_from: {err}") from None
     default = ModelConfig()
-    conflicts = [f"model.{key}={getattr(cfg.model, key)!r} (it has {value!r})" for key, value in fields.items()
-                 if getattr(cfg.model, key) not in (value, getattr(default, key))]  # fmt: skip
+    conflicts = [f"model.{key}={_model_key(cfg.model, key)!r} (it has {value!r})" for key, value in fields.items()
+                 if _model_key(cfg.model, key) not in (value, _model_key(default, key))]  # fmt: skip
     if conflicts:
         raise ConfigError(f"model.init_from='{path}' does not fit {', '.join(conflicts)}: leave these keys out, "
                           "they come from the source")  # fmt: skip
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
+    return dataclasses.replace(cfg, model=with_model_fields(cfg.model, fields))
 
 
 def load_base(model: ParallelModel, cfg: JobConfig, io_threads: int = 1) -> None:

@@ -112,9 +112,6 @@ def export_hf(source: str, out: str, adapters_only: bool = False, base: str | No
     """Write the checkpoint under `source` as a Hugging Face folder at `out`; needs a one-rank process group."""
     cfg, state = load_whole(source, base)
     spec = get_spec(cfg.model.arch)
-    if cfg.model.moe.num_experts:
-        raise ConfigError(f"'{source}' is a mixture-of-experts model (model.moe.num_experts="
-                          f"{cfg.model.moe.num_experts}): export-hf does not write MoE models yet")  # fmt: skip
     if adapters_only:
         return save_peft_adapters(out, cfg, state)
     if cfg.finetune.adapters:

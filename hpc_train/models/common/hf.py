@@ -14,19 +14,28 @@ import torch
 from hpc_train.config import ConfigError, ModelConfig
 
 # what a family's architecture is made of, its context included (GPT-2's learned positions; what a Llama
-# was trained to serve); the rest of ModelConfig (seq_len, recompute, init) is the run's choice
+# was trained to serve), its experts' shape and routing ("moe.<key>": a key of model.moe); the rest of
+# ModelConfig (seq_len, recompute, init, model.moe's balancing and capacity) is the run's choice
 ARCH_FIELDS = ("arch", "vocab_size", "n_layers", "n_heads", "n_kv_heads", "d_model", "ffn_hidden", "rope_theta",
-               "norm_eps", "tie_embeddings", "max_position_embeddings")  # fmt: skip
+               "norm_eps", "tie_embeddings", "max_position_embeddings", "moe.num_experts", "moe.top_k",
+               "moe.num_shared_experts", "moe.expert_ffn_hidden", "moe.first_dense_layers",
+               "moe.score_func")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TensorRule:
     """One HF tensor makes `ours`: `same` as it is, `transpose`d (GPT-2's Conv1D stores (in, out)), or `split`
-    (transposed first if 2-D) into len(ours) equal parts along dim 0 (GPT-2's fused q, k, v)."""
+    (transposed first if 2-D) into len(ours) equal parts along dim 0 (GPT-2's fused q, k, v). Or, `stack`,
+    the HF tensors `theirs` (a tuple: Mixtral's one per expert), each transposed, make the one `ours` stacked
+    along a new dim 0 (the experts' weights, as the grouped GEMM takes them)."""
 
     ours: tuple[str, ...]
-    theirs: str
+    theirs: str | tuple[str, ...]
     kind: str = "same"
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self.theirs if isinstance(self.theirs, tuple) else (self.theirs,)
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,23 @@ class HFFormat:
     hf_config: Callable[[ModelConfig], dict[str, Any]]  # ModelConfig -> the transformers config's kwargs
     rules: Callable[[ModelConfig], list[TensorRule]]
     derived: tuple[str, ...] = ()  # suffixes of HF tensors that are recomputed buffers, not weights
+    # suffixes of hpc_train buffers the HF class has no place for, exported only while zero (a router's bias)
+    zero_buffers: tuple[str, ...] = ()
+    moe: HFFormat | None = None  # the family's counterpart for model.moe configs (llama: Mixtral)
+
+
+def formats(fmt: HFFormat) -> list[HFFormat]:
+    """The HF classes a family reads: its own and its MoE counterpart's."""
+    return [fmt] if fmt.moe is None else [fmt, fmt.moe]
+
+
+def format_for(fmt: HFFormat, cfg: ModelConfig) -> HFFormat:
+    """The HF class `cfg` exports to: the family's MoE counterpart for an MoE config."""
+    if not cfg.moe.num_experts:
+        return fmt
+    if fmt.moe is None:
+        raise ConfigError(f"model.arch={cfg.arch} has no Hugging Face counterpart for model.moe")
+    return fmt.moe
 
 
 def require(config: dict[str, Any], key: str, allowed: tuple, default: Any = None) -> None:
@@ -48,28 +74,40 @@ def require(config: dict[str, Any], key: str, allowed: tuple, default: Any = Non
 
 
 def _theirs_shape(rule: TensorRule, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The shapes of `rule.ours` made from an HF tensor of `shape`."""
+    """The shapes of `rule.ours` made from HF tensors of `shape` (each of them, for `stack`)."""
     if rule.kind == "same":
         return [shape]
     flipped = tuple(reversed(shape))
     if rule.kind == "transpose":
         return [flipped]
+    if rule.kind == "stack":
+        return [(len(rule.sources), *flipped)]
     parts = len(rule.ours)
     return [(flipped[0] // parts, *flipped[1:])] * parts
 
 
-def _to_ours(rule: TensorRule, t: torch.Tensor) -> list[torch.Tensor]:
+def _flipped(t: torch.Tensor) -> torch.Tensor:
+    return t.t() if t.dim() == 2 else t
+
+
+def _to_ours(rule: TensorRule, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`rule.ours` from the HF tensors `rule.sources`."""
     if rule.kind == "same":
-        return [t]
-    t = t.t() if t.dim() == 2 else t
+        return ts
+    if rule.kind == "stack":
+        return [torch.stack([_flipped(t) for t in ts])]
+    t = _flipped(ts[0])
     return [t.contiguous()] if rule.kind == "transpose" else [c.contiguous() for c in t.chunk(len(rule.ours))]
 
 
-def _to_theirs(rule: TensorRule, ts: list[torch.Tensor]) -> torch.Tensor:
+def _to_theirs(rule: TensorRule, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The HF tensors `rule.sources` from `rule.ours`."""
     if rule.kind == "same":
-        return ts[0]
+        return ts
+    if rule.kind == "stack":
+        return [_flipped(t).contiguous() for t in ts[0].unbind(0)]
     t = torch.cat(ts) if rule.kind == "split" else ts[0]
-    return (t.t() if t.dim() == 2 else t).contiguous()
+    return [_flipped(t).contiguous()]
 
 
 def _listed(names: list[str]) -> str:
@@ -84,13 +122,17 @@ def plan_import(
     every tensor that is missing, left over or of another shape."""
     plan, used, problems = {}, set(), []
     for rule in fmt.rules(cfg):
-        if rule.theirs not in theirs:
-            problems.append(f"missing tensor {rule.theirs}")
+        used.update(name for name in rule.sources if name in theirs)
+        if missing := [name for name in rule.sources if name not in theirs]:
+            problems += [f"missing tensor {name}" for name in missing]
             continue
-        used.add(rule.theirs)
-        for index, (name, shape) in enumerate(zip(rule.ours, _theirs_shape(rule, theirs[rule.theirs]), strict=True)):
+        first = rule.sources[0]
+        if others := [name for name in rule.sources if theirs[name] != theirs[first]]:
+            problems.append(f"{others[0]} has shape {tuple(theirs[others[0]])}, unlike {first}'s "
+                            f"{tuple(theirs[first])}")  # fmt: skip
+        for index, (name, shape) in enumerate(zip(rule.ours, _theirs_shape(rule, theirs[first]), strict=True)):
             if expected.get(name) != shape:
-                problems.append(f"{rule.theirs} has shape {tuple(theirs[rule.theirs])}, which makes {name} "
+                problems.append(f"{first} has shape {tuple(theirs[first])}, which makes {name} "
                                 f"{shape}, but the model's {name} is {expected.get(name, 'absent')}")  # fmt: skip
             plan[name] = (rule, index)
     left = sorted(n for n in theirs if n not in used and not n.endswith(fmt.derived))
@@ -107,17 +149,22 @@ def plan_import(
 def import_tensor(plan: dict[str, tuple[TensorRule, int]], name: str, read: Callable[[str], torch.Tensor]):
     """hpc_train tensor `name`, made from the HF tensor `read` returns."""
     rule, index = plan[name]
-    return _to_ours(rule, read(rule.theirs))[index]
+    return _to_ours(rule, [read(source) for source in rule.sources])[index]
 
 
 def export_state(fmt: HFFormat, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole hpc_train tensors (unpadded) -> HF's; every one used exactly once."""
-    out, used = {}, set()
+    """Whole hpc_train tensors (unpadded) -> HF's; every one used exactly once, but `fmt.zero_buffers`,
+    left out if zero and an error naming them if not (the HF model would compute something else)."""
+    out, used = {}, {name for name in state if name.endswith(fmt.zero_buffers)}
+    if nonzero := sorted(name for name in used if state[name].any()):
+        raise ConfigError(f"cannot export to {fmt.architecture}: it has no place for {_listed(nonzero)}, which are "
+                          "not zero (auxiliary-loss-free balancing moved them: model.moe.bias_update_rate > 0), "
+                          "and its routing without them would differ")  # fmt: skip
     for rule in fmt.rules(cfg):
         missing = [name for name in rule.ours if name not in state]
         if missing:
             raise ConfigError(f"cannot export: the model has no tensor {missing[0]}")
-        out[rule.theirs] = _to_theirs(rule, [state[name] for name in rule.ours])
+        out.update(zip(rule.sources, _to_theirs(rule, [state[name] for name in rule.ours]), strict=True))
         used.update(rule.ours)
     if left := sorted(set(state) - used):
         raise ConfigError(f"cannot export: no Hugging Face tensor takes {_listed(left)}")
