@@ -292,6 +292,10 @@ def test_what_mixtral_and_hpc_train_do_not_share_is_refused(make_cfg, hf_models,
     for arch, (override, message) in conflicts.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             with_source_model(_cfg(make_cfg, f"model.init_from={hf_models[arch]}", override, run=arch))
+    run_choice = ["model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.001", "model.moe.capacity_factor=1.5"]
+    kept = with_source_model(_cfg(make_cfg, f"model.init_from={hf_models['mixtral']}", *run_choice, run="m")).model
+    assert (kept.moe.aux_loss_coef, kept.moe.bias_update_rate, kept.moe.capacity_factor) == (0.01, 0.001, 1.5)
+    assert (kept.moe.num_experts, kept.moe.top_k, kept.moe.expert_ffn_hidden) == (4, 2, 96)
 
     with single_process_group():
         cfg, state = load_whole(hf_models["mixtral"])
