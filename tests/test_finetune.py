@@ -240,17 +240,18 @@ def _expected(cfg) -> dict[str, tuple[int, ...]]:
             for name, p in whole.named_parameters()}  # fmt: skip
 
 
-def test_a_run_from_mixtral_starts_at_its_loss_and_exports_to_transformers(make_cfg, hf_models, tmp_path):
-    """model.init_from a Mixtral folder: the first step's loss is `transformers`' on that batch; the trained
-    model, exported, loads in `transformers` (MixtralForCausalLM) with our logits; a run from its checkpoint
-    takes the experts' shape and routing from it."""
-    cfg = _cfg(make_cfg, f"model.init_from={hf_models['mixtral']}", "train.steps=2", "checkpoint.interval=2",
-               "optim.lr=1e-2", run="mixtral_run")  # fmt: skip
-    launch_local(run_training, 1, cfg)
-    first_loss = [r["loss"] for r in read_metrics(cfg.run_dir) if "loss" in r][0]
-    model_cfg = with_source_model(cfg).model
-    train_set, _ = load_datasets(cfg.data, model_cfg, progress=False)
-    t = cfg.train
+def test_a_run_from_mixtral_starts_at_its_loss_and_our_moe_exports_to_mixtral(make_cfg, hf_models, tmp_path):
+    """model.init_from a Mixtral folder: the first step's loss is `transformers`' on that batch. An MoE trained
+    from scratch (experts as wide as the dense MLP, the aux loss on), exported, loads in `transformers` as a
+    MixtralForCausalLM with our logits; a run from its checkpoint takes the experts' shape and routing from
+    it, not its balancing."""
+    from_hf = _cfg(make_cfg, f"model.init_from={hf_models['mixtral']}", "train.steps=1", run="from_mixtral")
+    moe = [f"model.vocab_size={VOCAB}", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01"]
+    scratch = _cfg(make_cfg, *moe, "train.steps=2", "checkpoint.interval=2", "optim.lr=1e-2", run="our_moe")
+    launch_sequence(run_training, 1, [(from_hf,), (scratch,)])
+    first_loss = [r["loss"] for r in read_metrics(from_hf.run_dir) if "loss" in r][0]
+    train_set, _ = load_datasets(from_hf.data, with_source_model(from_hf).model, progress=False)
+    t = from_hf.train
     indices = ResumableSampler(len(train_set), t.micro_batch_size, t.micro_batch_size, 0, 1, t.seed)
     batch = collate(train_set, indices.next_micro_batches()[0])
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_models["mixtral"], dtype=torch.float32).eval()
@@ -258,17 +259,17 @@ def test_a_run_from_mixtral_starts_at_its_loss_and_exports_to_transformers(make_
         logits = theirs(batch.tokens).logits
     assert first_loss == pytest.approx(F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()).item(), abs=TOL)
 
-    ours = str(tmp_path / "mixtral_ours.pt")
-    launch_local(logits_entry, 1, cfg, ours, True)
+    ours = str(tmp_path / "our_moe.pt")
+    launch_local(logits_entry, 1, scratch, ours, True)
     with single_process_group():
-        export_hf(cfg.run_dir, str(tmp_path / "mixtral_out"))
-    trained = torch.load(ours)
-    assert (trained - hf_logits(hf_models["mixtral"])).abs().max() > 1e-3  # training changed the model
-    assert _hf_config(tmp_path / "mixtral_out")["architectures"] == ["MixtralForCausalLM"]
-    assert (hf_logits(str(tmp_path / "mixtral_out")) - trained).abs().max() < TOL
+        export_hf(scratch.run_dir, str(tmp_path / "our_moe_hf"))
+    config = _hf_config(tmp_path / "our_moe_hf")
+    assert (config["architectures"], config["num_local_experts"], config["intermediate_size"]) == (
+        ["MixtralForCausalLM"], 4, 192)  # fmt: skip
+    assert (hf_logits(str(tmp_path / "our_moe_hf")) - torch.load(ours)).abs().max() < TOL
 
-    again = with_source_model(_cfg(make_cfg, f"model.init_from={cfg.run_dir}", run="from_ours")).model
-    assert again.moe == dataclasses.replace(model_cfg.moe, expert_ffn_hidden=96) and again.ffn_hidden == 96
+    again = with_source_model(_cfg(make_cfg, f"model.init_from={scratch.run_dir}", run="from_ours")).model
+    assert again.moe == dataclasses.replace(scratch.model.moe, aux_loss_coef=0.0)
 
 
 def test_what_mixtral_and_hpc_train_do_not_share_is_refused(make_cfg, hf_models, tmp_path):
