@@ -1,8 +1,9 @@
 """Fine-tuning: Hugging Face weights in and out, and LoRA.
 
 Tiny random `transformers` models (Llama with grouped-query attention, GPT-2 with tied embeddings and fused
-q/k/v), built here; no download. Imported, they give the logits `transformers` gives, within 1e-5 in fp32,
-under one process, tp2 and pp2; imported at tp2 and exported, every tensor comes back bit-exact. LoRA on
+q/k/v, Mixtral with 4 experts of which each token takes 2), built here; no download. Imported, they give the
+logits `transformers` gives, within 1e-5 in fp32, under one process, tp2 and pp2; imported at tp2 and
+exported, every tensor comes back bit-exact. An MoE trained here exports to Mixtral with its logits. LoRA on
 tp2 (sequence parallel), pp2 and dp2 with ZeRO-1 trains like one process; its merged export and its PEFT
 adapters give, in `transformers`, the logits of the fine-tuned model.
 """
