@@ -120,11 +120,11 @@ def plan_import(
     """For each hpc_train tensor: the rule making it and its index among the rule's outputs. `theirs`: the
     HF tensors' shapes; `expected`: every hpc_train tensor's (unpadded) shape. Raises a ConfigError naming
     every tensor that is missing, left over or of another shape."""
-    plan, used, problems = {}, set(), []
+    plan, used, problems, missing = {}, set(), [], []
     for rule in fmt.rules(cfg):
         used.update(name for name in rule.sources if name in theirs)
-        if missing := [name for name in rule.sources if name not in theirs]:
-            problems += [f"missing tensor {name}" for name in missing]
+        if absent := [name for name in rule.sources if name not in theirs]:
+            missing += absent
             continue
         first = rule.sources[0]
         if others := [name for name in rule.sources if theirs[name] != theirs[first]]:
@@ -135,6 +135,8 @@ def plan_import(
                 problems.append(f"{first} has shape {tuple(theirs[first])}, which makes {name} "
                                 f"{shape}, but the model's {name} is {expected.get(name, 'absent')}")  # fmt: skip
             plan[name] = (rule, index)
+    if missing:
+        problems.insert(0, f"missing tensor{'s' if len(missing) > 1 else ''} {_listed(missing)}")
     left = sorted(n for n in theirs if n not in used and not n.endswith(fmt.derived))
     if left:
         problems.append(f"tensors hpc_train's {cfg.arch} model has no place for: {_listed(left)}")
