@@ -425,12 +425,13 @@ def _checkpoint_keys(path) -> set[str]:
 
 def test_generate_greedy_follows_transformers(hf_models, capsys):
     prompt = TOKENS[0, :5].tolist()
-    with single_process_group():
-        _, model = load_model(hf_models["llama"])
-        ours = generate(model, prompt, 8)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_models["llama"], dtype=torch.float32)
-    expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    assert ours == expected[0, 5:].tolist()
+    for arch in ("llama", "mixtral"):
+        with single_process_group():
+            _, model = load_model(hf_models[arch])
+            ours = generate(model, prompt, 8)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_models[arch], dtype=torch.float32)
+        expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert ours == expected[0, 5:].tolist(), arch
     main(["generate", hf_models["gpt2"], "--prompt", "def ", "--max-new-tokens", "4", "--temperature", "0.7",
           "--top-p", "0.9"])  # fmt: skip
     assert capsys.readouterr().out.startswith("def ")
