@@ -33,7 +33,7 @@ from hpc_train.finetune.lora import NF4_BLOCK, nf4_scaler_block, projections
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.models.common.decoder import recompute_choice
-from hpc_train.models.common.moe import moe_layers
+from hpc_train.models.common.moe import is_moe_layer, moe_layers
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen
 from hpc_train.optim import optimizer_class, precision_policy
 from hpc_train.optim.buckets import largest_bucket
@@ -191,8 +191,12 @@ def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
     parts = activation_parts(cfg)
     num_stages = p.pp * p.virtual_stages
     total = 0
+    per_stage = m.n_layers // num_stages
     for stage in stage_ids(pp_rank, p.pp, p.virtual_stages):
-        total += sum(parts.layer[recompute_choice(m, i)] for i in range(m.n_layers // num_stages))
+        choices = [recompute_choice(m, i) for i in range(per_stage)]
+        total += sum(parts.layer[choice] for choice in choices)
+        moe = [is_moe_layer(m, stage * per_stage + i) and choice != "full" for i, choice in enumerate(choices)]
+        total += parts.moe_block * sum(moe)
         total += parts.every_stage
         total += parts.first_stage if stage == 0 else 0
         total += parts.last_stage if stage == num_stages - 1 else 0

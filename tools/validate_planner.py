@@ -27,6 +27,8 @@ SP = "parallel.sequence_parallel=true"
 ZERO1_BF16 = ["optim.zero_stage=1", "train.precision=bf16"]
 LORA = ["finetune.method=lora"]
 QLORA = ["finetune.method=qlora", "finetune.lora_targets=[wq,wk,wv,wo,w1,w2,w3]", "train.precision=bf16"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=128",
+       "model.moe.num_shared_experts=1", "model.moe.first_dense_layers=1"]  # fmt: skip
 LAYOUTS = {  # name -> (world size, overrides)
     "fp32": (1, []),
     "selective": (1, ["model.recompute=selective"]),
@@ -108,6 +110,11 @@ LAYOUTS = {  # name -> (world size, overrides)
     "fp8_bf16_autocast": (1, ["train.fp8=tensorwise", "train.precision=bf16"]),
     "fp8_rowwise_zero1_bf16": (1, ["train.fp8=rowwise", *ZERO1_BF16]),
     "fp8_dp2_zero3_bf16": (2, ["train.fp8=tensorwise", "optim.zero_stage=3", "train.precision=bf16"]),
+    # mixture of experts: the router's fp32 input and scores, the dispatch indices, the experts' rows and
+    # SwiGLU widths, the fp32 combine (routed experts replicated over tp); the first block dense
+    "moe_bf16_autocast": (1, [*MOE, "train.precision=bf16"]),
+    "moe_tp2_zero1_bf16": (2, [*MOE, "parallel.tp=2", *ZERO1_BF16]),
+    "moe_pp2": (2, [*MOE, "parallel.pp=2", "train.grad_accum=4"]),
 }
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
 RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",

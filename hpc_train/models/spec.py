@@ -56,6 +56,8 @@ class StageActivations:
     # alive while a block's backward runs, beyond what it keeps: the gradients of its output (the residual
     # stream) and of its widest activation (the MLP's hidden)
     block_backward: int = 0
+    # what an MoE block keeps beyond a dense one, unless it is recomputed whole
+    moe_block: int = 0
 
 
 class StageModule(Protocol):

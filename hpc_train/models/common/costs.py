@@ -4,9 +4,11 @@ norm and MLP say their own share (`Architecture.norm_saved_bytes`, `saved_widths
 
 from __future__ import annotations
 
+import math
+
 from hpc_train.config import ModelConfig
 from hpc_train.models.common.decoder import Architecture, loss_chunk_rows, padded_vocab_size, recompute_choice
-from hpc_train.models.common.moe import is_moe_layer, moe_block_weights
+from hpc_train.models.common.moe import expert_hidden, is_moe_layer, moe_block_weights
 from hpc_train.models.spec import ActivationShape, StageActivations
 
 
@@ -42,6 +44,41 @@ def decoder_flops_per_token(cfg: ModelConfig, *, arch: Architecture) -> int:
     d, layers, vocab = cfg.d_model, cfg.n_layers, padded_vocab_size(cfg)
     blocks = sum(layer_matmul_weights(cfg, arch, i) for i in range(layers))
     return 6 * (blocks + vocab * d) + 12 * layers * d * cfg.seq_len
+
+
+def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape, casts: bool) -> int:
+    """What an MoE block keeps for backward beyond a dense block (its saved-tensor trace on CPU, torch 2.13),
+    with T tokens, A = T x top_k assignments (fewer under a capacity), E experts, h the expert width:
+
+      router       its input in fp32 (T x d x 4; with bf16 weights a copy, and of its weight too), the scores
+                   (T x E x 4), the chosen experts, gates and their sum (T x (12 top_k + 4))
+      dispatch     the sort order, each assignment's token and gate (A x 20), the group offsets (E x 4)
+      experts      the gathered rows (A x d), SwiGLU's widths (A x h each), all in the compute dtype;
+                   with autocast over fp32 weights every expert weight's cast
+      combine      the expert outputs in fp32 and weighted by their gates (2 x A x d x 4)
+      shared       a dense MLP of the shared experts' width (tp-sharded like one), reading the block's input
+
+    The routed experts are replicated over tp, so only the shared experts' part is divided by it. Returned
+    as the difference to the dense MLP `decoder_activations` counts in every block."""
+    m, tokens, tp, e = cfg.moe, shape.tokens, shape.tp, shape.element_bytes
+    d, f, mlp = cfg.d_model, arch.ffn_size(cfg), arch.mlp
+    hidden, shared = expert_hidden(cfg, f), expert_hidden(cfg, f) * m.num_shared_experts
+    matrices = len(mlp.column_parallel) + 1
+    assigned = tokens * m.top_k
+    if m.capacity_factor:
+        assigned = min(assigned, m.num_experts * math.ceil(m.capacity_factor * assigned / m.num_experts))
+    # the block's MLP input: one cast per projection under autocast, else the input itself
+    mlp_input = tokens * d * e * (len(mlp.column_parallel) if casts else 1)
+    dense = mlp_input + mlp.saved_widths * tokens * f * e // tp + (matrices * d * f * e // tp if casts else 0)
+    copies = e != 4 and not casts  # bf16 weights: the router reads an fp32 copy of its input and weight
+    router = tokens * d * 4 + tokens * m.num_experts * 4 + tokens * (12 * m.top_k + 4) + copies * d * m.num_experts * 4
+    routed = assigned * 20 + m.num_experts * 4 + assigned * d * e + mlp.saved_widths * assigned * hidden * e
+    routed += 2 * assigned * d * 4 + (matrices * m.num_experts * d * hidden * e if casts else 0)
+    moe = router + routed
+    if shared:  # its input: the fp32 router input itself, or (bf16 weights) the input, or its own casts
+        moe += mlp_input * (e != 4 or casts) + mlp.saved_widths * tokens * shared * e // tp
+        moe += matrices * d * shared * e // tp if casts else 0
+    return moe - dense
 
 
 def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Architecture) -> StageActivations:
@@ -111,6 +148,7 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         loss_backward = tokens * vocab // tp * (0 if loss_compiled else 12 if tp > 1 else 8)
     # frozen embeddings keep no token ids, and the first block's first norm has no gradient to pass back
     first = tokens * 8 if not targets else -norm * (recompute_choice(cfg, 0) != "full")
+    moe_block = moe_extra_bytes(cfg, arch, shape, casts) if arch.moe and cfg.moe.num_experts else 0
     return StageActivations(
         layer={
             "none": int(selective + attention_out + tokens * a * 4 // tp + weight_casts),
@@ -131,4 +169,5 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         + (vocab * d * e // tp if casts else 0),  # the head weight's cast
         loss_backward=loss_backward,
         block_backward=tokens * f * e // tp + norm_tokens * d * residual_bytes,
+        moe_block=moe_block,
     )
