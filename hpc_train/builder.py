@@ -73,7 +73,7 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     """Every part of the run on this rank; the default process group must exist."""
     cfg = with_source_model(cfg)
     dims = check_run(cfg, rank_env.world_size, check_paths=with_data)
-    mesh = Mesh(dims, device.type)
+    mesh = Mesh(dims, device.type, cfg.parallel.ep)
     is_logger = rank_env.rank == 0
     report = functools.partial(print, flush=True) if is_logger else (lambda message: None)
     seed_everything(cfg.train.seed, rank_env.rank)

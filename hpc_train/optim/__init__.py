@@ -12,6 +12,7 @@ from __future__ import annotations
 from hpc_train.config import ConfigError, JobConfig, OptimConfig
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.data_parallel import DataParallelOptimizer
+from hpc_train.optim.experts import ExpertParallelOptimizer
 from hpc_train.optim.fsdp import FullyShardedOptimizer
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
@@ -39,6 +40,9 @@ def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
 
 
 def build_optimizer(model: ParallelModel, cfg: OptimConfig) -> Optimizer:
+    """With expert parallelism, the routed experts are reduced over their own group (optim/experts.py)."""
+    if model.mesh.ep > 1:
+        return ExpertParallelOptimizer(optimizer_class(cfg), model, cfg)
     return optimizer_class(cfg)(model, cfg)
 
 
