@@ -27,7 +27,11 @@ LAYOUTS = {
     "ep2_tp2": (4, ["train.micro_batch_size=4", "parallel.ep=2", "parallel.tp=2"], 3),
     "ep2_pp2": (4, ["train.micro_batch_size=2", "train.grad_accum=2", "parallel.ep=2", "parallel.pp=2"], 3),
     # experts' gradients reduce-scattered, their optimizer state sharded, over edp=2
-    "dp4_ep2_zero1": (4, ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=1", "optim.bucket_mb=0.05"], 3),
+    "dp4_ep2_zero1": (
+        4,
+        ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=1", "optim.bucket_mb=0.05"],
+        3,
+    ),
 }
 RESUMED = {"ep2_then_ep1": "parallel.ep=1", "ep1_then_ep2": "parallel.ep=2"}
 
