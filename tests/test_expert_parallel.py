@@ -5,11 +5,16 @@ resharded from ep2 to ep1 and back; the memory each rank holds; the refused layo
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from hpc_train.config import ConfigError, load_config
+import pytest
+import torch.distributed as dist
+
+from hpc_train.config import ConfigError, JobConfig, load_config
+from hpc_train.launch.bootstrap import RankEnv
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
+from hpc_train.planner import ep_traffic_bytes
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
@@ -36,6 +41,26 @@ LAYOUTS = {
 RESUMED = {"ep2_then_ep1": "parallel.ep=1", "ep1_then_ep2": "parallel.ep=2"}
 
 
+def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
+    """run_training, counting the bytes this rank sends to the others through all_to_all_single (expert
+    parallelism's only user in these runs) into run_dir/ep_bytes_<rank>, per step."""
+    sent, all_to_all = [0], dist.all_to_all_single
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        own = input_split_sizes[rank] if input_split_sizes else input.shape[0] // size
+        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+        sent[0] += (input.shape[0] - own) * row_bytes
+        return all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        run_training(rank_env, cfg)
+    finally:
+        dist.all_to_all_single = all_to_all
+    (Path(cfg.run_dir) / f"ep_bytes_{rank_env.rank}").write_text(str(sent[0] / cfg.train.steps))
+
+
 def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     def cfg(name: str, world: int, steps: int, *extra: str):
         return load_config(None, [*TINY_MODEL, *MOE, f"train.steps={steps}", f"data.train_path={small_corpus}",
@@ -45,8 +70,10 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     launch_local(run_training, 1, reference)
     cfgs = {name: cfg(name, world, steps, *extra) for name, (world, extra, steps) in LAYOUTS.items()}
     resumed = {name: cfg(name, 2, 3, *LAYOUTS[name][1], other) for name, other in RESUMED.items()}
-    two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2] + [(c,) for c in resumed.values()]
-    launch_sequence(run_training, 2, two)
+    # every token to every expert: each rank sends exactly half its rows to the other (the planner's figure)
+    every = cfg("every_expert", 2, 1, "train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4")
+    two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2] + [(c,) for c in (*resumed.values(), every)]
+    launch_sequence(counted_training, 2, two)
     launch_sequence(run_training, 4, [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 4])
     ref, final = read_metrics(reference.run_dir), read_final_model(reference.run_dir)
     assert final["layers.1.mlp.router.expert_bias"].abs().sum() > 0  # the biases moved: routing is compared
@@ -61,6 +88,12 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
             for layer, figures in theirs["moe"].items():  # the same routing: the same loads
                 assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (name, layer)
         assert max_param_diff(read_final_model(c.run_dir), final) < 1e-5, name
+    for name in ("ep2", "ep2_tp2", "ep2_pp2", "dp4_ep2_zero1"):  # the planner's per-rank bytes
+        record = read_metrics(cfgs[name].run_dir)[0]
+        for key in ("params", "grads", "optimizer"):
+            assert record["memory_predicted_bytes"][key] == record["memory_bytes"][key], (name, key)
+    sent, planned = float((Path(every.run_dir) / "ep_bytes_0").read_text()), ep_traffic_bytes(every)
+    assert sent == planned == 2 * 4 * (128 * 4 // 2 * 64 * 4) + 2 * 4 * 8 // 2  # layers x (rows, counts)
     ep1, ep2 = (read_metrics(cfgs[name].run_dir)[0]["memory_bytes"] for name in ("ep1_then_ep2", "ep2"))
     assert ep1["params"] - ep2["params"] == EXPERT_BYTES // 2  # each rank holds half the experts
     assert ep1["grads"] - ep2["grads"] == EXPERT_BYTES // 2

@@ -147,7 +147,9 @@ def dispatch_to_experts(experts: Experts, rows: torch.Tensor, counts: torch.Tens
     """Expert parallelism: `rows` (sorted by global expert, `counts` rows each) sent to the ep ranks holding
     their experts (rank j holds the j-th 1/ep of them), run there grouped by expert, and the results sent
     back in the rows' order. The counts are exchanged first (equal splits), so every rank knows its splits."""
-    ep = dist.get_world_size(group)
+    ep, device = dist.get_world_size(group), rows.device.type
+    if torch.is_autocast_enabled(device):  # sent in the compute dtype (the residual stream may be fp32)
+        rows = rows.to(torch.get_autocast_dtype(device))
     held = counts.numel() // ep
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # (source rank, held expert): rows sent here
