@@ -93,9 +93,6 @@ def _check_moe(cfg: JobConfig, dp: int) -> None:
         f"divisors of {dp}, or more ranks": dp % ep,
         f"parallel.ep={ep} must divide model.moe.num_experts={experts} (each rank holds num_experts/ep): pick ep "
         f"among the divisors of {experts}": experts % ep,
-        f"optim.zero_stage=3 is not supported with parallel.ep={ep} yet: use optim.zero_stage=1 or 2 (their "
-        "state of the experts is sharded over the ranks holding the same experts)": ep > 1
-        and optimizer_class(cfg.optim).shards_params,
     }
     problems = [problem for problem, refused in layout.items() if refused]
     unsupported = {

@@ -146,8 +146,8 @@ def _param_count(
                 ):
                     elements[f"{module_name}.{adapter}"], rows[f"{module_name}.{adapter}"] = count, width
                     trains[f"{module_name}.{adapter}"], ndims[f"{module_name}.{adapter}"] = True, 2
-        for name, count in elements.items():
-            shard = math.ceil(count // rows[name] / dp) * rows[name]
+        for name, count in elements.items():  # ZeRO-3 shards the routed experts' 1/ep over edp = dp / ep
+            shard = math.ceil(count // rows[name] / (max(1, dp // ep) if name in routed else dp)) * rows[name]
             total, shard_total = total + count, shard_total + shard
             if trains[name]:
                 trainable, shard_trainable = trainable + count, shard_trainable + shard

@@ -40,10 +40,12 @@ def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
 
 
 def build_optimizer(model: ParallelModel, cfg: OptimConfig) -> Optimizer:
-    """With expert parallelism, the routed experts are reduced over their own group (optim/experts.py)."""
-    if model.mesh.ep > 1:
-        return ExpertParallelOptimizer(optimizer_class(cfg), model, cfg)
-    return optimizer_class(cfg)(model, cfg)
+    """With expert parallelism, the routed experts are reduced over their own group (optim/experts.py; FSDP2
+    reduces them itself)."""
+    cls = optimizer_class(cfg)
+    if model.mesh.ep > 1 and not cls.shards_params:
+        return ExpertParallelOptimizer(cls, model, cfg)
+    return cls(model, cfg)
 
 
 def precision_policy(cfg: JobConfig) -> PrecisionPolicy:
