@@ -26,19 +26,27 @@ EXPERT_BYTES = 2 * 3 * 4 * 64 * 32 * 4  # two MoE layers' routed experts (w1, w3
 # (the aux loss is off: it is per micro-batch, and the 4-process layouts split their batch otherwise)
 LAYOUTS = {
     "ep2": (2, ["train.micro_batch_size=4", "parallel.ep=2"], 3),
-    # checkpoints: the first two steps at one ep, the third resumed at the other
-    "ep2_then_ep1": (2, ["train.micro_batch_size=4", "parallel.ep=2", "checkpoint.interval=2"], 2),
-    "ep1_then_ep2": (2, ["train.micro_batch_size=4", "checkpoint.interval=2"], 2),
+    # checkpoints: the first two steps at one ep (and ZeRO stage), the third resumed at the other
+    "ep2_zero3_then_ep1": (
+        2,
+        ["train.micro_batch_size=4", "parallel.ep=2", "optim.zero_stage=3", "checkpoint.interval=2"],
+        2,
+    ),  # fmt: skip
+    "ep1_then_ep2_zero1": (2, ["train.micro_batch_size=4", "checkpoint.interval=2"], 2),
     "ep2_tp2": (4, ["train.micro_batch_size=4", "parallel.ep=2", "parallel.tp=2"], 3),
     "ep2_pp2": (4, ["train.micro_batch_size=2", "train.grad_accum=2", "parallel.ep=2", "parallel.pp=2"], 3),
-    # experts' gradients reduce-scattered, their optimizer state sharded, over edp=2
+    # the experts' gradients reduce-scattered and their optimizer state (ZeRO-3: themselves) sharded over edp=2
     "dp4_ep2_zero1": (
         4,
         ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=1", "optim.bucket_mb=0.05"],
         3,
-    ),
+    ),  # fmt: skip
+    "dp4_ep2_zero3": (4, ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=3"], 3),
 }
-RESUMED = {"ep2_then_ep1": "parallel.ep=1", "ep1_then_ep2": "parallel.ep=2"}
+RESUMED = {
+    "ep2_zero3_then_ep1": ["parallel.ep=1", "optim.zero_stage=0"],
+    "ep1_then_ep2_zero1": ["parallel.ep=2", "optim.zero_stage=1"],
+}
 
 
 def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
@@ -69,7 +77,7 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     reference = cfg("reference", 1, 3, "train.micro_batch_size=4", "train.grad_accum=2")
     launch_local(run_training, 1, reference)
     cfgs = {name: cfg(name, world, steps, *extra) for name, (world, extra, steps) in LAYOUTS.items()}
-    resumed = {name: cfg(name, 2, 3, *LAYOUTS[name][1], other) for name, other in RESUMED.items()}
+    resumed = {name: cfg(name, 2, 3, *LAYOUTS[name][1], *other) for name, other in RESUMED.items()}
     # every token to every expert: each rank sends exactly half its rows to the other (the planner's figure)
     every = cfg("every_expert", 2, 1, "train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4")
     two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2] + [(c,) for c in (*resumed.values(), every)]
@@ -88,13 +96,13 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
             for layer, figures in theirs["moe"].items():  # the same routing: the same loads
                 assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (name, layer)
         assert max_param_diff(read_final_model(c.run_dir), final) < 1e-5, name
-    for name in ("ep2", "ep2_tp2", "ep2_pp2", "dp4_ep2_zero1"):  # the planner's per-rank bytes
+    for name in ("ep2", "ep2_tp2", "ep2_pp2", "dp4_ep2_zero1", "dp4_ep2_zero3"):  # the planner's per-rank bytes
         record = read_metrics(cfgs[name].run_dir)[0]
         for key in ("params", "grads", "optimizer"):
             assert record["memory_predicted_bytes"][key] == record["memory_bytes"][key], (name, key)
     sent, planned = float((Path(every.run_dir) / "ep_bytes_0").read_text()), ep_traffic_bytes(every)
     assert sent == planned == 2 * 4 * (128 * 4 // 2 * 64 * 4) + 2 * 4 * 8 // 2  # layers x (rows, counts)
-    ep1, ep2 = (read_metrics(cfgs[name].run_dir)[0]["memory_bytes"] for name in ("ep1_then_ep2", "ep2"))
+    ep1, ep2 = (read_metrics(cfgs[name].run_dir)[0]["memory_bytes"] for name in ("ep1_then_ep2_zero1", "ep2"))
     assert ep1["params"] - ep2["params"] == EXPERT_BYTES // 2  # each rank holds half the experts
     assert ep1["grads"] - ep2["grads"] == EXPERT_BYTES // 2
 
@@ -105,7 +113,6 @@ def test_refused_expert_parallel_layouts(make_cfg):
     with pytest.raises(ConfigError) as err:
         check_run(make_cfg(*MOE, "parallel.ep=3", "optim.zero_stage=3"), 6, check_paths=False)
     assert "parallel.ep=3 must divide model.moe.num_experts=4" in str(err.value)
-    assert "optim.zero_stage=3 is not supported with parallel.ep=3 yet" in str(err.value)
     with pytest.raises(ConfigError, match=r"parallel.ep=2 must divide the data-parallel size 1"):
         check_run(make_cfg(*MOE, "parallel.ep=2", "parallel.tp=2"), 2, check_paths=False)
     check_run(make_cfg(*MOE, "parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "train.grad_accum=2"), 8,
