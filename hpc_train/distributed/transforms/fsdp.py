@@ -65,7 +65,8 @@ def apply_fsdp(
     if device.type != "cuda":  # gloo has neither AVG nor PREMUL_SUM: sum, then divide
         # not over a group of one (edp = 1), which no collective runs on and where torch 2.13 would divide a
         # custom factor's gradients twice (once on copying them, again after the skipped sum)
-        for unit in (*(experts if expert_mesh.size() > 1 else ()), *blocks, chunk):
+        summed = experts if expert_mesh is not None and expert_mesh.size() > 1 else []
+        for unit in (*summed, *blocks, chunk):
             unit.set_force_sum_reduction_for_comms(True)
 
 
