@@ -73,7 +73,7 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     """Every part of the run on this rank; the default process group must exist."""
     cfg = with_source_model(cfg)
     dims = check_run(cfg, rank_env.world_size, check_paths=with_data)
-    mesh = Mesh(dims, device.type)
+    mesh = Mesh(dims, device.type, cfg.parallel.ep)
     is_logger = rank_env.rank == 0
     report = functools.partial(print, flush=True) if is_logger else (lambda message: None)
     seed_everything(cfg.train.seed, rank_env.rank)
@@ -105,8 +105,8 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         sampler = ResumableSampler(len(train_set), global_batch, t.micro_batch_size, mesh.rank("dp"), dims.dp, t.seed)
     metrics = MetricsLog(cfg.run_dir, t.steps, cfg.logging.progress, cfg.logging.tensorboard) if is_logger else None
 
-    layout = {**dims.as_dict(), "world_size": dims.world_size, "zero_stage": cfg.optim.zero_stage,
-              "precision": t.precision}  # fmt: skip
+    layout = {**dims.as_dict(), "ep": cfg.parallel.ep, "world_size": dims.world_size,
+              "zero_stage": cfg.optim.zero_stage, "precision": t.precision}  # fmt: skip
     shared = {"sampler": sampler, "loss_scaler": scaler, "metrics": metrics}
     checkpointer = Checkpointer(
         cfg,

@@ -71,8 +71,8 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
     spec = get_spec(cfg.model.arch)
     raise_all([lambda: spec.validate(cfg.model, cfg.parallel.tp), lambda: optimizer_class(cfg.optim),
                lambda: _check_zero(cfg, dp * cfg.parallel.cp)])  # fmt: skip
-    if cfg.model.moe.num_experts:
-        _check_moe(cfg)
+    if cfg.model.moe.num_experts or cfg.parallel.ep > 1:
+        _check_moe(cfg, dp)
     if cfg.train.freeze:
         _check_freeze(cfg, spec)
     if cfg.finetune.adapters:
@@ -81,9 +81,20 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True) -> Para
     return ParallelDims(pp=cfg.parallel.pp, dp=dp, cp=cfg.parallel.cp, tp=cfg.parallel.tp)
 
 
-def _check_moe(cfg: JobConfig) -> None:
-    """What MoE layers do not run with yet (until expert parallelism composes them), refused before any rank
-    starts: one line per problem."""
+def _check_moe(cfg: JobConfig, dp: int) -> None:
+    """What MoE layers do not run with yet, and expert parallelism's layout, refused before any rank starts:
+    one line per problem."""
+    experts, ep = cfg.model.moe.num_experts, cfg.parallel.ep
+    if ep > 1 and not experts:
+        raise ConfigError(f"parallel.ep={ep} shards the routed experts of MoE layers, and this model is dense "
+                          "(model.moe.num_experts=0): set parallel.ep=1")  # fmt: skip
+    layout = {
+        f"parallel.ep={ep} must divide the data-parallel size {dp} (it is carved from dp): pick ep among the "
+        f"divisors of {dp}, or more ranks": dp % ep,
+        f"parallel.ep={ep} must divide model.moe.num_experts={experts} (each rank holds num_experts/ep): pick ep "
+        f"among the divisors of {experts}": experts % ep,
+    }
+    problems = [problem for problem, refused in layout.items() if refused]
     unsupported = {
         "parallel.sequence_parallel": (cfg.parallel.sequence_parallel, "set parallel.sequence_parallel=false"),
         f"parallel.cp={cfg.parallel.cp}": (cfg.parallel.cp > 1, "set parallel.cp=1"),
@@ -91,8 +102,8 @@ def _check_moe(cfg: JobConfig) -> None:
         "train.compile": (cfg.train.compile, "set train.compile=false"),
         f"finetune.method={cfg.finetune.method}": (cfg.finetune.adapters, "use finetune.method=full"),
     }
-    problems = [f"{key} is not supported with model.moe.num_experts={cfg.model.moe.num_experts} yet: {fix}"
-                for key, (refused, fix) in unsupported.items() if refused]  # fmt: skip
+    problems += [f"{key} is not supported with model.moe.num_experts={experts} yet: {fix}"
+                 for key, (refused, fix) in unsupported.items() if refused]  # fmt: skip
     if problems:
         raise ConfigError("\n".join(problems))
 

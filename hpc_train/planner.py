@@ -84,6 +84,7 @@ class LocalParams:
     # there); not when a head tied to it is on the same rank
     # (the head's sharded gradient accumulates into it)
     full_size_embedding_grad: bool
+    experts: int = 0  # of the trainable elements, the routed experts' (their 1/ep under expert parallelism)
 
 
 def local_param_count(cfg: JobConfig, pp_rank: int = 0, dp: int = 1) -> LocalParams:
@@ -91,21 +92,29 @@ def local_param_count(cfg: JobConfig, pp_rank: int = 0, dp: int = 1) -> LocalPar
     p = cfg.parallel
     f = cfg.finetune
     return _param_count(tuple(vars(cfg.model).items()), p.tp, p.pp, p.virtual_stages, pp_rank,
-                        tuple(cfg.train.freeze), dp, (f.method, f.lora_rank, tuple(f.lora_targets)))  # fmt: skip
+                        tuple(cfg.train.freeze), dp, (f.method, f.lora_rank, tuple(f.lora_targets)), p.ep)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
 def _param_count(
-    model: tuple, tp: int, pp: int, virtual_stages: int, pp_rank: int, freeze: tuple, dp: int, finetune: tuple
+    model: tuple,
+    tp: int,
+    pp: int,
+    virtual_stages: int,
+    pp_rank: int,
+    freeze: tuple,
+    dp: int,
+    finetune: tuple,
+    ep: int = 1,
 ) -> LocalParams:
     """Counted on the meta device (nothing allocated); cached because --search asks for many layouts.
-    `finetune`: (method, LoRA rank, LoRA targets)."""
+    `finetune`: (method, LoRA rank, LoRA targets); `ep`: the routed experts are split over it."""
     model_cfg = ModelConfig(**dict(model))
     method, rank, targets = finetune
     ft = FinetuneConfig(method, rank, lora_targets=list(targets))
     spec = get_spec(model_cfg.arch)
     total = trainable = shard_total = shard_trainable = quantized = quantized_bytes = largest_projection = 0
-    matrices = shard_matrices = 0
+    matrices = shard_matrices = experts = 0
     full_grad = False
     sizes = []
     units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
@@ -115,6 +124,8 @@ def _param_count(
         plan = spec.tp_plan(chunk, False) if tp > 1 else {}
         sharded = sharded_parameter_names(chunk, plan)
         elements = {name: p.numel() // tp if name in sharded else p.numel() for name, p in chunk.named_parameters()}
+        routed = {f"{name}.mlp.experts.{w}" for name, _ in moe_layers([chunk]) for w in ("w1", "w3", "w2")}
+        elements.update({name: elements[name] // ep for name in routed})
         rows = {name: p.shape[-1] if p.ndim > 1 else 1 for name, p in chunk.named_parameters()}  # FSDP: whole rows
         ndims = {name: p.ndim for name, p in chunk.named_parameters()}
         trains = {name: not ft.adapters and not is_frozen(chunk.canonical_name(name), list(freeze))
@@ -135,12 +146,13 @@ def _param_count(
                 ):
                     elements[f"{module_name}.{adapter}"], rows[f"{module_name}.{adapter}"] = count, width
                     trains[f"{module_name}.{adapter}"], ndims[f"{module_name}.{adapter}"] = True, 2
-        for name, count in elements.items():
-            shard = math.ceil(count // rows[name] / dp) * rows[name]
+        for name, count in elements.items():  # ZeRO-3 shards the routed experts' 1/ep over edp = dp / ep
+            shard = math.ceil(count // rows[name] / (max(1, dp // ep) if name in routed else dp)) * rows[name]
             total, shard_total = total + count, shard_total + shard
             if trains[name]:
                 trainable, shard_trainable = trainable + count, shard_trainable + shard
                 sizes.append(count)
+                experts += count if name in routed else 0
                 if is_hidden_matrix(chunk.canonical_name(name), ndims[name]):
                     matrices, shard_matrices = matrices + count, shard_matrices + shard
             unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
@@ -150,7 +162,7 @@ def _param_count(
     root = units.pop("", 0)
     return LocalParams(total, trainable, shard_total, shard_trainable, matrices, shard_matrices,
                        max(units.values(), default=0), root,
-                       quantized, quantized_bytes, largest_projection, tuple(sizes), full_grad)  # fmt: skip
+                       quantized, quantized_bytes, largest_projection, tuple(sizes), full_grad, experts)  # fmt: skip
 
 
 def nf4_bytes(elements: int) -> int:
@@ -271,7 +283,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     element, compute = precision_policy(cfg).param_bytes, compute_bytes(cfg)
     parts = activation_parts(cfg)
     static = pipeline_buffers(cfg, parts)  # communication buffers alive through the step
-    block = cp_buffers(cfg)  # context parallelism's exchange buffers, alive while an attention runs
+    block = cp_buffers(cfg) + ep_buffers(cfg)  # context and expert parallelism's exchanges, while a block runs
     first = at_end = update = 0  # buffers alive at one of the moments only
     if cls.shards_params:  # the fp32 shards are the master weights
         param_bytes = 4 * local.shard_total
@@ -297,7 +309,10 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         frozen_bytes = precision_policy(cfg).frozen_dtype.itemsize if cfg.finetune.adapters else element
         param_bytes = local.trainable * element + frozen * frozen_bytes + local.quantized_bytes
         trainable, matrices = local.trainable, local.trainable_matrices
-        grads, masters, owned = cls.planned_bytes(trainable, dp, element, o.overlap_grad_reduce)
+        grads, masters, owned = cls.planned_bytes(trainable - local.experts, dp, element, o.overlap_grad_reduce)
+        if local.experts:  # the routed experts' shards are reduced (and ZeRO-sharded) over edp = dp / ep
+            planned = cls.planned_bytes(local.experts, dp // cfg.parallel.ep, element, o.overlap_grad_reduce)
+            grads, masters, owned = (a + b for a, b in zip((grads, masters, owned), planned, strict=True))
         limit = int(o.bucket_mb * 2**20)
         if not cls.shards_state:  # stage 0: the gradients themselves, then a flat copy of a bucket per all-reduce
             first = grads * local.root // local.total if dims.pp == 1 else 0  # the head's, on the last stage
@@ -493,6 +508,37 @@ def cp_traffic_bytes(cfg: JobConfig) -> float:
     return per_block * m.n_layers / p.pp * t.grad_accum
 
 
+def ep_rows(cfg: JobConfig) -> int:
+    """Rows one MoE layer dispatches per micro-batch on a rank: its tokens' top_k assignments (dropless; a
+    capacity factor drops some)."""
+    m, t = cfg.model, cfg.train
+    return t.micro_batch_size * m.seq_len // cfg.parallel.cp * m.moe.top_k
+
+
+def ep_traffic_bytes(cfg: JobConfig) -> float:
+    """Bytes a rank sends over ep per step: in each MoE layer and micro-batch, the rows for experts held
+    elsewhere, (ep-1)/ep of them when the load is balanced (exactly so when every token picks every expert),
+    in the compute dtype, through four all-to-alls (dispatch and combine, and their gradients back; a
+    recomputed forward exchanges again), and the tokens-per-expert counts (int64) before each dispatch."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.ep == 1 or not m.moe.num_experts:
+        return 0.0
+    e = 2 if t.precision != "fp32" else 4
+    forwards = 1 + (m.recompute != "none")
+    others = (p.ep - 1) / p.ep
+    per_layer = ep_rows(cfg) * m.d_model * e * others * 2 * (forwards + 1) + 8 * m.moe.num_experts * others * forwards
+    layers = m.n_layers - m.moe.first_dense_layers
+    return per_layer * layers / p.pp * t.grad_accum
+
+
+def ep_buffers(cfg: JobConfig) -> int:
+    """Bytes expert parallelism adds while an MoE layer runs (balanced load): the rows received from the
+    ep group and their copy regrouped by expert, in the compute dtype."""
+    if cfg.parallel.ep == 1 or not cfg.model.moe.num_experts:
+        return 0
+    return 2 * ep_rows(cfg) * cfg.model.d_model * (2 if cfg.train.precision != "fp32" else 4)
+
+
 def cp_buffers(cfg: JobConfig) -> int:
     """Bytes context parallelism adds while one attention runs (backward, the larger): the ring's received
     k, v block beside its fp32 gradients, sent and received, and the fp32 q gradient; Ulysses' send and
@@ -543,7 +589,9 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
         owned = math.ceil(n / (dp * dims.cp))
         transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
         offload = transfers / (pcie_gbps * 1e9) + owned / host_adam_elements_per_s
-    return compute + bubble + tp_bytes / (nvlink_gbps * 1e9) + dp_time + cp_time + offload
+    # expert parallelism within a node over NVLink, else InfiniBand; the all-to-alls wait for the experts
+    ep_time = ep_traffic_bytes(cfg) / ((nvlink_gbps if p.tp * p.ep <= node else ib_gbps) * 1e9)
+    return compute + bubble + tp_bytes / (nvlink_gbps * 1e9) + dp_time + cp_time + ep_time + offload
 
 
 def plan_world(cfg: JobConfig) -> int:
@@ -573,7 +621,8 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
         ("total at the peak", plan.total),
     ]  # fmt: skip
     cp = f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""
-    head = (f"layout tp={p.tp} pp={p.pp} (x{p.virtual_stages} virtual) dp={dp}{cp}, micro-batch "
+    ep = f" ep={p.ep}" if p.ep > 1 else ""
+    head = (f"layout tp={p.tp} pp={p.pp} (x{p.virtual_stages} virtual) dp={dp}{cp}{ep}, micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "
             f"zero={cfg.optim.zero_stage}, offload={cfg.optim.offload}, {cfg.train.precision}")  # fmt: skip
     lines = [head]
@@ -581,6 +630,9 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
         total, active = moe_param_counts(cfg)
         lines.append(f"mixture of experts: {total / 1e9:.3f}B parameters, {active / 1e9:.3f}B active per token "
                      f"({cfg.model.moe.top_k} of {cfg.model.moe.num_experts} routed experts)")  # fmt: skip
+        if p.ep > 1:
+            lines.append(f"expert parallelism ep={p.ep}: {cfg.model.moe.num_experts // p.ep} routed experts per rank, "
+                         f"{ep_traffic_bytes(cfg) / GiB:.3f} GiB sent per rank and step by all-to-all")  # fmt: skip
     if cfg.finetune.adapters:
         local = local_param_count(cfg)
         frozen = (local.total - local.trainable) / 1e6

@@ -3,6 +3,11 @@ the per-expert loop, on CPU (models/common/moe.py runs the grouped GEMM only the
 shapes: tokens (after top-k: assignments), experts, model width, expert width. Tokens are spread over the experts as a
 router would (a skewed draw, some experts nearly empty). Prints a table, or JSON with --json.
 
+Then (unless --no-ep) the training step of an MoE model at two processes (dp2) with expert parallelism
+(parallel.ep=2: each rank holds half the experts, tokens exchanged by all-to-all) against ep1 (every rank holds
+every expert), same global batch: the median step time after the warm-up steps and their ratio, and the
+bytes rank 0 sent per step by all-to-all against the planner's `ep_traffic_bytes`.
+
     python tools/bench_moe.py                   # CPU, fp32, every thread
     python tools/bench_moe.py --threads 1 --dtype bf16
 """
@@ -12,11 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from hpc_train.config import JobConfig, load_config
+from hpc_train.launch.bootstrap import RankEnv
+from hpc_train.launch.local import launch_sequence
 from hpc_train.models.common.moe import grouped_mm_runs, grouped_swiglu, looped_swiglu
+from hpc_train.planner import ep_traffic_bytes
+from hpc_train.train.loop import run_training
 
 SHAPES = [  # (assignments, experts, d_model, expert hidden)
     (2048, 8, 256, 512),
@@ -51,6 +64,50 @@ def time_fn(fn, x, counts, weights, repeats: int) -> float:
     return statistics.median(times)
 
 
+EP_MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "model.seq_len=128", "model.moe.num_experts=8",
+            "model.moe.top_k=2", "model.moe.expert_ffn_hidden=256", "model.moe.num_shared_experts=1",
+            "train.micro_batch_size=8", "train.eval_interval=0", "logging.progress=none",
+            "train.save_final_model=false"]  # fmt: skip
+
+
+def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
+    """run_training, writing the bytes this rank sent to the others per step by all_to_all_single (expert
+    parallelism's only user here) to run_dir/ep_bytes_<rank>."""
+    sent, all_to_all = [0], dist.all_to_all_single
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        own = input_split_sizes[rank] if input_split_sizes else input.shape[0] // size
+        sent[0] += (input.shape[0] - own) * (input[0].numel() * input.element_size() if input.shape[0] else 0)
+        return all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        run_training(rank_env, cfg)
+    finally:
+        dist.all_to_all_single = all_to_all
+    (Path(cfg.run_dir) / f"ep_bytes_{rank_env.rank}").write_text(str(sent[0] / cfg.train.steps))
+
+
+def bench_ep(steps: int, warmup: int, overrides: list[str]) -> None:
+    """ep2 against ep1 at dp2, in the same two worker processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfgs = {ep: load_config(None, [*EP_MODEL, f"train.steps={steps}", f"run_dir={Path(tmp) / f'ep{ep}'}",
+                                       "parallel.nproc=2", f"parallel.ep={ep}", *overrides])
+                for ep in (1, 2)}  # fmt: skip
+        launch_sequence(counted_training, 2, [(cfg,) for cfg in cfgs.values()])
+        times, sent = {}, {}
+        for ep, cfg in cfgs.items():
+            records = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+            times[ep] = statistics.median(r["step_time_s"] for r in records[warmup:])
+            sent[ep] = float((Path(cfg.run_dir) / "ep_bytes_0").read_text())
+    print(f"\nMoE training step at dp2 (8 experts, top 2, d 256, 4 layers, global batch 16 x 128), {steps} steps")
+    print(f"{'layout':<8} {'step ms':>9} {'vs ep1':>7} {'all-to-all MiB/step sent by rank 0, measured / planned':>56}")
+    for ep, cfg in cfgs.items():
+        traffic = f"{sent[ep] / 2**20:.2f} / {ep_traffic_bytes(cfg) / 2**20:.2f}"
+        print(f"{'ep' + str(ep):<8} {times[ep] * 1e3:>9.1f} {times[ep] / times[1]:>7.2f} {traffic:>56}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -58,6 +115,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-ep", action="store_true", help="skip the ep2 vs ep1 training steps")
+    parser.add_argument("--ep-steps", type=int, default=10)
+    parser.add_argument("--ep-warmup", type=int, default=3)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,7 +140,13 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"routed experts, forward + backward, {args.dtype} on {device}, {torch.get_num_threads()} threads")
+    print_table(rows, args)
+    if not args.no_ep:
+        bench_ep(args.ep_steps, args.ep_warmup, [f"train.precision={'bf16' if args.dtype == 'bf16' else 'fp32'}"])
+
+
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"routed experts, forward + backward, {args.dtype} on {args.device}, {torch.get_num_threads()} threads")
     print(f"{'tokens':>7} {'experts':>7} {'d':>5} {'h':>5} {'grouped ms':>11} {'loop ms':>9} {'loop/grouped':>13}")
     for r in rows:
         grouped = f"{r['grouped_ms']:.2f}" if r["grouped_ms"] else "-"

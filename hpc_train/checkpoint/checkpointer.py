@@ -332,7 +332,7 @@ class Checkpointer:
         for name, part in self.shared.items():
             if shared.get(name) is not None:
                 part.load_state_dict(shared[name])
-        same_layout = {"cp": 1, **manifest["layout"]} == self.layout  # checkpoints before cp have no cp
+        same_layout = {"cp": 1, "ep": 1, **manifest["layout"]} == self.layout  # older checkpoints: no cp, ep
         if same_layout:
             own = upgrade_rank_state(load_rank_file(Path(path) / rank_file(self.rank)))
             for name, part in self.per_rank.items():

@@ -108,6 +108,8 @@ class ParallelConfig:
     # around a ring (zig-zag split: equal causal work per rank) or all-to-all between sequence and head shards
     cp: int = positive(1)
     cp_mode: str = choice("ring", "ulysses")
+    # expert parallelism: each MoE layer's routed experts split over ep ranks carved from dp (ep divides dp)
+    ep: int = positive(1)
     virtual_stages: int = positive(1)
     schedule: str = choice("1f1b", "interleaved_1f1b")
     sequence_parallel: bool = False

@@ -38,17 +38,25 @@ def is_tp_sharded(t: torch.Tensor) -> bool:
     return any(not isinstance(pl, Replicate) for name, pl in zip(names, t.placements, strict=True) if name == "tp")
 
 
+def is_ep_sharded(t: torch.Tensor) -> bool:
+    """Split over the expert-parallel dimension (a routed expert's stacked weights under parallel.ep)."""
+    return isinstance(t, DTensor) and "ep" in (t.device_mesh.mesh_dim_names or ())
+
+
 @dataclass
 class GradGroups:
     """The gradient elements this rank holds, for norms and overflow checks: split by whether they are
     sharded over tp (summed over tp) or replicated (counted once); `dp_sharded` when each dp rank holds
     a different part (ZeRO) rather than the same averaged copy. `uncounted` gradients are clipped and
-    checked here but counted in the norm by another rank (a tied embedding's pipeline copy)."""
+    checked here but counted in the norm by another rank (a tied embedding's pipeline copy). `ep_sharded`:
+    routed experts' gradients under expert parallelism (replicated over tp), each ep rank holding others
+    (summed over ep unless `dp_sharded`, whose sum over dp x cp counts them once already)."""
 
     tp_sharded: list[torch.Tensor]
     tp_replicated: list[torch.Tensor]
     dp_sharded: bool
     uncounted: list[torch.Tensor] = field(default_factory=list)
+    ep_sharded: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def of(cls, grads: list[tuple[torch.Tensor, bool, bool]], dp_sharded: bool) -> GradGroups:
@@ -62,7 +70,7 @@ class GradGroups:
 
     @property
     def all(self) -> list[torch.Tensor]:
-        return self.tp_sharded + self.tp_replicated + self.uncounted
+        return self.tp_sharded + self.tp_replicated + self.uncounted + self.ep_sharded
 
 
 def by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -102,6 +110,11 @@ def clip_grad_norm(grads: GradGroups, max_norm: float, mesh: Mesh, device: torch
     if mesh.size("tp") > 1:
         dist.all_reduce(sharded_sq, group=mesh.group("tp"))
     total_sq += sharded_sq
+    if grads.ep_sharded:
+        expert_sq = _sum_of_squares(grads.ep_sharded, device)
+        if not grads.dp_sharded and mesh.ep > 1:
+            dist.all_reduce(expert_sq, group=mesh.group("ep"))
+        total_sq += expert_sq
     for role in ("pp", "dp_cp") if grads.dp_sharded else ("pp",):
         if mesh.size(role) > 1:
             dist.all_reduce(total_sq, group=mesh.group(role))

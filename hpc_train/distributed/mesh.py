@@ -40,17 +40,33 @@ class ParallelDims:
         return asdict(self)
 
 
-class Mesh:
-    """The DeviceMesh of `dims` (needs the default process group; world size = dims.world_size)."""
+EXPERT_ROLES = ("ep", "edp")  # expert parallelism's split of dp: experts sharded over ep, replicated over edp
 
-    def __init__(self, dims: ParallelDims, device_type: str):
-        self.dims = dims
+
+class Mesh:
+    """The DeviceMesh of `dims` (needs the default process group; world size = dims.world_size). With expert
+    parallelism (`ep` > 1, dividing dp) a second DeviceMesh splits dp into (edp, ep), ep innermost: the ranks
+    of an ep group are consecutive dp ranks, each holding 1/ep of the routed experts; an edp group is the dp
+    ranks holding the same experts, over which their gradients are reduced (torchtitan's dp_shard_mod_ep x
+    dp_shard_in_ep; cp stays 1, which MoE layers refuse)."""
+
+    def __init__(self, dims: ParallelDims, device_type: str, ep: int = 1):
+        self.dims, self.ep = dims, ep
         sizes = dims.as_dict()
         self.device_mesh = init_device_mesh(device_type, tuple(sizes[d] for d in DIMS), mesh_dim_names=DIMS)
         self._roles: dict[str, DeviceMesh] = {}
+        if ep > 1:
+            assert dims.dp % ep == 0 and dims.cp == 1, f"ep={ep} must divide dp={dims.dp} with cp=1"
+            grid = self.device_mesh.mesh.reshape(dims.pp, dims.dp // ep, ep, dims.cp, dims.tp)
+            expert_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+            self._roles.update({role: expert_mesh[role] for role in EXPERT_ROLES})
 
     def sub(self, role: str) -> DeviceMesh:
-        """The one-dimensional mesh of `role` this rank belongs to (for DTensor and pipeline APIs)."""
+        """The one-dimensional mesh of `role` this rank belongs to (for DTensor and pipeline APIs). Without
+        expert parallelism, edp is dp x cp (every rank with the same experts)."""
+        if role in EXPERT_ROLES and self.ep == 1:
+            assert role == "edp", "no ep mesh without expert parallelism"
+            return self.sub("dp_cp")
         if role not in self._roles:
             sizes = self.dims.as_dict()
             dims = tuple(d for d in ROLES[role] if sizes[d] > 1) or ROLES[role][:1]  # cp=1: dp_cp is dp

@@ -12,6 +12,7 @@ from __future__ import annotations
 from hpc_train.config import ConfigError, JobConfig, OptimConfig
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.data_parallel import DataParallelOptimizer
+from hpc_train.optim.experts import ExpertParallelOptimizer
 from hpc_train.optim.fsdp import FullyShardedOptimizer
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
@@ -39,7 +40,12 @@ def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
 
 
 def build_optimizer(model: ParallelModel, cfg: OptimConfig) -> Optimizer:
-    return optimizer_class(cfg)(model, cfg)
+    """With expert parallelism, the routed experts are reduced over their own group (optim/experts.py; FSDP2
+    reduces them itself)."""
+    cls = optimizer_class(cfg)
+    if model.mesh.ep > 1 and not cls.shards_params:
+        return ExpertParallelOptimizer(cls, model, cfg)
+    return cls(model, cfg)
 
 
 def precision_policy(cfg: JobConfig) -> PrecisionPolicy:

@@ -132,15 +132,15 @@ class BucketedReduction:
         self._reset()
 
 
-def flat_allreduce(grads: list[torch.Tensor], dp_group: dist.ProcessGroup) -> Callable[[], None]:
-    """Start averaging `grads` over dp in one flat buffer (sum, then divide: gloo has no AVG); the returned
-    function waits and copies the means back."""
+def flat_allreduce(grads: list[torch.Tensor], dp_group: dist.ProcessGroup, divisor: int = 0) -> Callable[[], None]:
+    """Start averaging `grads` over dp in one flat buffer (sum, then divide by `divisor`, the group's size by
+    default: gloo has no AVG); the returned function waits and copies the means back."""
     flat = torch.cat([g.reshape(-1) for g in grads])
     work = dist.all_reduce(flat, group=dp_group, async_op=True)
 
     def complete() -> None:
         work.wait()
-        flat.div_(dist.get_world_size(dp_group))
+        flat.div_(divisor or dist.get_world_size(dp_group))
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

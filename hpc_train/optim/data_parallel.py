@@ -45,9 +45,14 @@ class DataParallelOptimizer:
     grads_before_backward = False
     offloaded: tuple[str, ...] = ()  # nothing in host memory
 
-    def __init__(self, model: ParallelModel, cfg: OptimConfig):
-        self.model, self.params = model, model.trainable_parameters
-        self.dp_group = model.mesh.group("dp_cp")  # every rank with these parameters: dp x cp
+    def __init__(self, model: ParallelModel, cfg: OptimConfig, params: list | None = None, role: str = "dp_cp"):
+        """Over `params` (every trainable parameter by default), reduced over the mesh's `role`: every rank
+        with these parameters, dp x cp (edp for routed experts: optim/experts.py), always divided by dp x cp
+        (an expert's gradient holds the tokens of its whole ep group already)."""
+        self.model = model
+        self.params = model.trainable_parameters if params is None else params
+        self.dp_group = model.mesh.group(role)
+        self.divisor = model.mesh.size("dp_cp")
         self.rule = build_rule(model, self.params, cfg)
         limit = int(cfg.bucket_mb * 2**20)
         buckets = [[self.params[i] for i in b] for b in bucketize([local(p) for p in self.params], limit)]
@@ -63,8 +68,10 @@ class DataParallelOptimizer:
         self.model.finalize_grads(params)
         grads = [local(p.grad) for p in params if p.grad is not None]
         if dist.get_world_size(self.dp_group) == 1 or not grads:
+            if grads and self.divisor > 1:  # routed experts of an ep group as wide as dp
+                torch._foreach_div_(grads, self.divisor)
             return lambda: None
-        return flat_allreduce(grads, self.dp_group)
+        return flat_allreduce(grads, self.dp_group, self.divisor)
 
     def begin_step(self, micro_batches: int) -> None:
         self.reduction.begin_step(micro_batches)

@@ -88,10 +88,15 @@ class ZeroOptimizer:
     grads_before_backward = False
     every_micro_batch = False  # reduce once per step, after the last micro-batch
 
-    def __init__(self, model: ParallelModel, cfg: OptimConfig):
-        self.model, self.params = model, model.trainable_parameters
-        self.dp_group = model.mesh.group("dp_cp")  # every rank with these parameters: dp x cp
-        self.dp, self.dp_rank = model.mesh.size("dp_cp"), model.mesh.rank("dp_cp")
+    def __init__(self, model: ParallelModel, cfg: OptimConfig, params: list | None = None, role: str = "dp_cp"):
+        """Over `params` (every trainable parameter by default), sharded over the mesh's `role`: every rank
+        with these parameters, dp x cp (edp for routed experts: optim/experts.py); the reduced gradients are
+        always divided by dp x cp (an expert's gradient holds the tokens of its whole ep group already)."""
+        self.model = model
+        self.params = model.trainable_parameters if params is None else params
+        self.dp_group = model.mesh.group(role)
+        self.dp, self.dp_rank = model.mesh.size(role), model.mesh.rank(role)
+        self.divisor = model.mesh.size("dp_cp")
         self.device = model.device
         self.offload = cfg.offload == "cpu"
         self.state_device = torch.device("cpu") if self.offload else self.device
@@ -208,12 +213,14 @@ class ZeroOptimizer:
         shard = full[self.dp_rank * bucket.shard_numel : (self.dp_rank + 1) * bucket.shard_numel]
         bucket.grad_shard = shard
         if self.dp == 1:
+            if self.divisor > 1:  # routed experts of an ep group as wide as dp
+                shard.div_(self.divisor)
             return lambda: None
         work = _reduce_scatter(shard, full, group=self.dp_group, async_op=True)
 
         def complete() -> None:
             work.wait()
-            shard.div_(self.dp)
+            shard.div_(self.divisor)
 
         return complete
 
@@ -467,6 +474,6 @@ class Zero2Optimizer(ZeroOptimizer):
 
         def complete() -> None:
             work.wait()
-            bucket.grad_shard.add_(part.div_(self.dp))
+            bucket.grad_shard.add_(part.div_(self.divisor))
 
         return complete

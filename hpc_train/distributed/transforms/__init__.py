@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hpc_train.distributed.transforms import (
     context_parallel,
+    expert_parallel,
     float8,
     fsdp,
     lora,
@@ -23,6 +24,7 @@ TRANSFORMS: tuple[Transform, ...] = (
     float8.TRANSFORM,  # train.fp8: the block projections become Float8Linear, which tp then shards
     tensor_parallel.TRANSFORM,  # tp and sequence parallelism (or the family's own parallelize hook)
     context_parallel.TRANSFORM,  # the sequence split over cp: positions and the attention exchange
+    expert_parallel.TRANSFORM,  # routed experts sharded over ep (carved from dp)
     recompute.TRANSFORM,
     lora.TRANSFORM,  # adapters placed like their tp-sharded base
     regional_compile.TRANSFORM,  # on the eager, sharded blocks

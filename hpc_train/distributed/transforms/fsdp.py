@@ -7,6 +7,11 @@ ever allocates more than its shard. The sharded fp32 parameters are the master w
 policy all-gathers them in the compute dtype and reduce-scatters gradients in fp32. With `offload` the
 sharded parameters, their gradients and so the optimizer state live in host memory (parallelize.materialize
 allocates the shards there, as FSDP2's CPU offload wants them).
+
+Under expert parallelism each MoE layer's routed experts (DTensor shards over ep) are their own FSDP unit
+over edp, the dp ranks holding the same experts (torchtitan's approach): their 2D (edp, ep) shards hold every
+expert element once over dp, and their gradients are divided by dp x cp, not edp, as the rest are (an
+expert's gradient already sums the tokens of its ep group).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from hpc_train.config import JobConfig
 from hpc_train.distributed.transforms.plan import StagePlan, Transform
+from hpc_train.models.common.moe import MoE
 from hpc_train.models.spec import StageModule
 
 
@@ -36,14 +42,20 @@ def apply_fsdp(
     reshard_after_forward: bool,
     offload: bool,
     device: torch.device,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """Shard `chunk` (a pipeline stage, on the meta device) over `dp_mesh`, block by block, in place."""
+    """Shard `chunk` (a pipeline stage, on the meta device) over `dp_mesh`, block by block, in place; routed
+    experts sharded over ep are sharded over `expert_mesh` (edp) first."""
     # the blocks' fp32 inputs (the RoPE tables) stay fp32: autocast decides each op's dtype, as in stages 0-2
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     options = {"mesh": dp_mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward,
                "offload_policy": offload_policy}  # fmt: skip
     blocks = list(chunk.layers.values())
+    experts = [m.experts for m in chunk.modules() if isinstance(m, MoE)] if expert_mesh is not None else []
+    for unit in experts:
+        fully_shard(unit, **{**options, "mesh": expert_mesh})
+        unit.set_gradient_divide_factor(float(dp_mesh.size()))  # the mean over dp x cp, as the rest
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(chunk, **{**options, "reshard_after_forward": False})  # the root runs first and last anyway
@@ -51,15 +63,18 @@ def apply_fsdp(
         previous.set_modules_to_forward_prefetch([block])
         block.set_modules_to_backward_prefetch([previous])
     if device.type != "cuda":  # gloo has neither AVG nor PREMUL_SUM: sum, then divide
-        for unit in (*blocks, chunk):
+        # not over a group of one (edp = 1), which no collective runs on and where torch 2.13 would divide a
+        # custom factor's gradients twice (once on copying them, again after the skipped sum)
+        summed = experts if expert_mesh is not None and expert_mesh.size() > 1 else []
+        for unit in (*summed, *blocks, chunk):
             unit.set_force_sum_reduction_for_comms(True)
 
 
 def _apply(stage: StageModule, plan: StagePlan) -> None:
     offload = plan.cfg.optim.offload == "cpu"
-    apply_fsdp(
-        stage, plan.mesh.sub("dp_cp"), plan.compute_dtype, reshards_after_forward(plan.cfg), offload, plan.device
-    )
+    experts = plan.mesh.sub("edp") if plan.mesh.ep > 1 else None
+    apply_fsdp(stage, plan.mesh.sub("dp_cp"), plan.compute_dtype, reshards_after_forward(plan.cfg), offload,
+               plan.device, experts)  # fmt: skip
 
 
 TRANSFORM = Transform("fsdp", lambda plan: plan.shards_params, _apply)

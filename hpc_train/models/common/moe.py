@@ -8,6 +8,11 @@ DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias added to the scor
 moved after each optimizer step towards the mean load (`update_expert_bias`). Dropless unless
 `capacity_factor` caps each expert's tokens; the dropped assignments are counted.
 
+Expert parallelism (`parallel.ep`, distributed/transforms/expert_parallel.py) leaves each rank of an ep group
+1/ep of the routed experts (a DTensor shard) and sets the layer's `ep_group`: the router still runs on the
+rank's own tokens, whose rows go to the ranks holding their experts and come back with two all-to-alls of
+uneven splits (`dispatch_to_experts`), so routing, statistics and results are those of one rank with every expert.
+
 Each MoE layer accumulates its step's statistics (tokens per expert, aux loss, dropped assignments) over the
 training forwards of a step (not evaluation, not a recompute in backward); `step_stats` collects them."""
 
@@ -17,8 +22,10 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hpc_train.config import ConfigError, ModelConfig
 
@@ -115,6 +122,51 @@ def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: t
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
+class AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with uneven splits (rows of `x`), differentiable: backward sends the gradients
+    back the way the rows came (gloo runs it; ENGINES.md)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return exchange(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup):
+    out = x.new_empty(sum(output_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def dispatch_to_experts(experts: Experts, rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup):
+    """Expert parallelism: `rows` (sorted by global expert, `counts` rows each) sent to the ep ranks holding
+    their experts (rank j holds the j-th 1/ep of them), run there grouped by expert, and the results sent
+    back in the rows' order. The counts are exchanged first (equal splits), so every rank knows its splits."""
+    ep, device = dist.get_world_size(group), rows.device.type
+    if torch.is_autocast_enabled(device):  # sent in the compute dtype (the residual stream may be fp32)
+        rows = rows.to(torch.get_autocast_dtype(device))
+    held = counts.numel() // ep
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # (source rank, held expert): rows sent here
+    received = received.view(ep, held)
+    send, recv = counts.view(ep, held).sum(1).tolist(), received.sum(1).tolist()
+    arrived = AllToAll.apply(rows, recv, send, group)  # by source rank, then expert: regrouped by expert
+    expert_of = torch.arange(held, device=rows.device).repeat(ep).repeat_interleave(received.flatten())
+    order = torch.argsort(expert_of, stable=True)
+    out = experts(arrived[order], received.sum(0))
+    return AllToAll.apply(out[torch.argsort(order)], send, recv, group)
+
+
+def local_weight(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight (a DTensor shard under expert parallelism)."""
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
 class Experts(nn.Module):
     """`num_experts` SwiGLU MLPs stored as stacked weights (what a grouped GEMM takes)."""
 
@@ -129,7 +181,7 @@ class Experts(nn.Module):
         """x: (rows, d) sorted by expert, `counts` rows per expert."""
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        x, weights = x.to(dtype), [w.to(dtype) for w in (self.w1, self.w3, self.w2)]
+        x, weights = x.to(dtype), [local_weight(w).to(dtype) for w in (self.w1, self.w3, self.w2)]
         if self.grouped and grouped_mm_runs(x, x.shape[-1], self.w1.shape[-1]):
             return grouped_swiglu(x, counts, *weights)
         return looped_swiglu(x, counts, *weights)
@@ -171,6 +223,7 @@ class MoE(nn.Module):
         self.aux_grad_scale: float | torch.Tensor = 1.0  # the main loss's scale per micro-batch (set each step)
         self.stats: torch.Tensor | None = None  # (tokens per expert..., aux loss, dropped), summed over the step
         self.unrecorded_forwards = 0  # training forwards left out of the statistics (a pipeline's shape inference)
+        self.ep_group: dist.ProcessGroup | None = None  # expert parallelism: the ranks the experts are split over
 
     def capacity(self, tokens: int) -> int | None:
         if not self.capacity_factor:
@@ -194,7 +247,10 @@ class MoE(nn.Module):
             order, kept_counts = order[keep], counts.clamp(max=capacity)
             dropped = (~keep).sum()
         token_of = order // self.top_k
-        routed = self.experts(x[token_of], kept_counts)
+        if self.ep_group is None:
+            routed = self.experts(x[token_of], kept_counts)
+        else:
+            routed = dispatch_to_experts(self.experts, x[token_of], kept_counts, self.ep_group)
         weighted = routed.float() * gates.flatten()[order, None]
         out = torch.zeros(tokens, shape[-1], device=x.device, dtype=torch.float32).index_add_(0, token_of, weighted)
         out = out.to(x.dtype)

@@ -1,0 +1,119 @@
+"""Expert parallelism (parallel.ep): routed experts sharded over ranks carved from dp, tokens dispatched and
+combined by all-to-all, expert gradients reduced over their own group. Every layout's loss curve, gradient
+norm, per-layer expert loads and final weights (routing biases included) against one process; checkpoints
+resharded from ep2 to ep1 and back; the memory each rank holds; the refused layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from hpc_train.config import ConfigError, JobConfig, load_config
+from hpc_train.launch.bootstrap import RankEnv
+from hpc_train.launch.local import launch_local, launch_sequence
+from hpc_train.layout import check_run
+from hpc_train.planner import ep_traffic_bytes
+from hpc_train.train.loop import run_training
+from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
+
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
+       "model.moe.bias_update_rate=0.01", "model.moe.num_shared_experts=1"]  # fmt: skip
+EXPERT_BYTES = 2 * 3 * 4 * 64 * 32 * 4  # two MoE layers' routed experts (w1, w3, w2 of 4 experts), fp32
+
+# name -> (processes, overrides, steps); global batch 8 everywhere, as the reference's two micro-batches of 4
+# (the aux loss is off: it is per micro-batch, and the 4-process layouts split their batch otherwise)
+LAYOUTS = {
+    "ep2": (2, ["train.micro_batch_size=4", "parallel.ep=2"], 3),
+    # checkpoints: the first two steps at one ep (and ZeRO stage), the third resumed at the other
+    "ep2_zero3_then_ep1": (
+        2,
+        ["train.micro_batch_size=4", "parallel.ep=2", "optim.zero_stage=3", "checkpoint.interval=2"],
+        2,
+    ),  # fmt: skip
+    "ep1_then_ep2_zero2": (2, ["train.micro_batch_size=4", "checkpoint.interval=2"], 2),
+    "ep2_tp2": (4, ["train.micro_batch_size=4", "parallel.ep=2", "parallel.tp=2"], 3),
+    "ep2_pp2": (4, ["train.micro_batch_size=2", "train.grad_accum=2", "parallel.ep=2", "parallel.pp=2"], 3),
+    # the experts' gradients reduce-scattered and their optimizer state (ZeRO-3: themselves) sharded over edp=2
+    "dp4_ep2_zero1": (
+        4,
+        ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=1", "optim.bucket_mb=0.05"],
+        3,
+    ),  # fmt: skip
+    "dp4_ep2_zero3": (4, ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=3"], 3),
+}
+RESUMED = {
+    "ep2_zero3_then_ep1": ["parallel.ep=1", "optim.zero_stage=0"],
+    "ep1_then_ep2_zero2": ["parallel.ep=2", "optim.zero_stage=2", "optim.bucket_mb=0.05"],
+}
+
+
+def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
+    """run_training, counting the bytes this rank sends to the others through all_to_all_single (expert
+    parallelism's only user in these runs) into run_dir/ep_bytes_<rank>, per step."""
+    sent, all_to_all = [0], dist.all_to_all_single
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        own = input_split_sizes[rank] if input_split_sizes else input.shape[0] // size
+        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+        sent[0] += (input.shape[0] - own) * row_bytes
+        return all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        run_training(rank_env, cfg)
+    finally:
+        dist.all_to_all_single = all_to_all
+    (Path(cfg.run_dir) / f"ep_bytes_{rank_env.rank}").write_text(str(sent[0] / cfg.train.steps))
+
+
+def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
+    def cfg(name: str, world: int, steps: int, *extra: str):
+        return load_config(None, [*TINY_MODEL, *MOE, f"train.steps={steps}", f"data.train_path={small_corpus}",
+                                  f"run_dir={tmp_path / name}", f"parallel.nproc={world}", *extra])  # fmt: skip
+
+    reference = cfg("reference", 1, 3, "train.micro_batch_size=4", "train.grad_accum=2")
+    launch_local(run_training, 1, reference)
+    cfgs = {name: cfg(name, world, steps, *extra) for name, (world, extra, steps) in LAYOUTS.items()}
+    resumed = {name: cfg(name, 2, 3, *LAYOUTS[name][1], *other) for name, other in RESUMED.items()}
+    # every token to every expert: each rank sends exactly half its rows to the other (the planner's figure)
+    every = cfg("every_expert", 2, 1, "train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4")
+    two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2] + [(c,) for c in (*resumed.values(), every)]
+    launch_sequence(counted_training, 2, two)
+    launch_sequence(run_training, 4, [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 4])
+    ref, final = read_metrics(reference.run_dir), read_final_model(reference.run_dir)
+    assert final["layers.1.mlp.router.expert_bias"].abs().sum() > 0  # the biases moved: routing is compared
+    for name, c in cfgs.items():
+        records = read_metrics(c.run_dir)
+        assert len(records) == 3, name
+        if name in RESUMED:
+            assert records[2]["resumed_from"]["step"] == 2, name
+        for ours, theirs in zip(records, ref, strict=True):
+            assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5), name
+            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), name  # experts counted once
+            for layer, figures in theirs["moe"].items():  # the same routing: the same loads
+                assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (name, layer)
+        assert max_param_diff(read_final_model(c.run_dir), final) < 1e-5, name
+    for name in ("ep2", "ep2_tp2", "ep2_pp2", "dp4_ep2_zero1", "dp4_ep2_zero3"):  # the planner's per-rank bytes
+        record = read_metrics(cfgs[name].run_dir)[0]
+        for key in ("params", "grads", "optimizer"):
+            assert record["memory_predicted_bytes"][key] == record["memory_bytes"][key], (name, key)
+    sent, planned = float((Path(every.run_dir) / "ep_bytes_0").read_text()), ep_traffic_bytes(every)
+    assert sent == planned == 2 * 4 * (128 * 4 // 2 * 64 * 4) + 2 * 4 * 8 // 2  # layers x (rows, counts)
+    ep1, ep2 = (read_metrics(cfgs[name].run_dir)[0]["memory_bytes"] for name in ("ep1_then_ep2_zero2", "ep2"))
+    assert ep1["params"] - ep2["params"] == EXPERT_BYTES // 2  # each rank holds half the experts
+    assert ep1["grads"] - ep2["grads"] == EXPERT_BYTES // 2
+
+
+def test_refused_expert_parallel_layouts(make_cfg):
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 shards the routed experts(.|\n)*set parallel.ep=1"):
+        check_run(make_cfg("parallel.ep=2"), 2, check_paths=False)
+    with pytest.raises(ConfigError) as err:
+        check_run(make_cfg(*MOE, "parallel.ep=3", "optim.zero_stage=3"), 6, check_paths=False)
+    assert "parallel.ep=3 must divide model.moe.num_experts=4" in str(err.value)
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 must divide the data-parallel size 1"):
+        check_run(make_cfg(*MOE, "parallel.ep=2", "parallel.tp=2"), 2, check_paths=False)
+    check_run(make_cfg(*MOE, "parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "train.grad_accum=2"), 8,
+              check_paths=False)  # fmt: skip
