@@ -55,7 +55,7 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
       dispatch     the sort order, each assignment's token and gate (A x 20), the group offsets (E x 4)
       experts      the gathered rows (A x d), SwiGLU's widths (A x h each), all in the compute dtype;
                    with autocast over fp32 weights every expert weight's cast
-      combine      the expert outputs in fp32 and weighted by their gates (2 x A x d x 4)
+      combine      the expert outputs back in token order, in fp32 (A x d x 4)
       shared       a dense MLP of the shared experts' width (tp-sharded like one), reading the block's input
 
     The routed experts are replicated over tp, so only the shared experts' part is divided by it. Returned
@@ -73,7 +73,7 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     copies = e != 4 and not casts  # bf16 weights: the router reads an fp32 copy of its input and weight
     router = tokens * d * 4 + tokens * m.num_experts * 4 + tokens * (12 * m.top_k + 4) + copies * d * m.num_experts * 4
     routed = assigned * 20 + m.num_experts * 4 + assigned * d * e + mlp.saved_widths * assigned * hidden * e
-    routed += 2 * assigned * d * 4 + (matrices * m.num_experts * d * hidden * e if casts else 0)
+    routed += assigned * d * 4 + (matrices * m.num_experts * d * hidden * e if casts else 0)
     moe = router + routed
     if shared:  # its input: the fp32 router input itself, or (bf16 weights) the input, or its own casts
         moe += mlp_input * (e != 4 or casts) + mlp.saved_widths * tokens * shared * e // tp

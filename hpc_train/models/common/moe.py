@@ -207,6 +207,21 @@ class Router(nn.Module):
         return scores, chosen, gates / gates.sum(-1, keepdim=True)
 
 
+def combine(routed: torch.Tensor, order: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """Each token's gate-weighted sum of its experts' outputs, in fp32. `routed` holds the kept assignments
+    in `order` (sorted by expert); they go back to token order by one gather, whose backward keeps only the
+    index (a dropped assignment reads a zero row), then a multiply and a sum per token. Scattering the
+    weighted rows with index_add_ instead keeps a second fp32 copy of them for backward."""
+    tokens, top_k = gates.shape
+    slot = torch.empty(tokens * top_k, dtype=torch.long, device=routed.device)
+    if order.numel() < slot.numel():  # capacity drops: the missing assignments read an appended zero row
+        slot.fill_(order.numel())
+        routed = torch.cat([routed, routed.new_zeros(1, routed.shape[-1])])
+    slot[order] = torch.arange(order.numel(), device=routed.device)
+    rows = routed[slot].view(tokens, top_k, -1)
+    return (rows.float() * gates.unsqueeze(-1)).sum(1)
+
+
 class MoE(nn.Module):
     """The feed-forward of an MoE block: router, routed experts, optional shared experts (a SwiGLU `shared`
     of num_shared_experts x the expert width). Accumulates the step's statistics while training."""
@@ -251,9 +266,7 @@ class MoE(nn.Module):
             routed = self.experts(x[token_of], kept_counts)
         else:
             routed = dispatch_to_experts(self.experts, x[token_of], kept_counts, self.ep_group)
-        weighted = routed.float() * gates.flatten()[order, None]
-        out = torch.zeros(tokens, shape[-1], device=x.device, dtype=torch.float32).index_add_(0, token_of, weighted)
-        out = out.to(x.dtype)
+        out = combine(routed, order, gates).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(x)
         aux = self.aux_loss(scores, counts, tokens)
