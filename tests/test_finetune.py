@@ -245,15 +245,18 @@ def test_a_run_from_mixtral_starts_at_its_loss_and_our_moe_exports_to_mixtral(ma
     """model.init_from a Mixtral folder: the first step's loss is `transformers`' on that batch. An MoE trained
     from scratch (experts as wide as the dense MLP, the aux loss on), exported, loads in `transformers` as a
     MixtralForCausalLM with our logits; a run from its checkpoint takes the experts' shape and routing from
-    it, not its balancing."""
-    from_hf = _cfg(make_cfg, f"model.init_from={hf_models['mixtral']}", "train.steps=1", run="from_mixtral")
+    it, not its balancing. Both runs split the experts over two ranks (dp2, ep2)."""
+    ep2 = ["parallel.nproc=2", "parallel.ep=2"]
+    from_hf = _cfg(make_cfg, f"model.init_from={hf_models['mixtral']}", "train.steps=1", *ep2, run="from_mixtral")
     moe = [f"model.vocab_size={VOCAB}", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0.01"]
-    scratch = _cfg(make_cfg, *moe, "train.steps=2", "checkpoint.interval=2", "optim.lr=1e-2", run="our_moe")
-    launch_sequence(run_training, 1, [(from_hf,), (scratch,)])
+    scratch_args = [*moe, "train.steps=2", "checkpoint.interval=2", "optim.lr=1e-2"]
+    scratch = _cfg(make_cfg, *scratch_args, *ep2, run="our_moe")
+    launch_sequence(run_training, 2, [(from_hf,), (scratch,)])
     first_loss = [r["loss"] for r in read_metrics(from_hf.run_dir) if "loss" in r][0]
     train_set, _ = load_datasets(from_hf.data, with_source_model(from_hf).model, progress=False)
     t = from_hf.train
-    indices = ResumableSampler(len(train_set), t.micro_batch_size, t.micro_batch_size, 0, 1, t.seed)
+    batch_size = 2 * t.micro_batch_size  # both data-parallel ranks' micro-batches: the step's global batch
+    indices = ResumableSampler(len(train_set), batch_size, batch_size, 0, 1, t.seed)
     batch = collate(train_set, indices.next_micro_batches()[0])
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_models["mixtral"], dtype=torch.float32).eval()
     with torch.no_grad():
@@ -261,7 +264,7 @@ def test_a_run_from_mixtral_starts_at_its_loss_and_our_moe_exports_to_mixtral(ma
     assert first_loss == pytest.approx(F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()).item(), abs=TOL)
 
     ours = str(tmp_path / "our_moe.pt")
-    launch_local(logits_entry, 1, scratch, ours, True)
+    launch_local(logits_entry, 1, _cfg(make_cfg, *scratch_args, run="our_moe"), ours, True)  # its ep2 checkpoint
     with single_process_group():
         export_hf(scratch.run_dir, str(tmp_path / "our_moe_hf"))
     config = _hf_config(tmp_path / "our_moe_hf")

@@ -34,7 +34,7 @@ from hpc_train.models import get_spec
 SINGLE_PROCESS = ["parallel.nproc=1", "parallel.tp=1", "parallel.pp=1", "parallel.dp=null",
                   "parallel.virtual_stages=1", "parallel.schedule=1f1b", "parallel.sequence_parallel=false",
                   "optim.zero_stage=0", "optim.offload=none", "optim.reshard_after_forward=null",
-                  "parallel.cp=1", "train.precision=fp32", "train.device=cpu", "train.fp8=off",
+                  "parallel.cp=1", "parallel.ep=1", "train.precision=fp32", "train.device=cpu", "train.fp8=off",
                   "train.fp8_all_gather=false"]  # fmt: skip
 
 
