@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -150,14 +152,17 @@ def test_resharded_resume_continues_the_same_run(cfg_for, reference, world4_runs
     assert max_param_diff(read_final_model(cfg.run_dir), read_final_model(reference)) <= 1e-5
 
 
+def train_args(run_dir, corpus, steps, extra=()) -> list[str]:
+    return [*COMMON, f"data.train_path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}",
+            "train.micro_batch_size=4", "parallel.nproc=2", "logging.progress=lines", *extra]  # fmt: skip
+
+
 def hpc_train_train(run_dir, corpus, steps, fault=None, extra=()):
     env = {k: v for k, v in os.environ.items() if k != "HPC_TRAIN_FAULT"}
     if fault:
         env["HPC_TRAIN_FAULT"] = fault
-    args = [*COMMON, f"data.train_path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}",
-            "train.micro_batch_size=4", "parallel.nproc=2", "logging.progress=lines", *extra]  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "hpc_train.cli", "train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "hpc_train.cli", "train", *train_args(run_dir, corpus, steps, extra)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -168,38 +173,68 @@ def uninterrupted(tmp_path_factory, small_corpus):
 
 
 ASYNC = ["checkpoint.async_save=true"]
+KILL_ROWS = [  # fault, extra, resumes from, latest after the kill, left behind by the kill
+    ("mid_step@3", [], 2, 2, []),  # killed inside step 3: nothing of it was saved
+    ("before_manifest@4", [], 2, 2, ["step_0000004.tmp"]),  # shards written, never committed
+    ("before_latest@4", [], 4, 2, ["step_0000004"]),  # committed, `latest` not yet moved: still complete
+    ("committed@4", [], 4, 4, ["step_0000004"]),  # committed, killed before step 4's metrics line
+    # read every 4th step: step 3's line is written before the save, step 4's held in it
+    ("committed@4", ["logging.log_interval=4"], 4, 4, ["step_0000004"]),
+    ("staged@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: copied to host memory, nothing written
+    ("mid_write@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed while writing in the background
+    ("before_manifest@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed in the background commit
+    ("committed@4", ASYNC, 4, 4, ["step_0000004"]),  # async: killed right after its background commit
+]
 
 
-@pytest.mark.parametrize(
-    "fault, extra, resumes_from, latest, left_behind",
-    [
-        ("mid_step@3", [], 2, 2, []),  # killed inside step 3: nothing of it was saved
-        ("before_manifest@4", [], 2, 2, ["step_0000004.tmp"]),  # shards written, never committed
-        ("before_latest@4", [], 4, 2, ["step_0000004"]),  # committed, `latest` not yet moved: still complete
-        ("committed@4", [], 4, 4, ["step_0000004"]),  # committed, killed before step 4's metrics line
-        # read every 4th step: step 3's line is written before the save, step 4's held in it
-        ("committed@4", ["logging.log_interval=4"], 4, 4, ["step_0000004"]),
-        ("staged@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: copied to host memory, nothing written
-        ("mid_write@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed while writing in the background
-        ("before_manifest@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed in the background commit
-        ("committed@4", ASYNC, 4, 4, ["step_0000004"]),  # async: killed right after its background commit
-    ],
-)
-def test_kill_9_resumes_from_the_last_committed_checkpoint(tmp_path, uninterrupted, small_corpus, fault, extra,
-                                                           resumes_from, latest, left_behind):  # fmt: skip
+@contextmanager
+def stdout_into(path: Path) -> Iterator[None]:
+    """File descriptor 1 (which the launcher's rank processes inherit) into `path` for the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory, small_corpus):
+    """Each row's `hpc-train train` (2 ranks) killed at its point, each a launch of its own (the kill ends it),
+    and what it left in its checkpoints; then every killed run resumed as `hpc-train train` would (the same
+    settings, 6 steps), one after another in one launch of 2 ranks; rank 0's output, with the resumes' lines."""
+    base = tmp_path_factory.mktemp("killed")
+    crashes = []
+    for row, (fault, extra, *_) in enumerate(KILL_ROWS):
+        crashed = hpc_train_train(base / f"row{row}", small_corpus, 6, fault, extra)
+        checkpoints = base / f"row{row}/checkpoints"
+        crashes.append({"returncode": crashed.returncode, "names": {p.name for p in checkpoints.iterdir()},
+                        "latest": (checkpoints / "latest").read_text().strip()})  # fmt: skip
+    resumes = [load_config(None, train_args(base / f"row{row}", small_corpus, 6)) for row in range(len(KILL_ROWS))]
+    with stdout_into(base / "resumed.out"):
+        launch(2, *resumes)
+    return base, crashes, (base / "resumed.out").read_text()
+
+
+@pytest.mark.parametrize("fault, extra, resumes_from, latest, left_behind", KILL_ROWS)
+def test_kill_9_resumes_from_the_last_committed_checkpoint(killed_runs, uninterrupted, fault, extra, resumes_from,
+                                                           latest, left_behind):  # fmt: skip
     """2 ranks; rank 0 is killed with SIGKILL at a point of the step, of the write or of the commit protocol
     (for an async save: in the training thread while staging, or in the background thread)."""
-    crashed = hpc_train_train(tmp_path, small_corpus, 6, fault, extra)
-    assert crashed.returncode != 0
-    names = {p.name for p in (tmp_path / "checkpoints").iterdir()}
-    assert set(left_behind) <= names and "step_0000002" in names
-    assert (tmp_path / "checkpoints/latest").read_text().strip() == f"step_{latest:07d}"
-    resumed = hpc_train_train(tmp_path, small_corpus, 6)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {tmp_path}/checkpoints/step_{resumes_from:07d}" in resumed.stdout
-    assert [r["step"] for r in resumed_from(tmp_path)] == [resumes_from]
-    assert losses(tmp_path) == losses(uninterrupted)
-    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 7))
+    base, crashes, resumed_out = killed_runs
+    row = KILL_ROWS.index((fault, extra, resumes_from, latest, left_behind))
+    run, crashed = base / f"row{row}", crashes[row]
+    assert crashed["returncode"] != 0
+    assert set(left_behind) <= crashed["names"] and "step_0000002" in crashed["names"]
+    assert crashed["latest"] == f"step_{latest:07d}"
+    assert f"resumed from {run}/checkpoints/step_{resumes_from:07d}" in resumed_out
+    assert [r["step"] for r in resumed_from(run)] == [resumes_from]
+    assert losses(run) == losses(uninterrupted)
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 7))
 
 
 def test_killed_rank_restarts_in_the_job_on_the_same_loss_curve(tmp_path, uninterrupted, small_corpus):
