@@ -292,7 +292,7 @@ def saved_run(tmp_path_factory, small_corpus):
         ("deleted manifest", "missing manifest.json"),
     ],
 )
-def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_corpus, reference, how, named):
+def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_corpus, reference, how, named, capsys):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
     corrupt(run / "checkpoints/step_0000004", how)
@@ -300,9 +300,9 @@ def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_co
     chosen = CheckpointStore(run / "checkpoints").newest_valid(report=reports.append)
     assert chosen.step == 2
     assert len(reports) == 1 and "step_0000004" in reports[0] and named in reports[0]
-    verify = subprocess.run([sys.executable, "-m", "hpc_train.cli", "ckpt", "verify", str(run)], capture_output=True,
-                            text=True)  # fmt: skip
-    assert verify.returncode == 1 and named in verify.stdout
+    with pytest.raises(SystemExit) as verify:  # `hpc-train ckpt verify`, in this process
+        main(["ckpt", "verify", str(run)])
+    assert verify.value.code == 1 and named in capsys.readouterr().out
     if how == "flipped bytes":  # and training really continues from step 2, as if nothing happened
         resumed = hpc_train_train(run, small_corpus, 4)
         assert "step_0000004 skipped: __0_" in resumed.stdout and "fails its xxh3_128" in resumed.stdout
@@ -310,7 +310,7 @@ def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_co
         assert losses(run) == losses(saved_run)
 
 
-def test_stale_tmp_is_skipped_and_cleaned(saved_run, tmp_path):
+def test_stale_tmp_is_skipped_and_cleaned(saved_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
     stale = run / "checkpoints/step_0000006.tmp"
@@ -319,8 +319,8 @@ def test_stale_tmp_is_skipped_and_cleaned(saved_run, tmp_path):
     reports = []
     assert CheckpointStore(run / "checkpoints").newest_valid(report=reports.append).step == 4
     assert "step_0000006.tmp skipped: incomplete save" in reports[0]
-    listing = subprocess.run([sys.executable, "-m", "hpc_train.cli", "ckpt", "list", str(run)], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
+    main(["ckpt", "list", str(run)])  # `hpc-train ckpt list`, in this process
+    listing = capsys.readouterr().out
     assert "step_0000004" in listing and "(latest)" in listing and "UNUSABLE: incomplete save" in listing
     manifest = json.loads((run / "checkpoints/step_0000004/manifest.json").read_text())
     assert manifest["layout"]["dp"] == 2 and "rank00001.pt" in manifest["files"]
@@ -661,16 +661,32 @@ def test_nonfinite_training_stops_and_keeps_the_finite_checkpoints(tmp_path, sma
     assert "step 4: the gradient norm is nan; stopping" in skipping.stderr
 
 
-@pytest.mark.parametrize("zero", [[], ["optim.zero_stage=1"]], ids=["dp", "zero1"])
-def test_async_save_in_flight_resumes_bit_exact(tmp_path, small_corpus, zero):
+ZERO = {"dp": [], "zero1": ["optim.zero_stage=1"]}
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory, small_corpus):
+    """For dp and ZeRO-1 (2 ranks, the settings of `hpc_train_train`): 4 steps saving asynchronously, in one
+    launch; then a run resumed (saving synchronously) from a copy of each one's step-2 checkpoint, in another."""
+    base = tmp_path_factory.mktemp("async")
+    launch(2, *(load_config(None, train_args(base / name / "run", small_corpus, 4, [*ASYNC, *zero]))
+                for name, zero in ZERO.items()))  # fmt: skip
+    for name in ZERO:
+        shutil.copytree(base / name / "run/checkpoints/step_0000002", base / name / "resumed/checkpoints/step_0000002")
+    launch(
+        2,
+        *(load_config(None, train_args(base / name / "resumed", small_corpus, 4, zero)) for name, zero in ZERO.items()),
+    )
+    return base
+
+
+@pytest.mark.parametrize("zero", list(ZERO))
+def test_async_save_in_flight_resumes_bit_exact(async_runs, zero):
     """Step 2's checkpoint is copied and written in the background while step 3 trains (and changes the
     weights; ZeRO's state, sent to its writers at the save, is copied then too); a run resumed from it
     (saving synchronously)
     retraces steps 3 and 4 exactly."""
-    assert hpc_train_train(tmp_path / "run", small_corpus, 4, extra=ASYNC + zero).returncode == 0
-    shutil.copytree(tmp_path / "run/checkpoints/step_0000002", tmp_path / "resumed/checkpoints/step_0000002")
-    done = hpc_train_train(tmp_path / "resumed", small_corpus, 4, extra=zero)
-    assert done.returncode == 0, done.stderr
+    tmp_path = async_runs / zero
     assert [r["step"] for r in resumed_from(tmp_path / "resumed")] == [2]
     assert losses(tmp_path / "resumed") == losses(tmp_path / "run")[2:]
     # what each save cost, on the record of the step that started it; the background commit's figures on
