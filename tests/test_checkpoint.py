@@ -79,7 +79,8 @@ def test_single_process_resume_is_bit_exact(cfg_for, reference):
 @pytest.fixture(scope="module")
 def world4_runs(cfg_for, small_corpus):
     """4 ranks: tp2 x dp2 ZeRO-1 uninterrupted, stopped at 2 and resumed, and sources for resharding (the
-    ZeRO-3 ones evaluate just before their save: FSDP's units gathered by a forward alone are freed)."""
+    ZeRO-3 ones evaluate just before their save: FSDP's units gathered by a forward alone are freed), and the
+    reshard rows' 4-rank target, after its source."""
     full = cfg_for("tp2dp2_full", *TP2_DP2_ZERO1, "train.steps=4", "parallel.nproc=4")
     first = cfg_for("tp2dp2_split", *TP2_DP2_ZERO1, "train.steps=2", "parallel.nproc=4")
     resumed = cfg_for("tp2dp2_split", *TP2_DP2_ZERO1, "train.steps=4", "parallel.nproc=4")
@@ -93,7 +94,8 @@ def world4_runs(cfg_for, small_corpus):
                                       "parallel.nproc=4")  # fmt: skip
     launch(4, full, first, resumed, to_tp1, dp4, dp4_stage("reshard_zero3_zero1", 3),
            dp4_stage("reshard_zero3_tp", 3), dp4_stage("reshard_zero2_zero3", 2),
-           muon("muon_full", 4), muon("muon_split", 2), muon("muon_split", 4))  # fmt: skip
+           muon("muon_full", 4), muon("muon_split", 2), muon("muon_split", 4),
+           *(reshard_target(cfg_for, s, t) for s, t in RESHARDS if "parallel.nproc=4" in t))  # fmt: skip
     return {"adamw": (full.run_dir, resumed.run_dir), "muon": (muon("muon_full", 4).run_dir,
                                                                muon("muon_split", 4).run_dir)}  # fmt: skip
 
@@ -111,39 +113,46 @@ def test_tp2_dp2_zero1_resume_is_bit_exact(world4_runs, rule):
     assert "optim.tok_embeddings.weight.exp_avg" in saved  # the embedding stays with AdamW under either rule
 
 
-@pytest.mark.parametrize(
-    "source, target",
-    [
-        ("reshard_tp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # tp2 x dp2 ZeRO-1 -> 1 process
-        ("reshard_dp", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),  # dp4 -> dp2
-        ("reshard_pp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # pp2 -> pp1
-        # context parallelism: cp2 (ring, ZeRO-1) -> 1 process, 1 process -> cp2 (Ulysses)
-        ("reshard_cp", ["train.micro_batch_size=8", "parallel.nproc=1"]),
-        (
-            "reshard_to_cp",
-            ["parallel.cp=2", "parallel.cp_mode=ulysses", "train.micro_batch_size=8", "parallel.nproc=2"],
-        ),
-        # across ZeRO stages: 3 dp4 -> 1 dp2, 3 dp4 -> 0 tp2, 2 dp4 -> 3 tp2 x dp2
-        ("reshard_zero3_zero1", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),
-        ("reshard_zero3_tp", ["parallel.tp=2", "train.micro_batch_size=8", "parallel.nproc=2"]),
-        (
-            "reshard_zero2_zero3",
-            ["optim.zero_stage=3", "parallel.tp=2", "train.micro_batch_size=4", "parallel.nproc=4"],
-        ),  # fmt: skip
-    ],
-)
-def test_resharded_resume_continues_the_same_run(cfg_for, reference, world4_runs, source, target):
-    if source == "reshard_pp":
-        src = cfg_for(source, "parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", "train.steps=2",
-                      "parallel.nproc=2")  # fmt: skip
-        launch(2, src)
-    if source == "reshard_cp":
-        launch(2, cfg_for(source, "parallel.cp=2", "optim.zero_stage=1", "train.micro_batch_size=8", "train.steps=2",
-                          "parallel.nproc=2"))  # fmt: skip
-    if source == "reshard_to_cp":
-        launch(1, cfg_for(source, "train.micro_batch_size=8", "train.steps=2"))
-    cfg = cfg_for(source, "train.steps=4", *target)
-    launch(cfg.parallel.nproc, cfg)
+RESHARDS = [  # (source run, target layout): each resumes 4 steps in the target layout from the source's step 2
+    ("reshard_tp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # tp2 x dp2 ZeRO-1 -> 1 process
+    ("reshard_dp", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),  # dp4 -> dp2
+    ("reshard_pp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # pp2 -> pp1
+    # context parallelism: cp2 (ring, ZeRO-1) -> 1 process, 1 process -> cp2 (Ulysses)
+    ("reshard_cp", ["train.micro_batch_size=8", "parallel.nproc=1"]),
+    ("reshard_to_cp", ["parallel.cp=2", "parallel.cp_mode=ulysses", "train.micro_batch_size=8", "parallel.nproc=2"]),
+    # across ZeRO stages: 3 dp4 -> 1 dp2, 3 dp4 -> 0 tp2, 2 dp4 -> 3 tp2 x dp2
+    ("reshard_zero3_zero1", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),
+    ("reshard_zero3_tp", ["parallel.tp=2", "train.micro_batch_size=8", "parallel.nproc=2"]),
+    ("reshard_zero2_zero3", ["optim.zero_stage=3", "parallel.tp=2", "train.micro_batch_size=4", "parallel.nproc=4"]),
+]
+# the sources world4_runs does not write: name -> (world size, overrides), 2 steps
+RESHARD_SOURCES = {
+    "reshard_pp": (2, ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", "parallel.nproc=2"]),
+    "reshard_cp": (2, ["parallel.cp=2", "optim.zero_stage=1", "train.micro_batch_size=8", "parallel.nproc=2"]),
+    "reshard_to_cp": (1, ["train.micro_batch_size=8"]),
+}
+
+
+def reshard_target(cfg_for, source, target):
+    return cfg_for(source, "train.steps=4", *target)
+
+
+@pytest.fixture(scope="module")
+def resharded(cfg_for, world4_runs):
+    """The reshard rows' sources and targets, one launch per world size (world4_runs writes the 4-rank sources
+    and runs the 4-rank target): the 1-rank sources, then the 2-rank sources and targets, then the 1-rank
+    targets."""
+    sources = {w: [cfg_for(name, *o, "train.steps=2") for name, (world, o) in RESHARD_SOURCES.items() if world == w]
+               for w in (1, 2)}  # fmt: skip
+    targets = [reshard_target(cfg_for, source, target) for source, target in RESHARDS]
+    launch(1, *sources[1])
+    launch(2, *sources[2], *(cfg for cfg in targets if cfg.parallel.nproc == 2))
+    launch(1, *(cfg for cfg in targets if cfg.parallel.nproc == 1))
+
+
+@pytest.mark.parametrize("source, target", RESHARDS)
+def test_resharded_resume_continues_the_same_run(cfg_for, reference, resharded, source, target):
+    cfg = reshard_target(cfg_for, source, target)
     (origin,) = resumed_from(cfg.run_dir)  # resumed from the other layout's step 2, not trained afresh
     saved_layout = {k: origin["layout"].get(k, 1) for k in ("tp", "pp", "cp", "dp")}
     p = cfg.parallel
@@ -279,7 +288,7 @@ def corrupt(step_dir, how):
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory, small_corpus):
     run = tmp_path_factory.mktemp("saved") / "run"
-    assert hpc_train_train(run, small_corpus, 4).returncode == 0  # checkpoints at steps 2 and 4
+    launch(2, load_config(None, train_args(run, small_corpus, 4)))  # checkpoints at steps 2 and 4
     return run
 
 
@@ -333,8 +342,9 @@ def test_stale_tmp_is_skipped_and_cleaned(saved_run, tmp_path, capsys):
 def test_keep_last_and_keep_every(saved_run, tmp_path, small_corpus):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
-    done = hpc_train_train(run, small_corpus, 12, extra=["checkpoint.keep_last=2", "checkpoint.keep_every=4"])
-    assert done.returncode == 0, done.stderr
+    launch(
+        2, load_config(None, train_args(run, small_corpus, 12, ["checkpoint.keep_last=2", "checkpoint.keep_every=4"]))
+    )
     kept = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept == ["step_0000004", "step_0000008", "step_0000010", "step_0000012"]
 
