@@ -377,9 +377,9 @@ def test_sigterm_saves_asynchronously_and_resumes(tmp_path, small_corpus):
     assert stopped_at % 3 == 0  # the stop signal is agreed with the figures, once per log interval
     assert CheckpointStore(tmp_path / "run/checkpoints").newest_valid().step == stopped_at
     steps = f"train.steps={stopped_at + 3}"  # the same schedule: only how far it runs differs
-    for run in ("run", "uninterrupted"):
-        subprocess.run([*cmd, f"run_dir={tmp_path / run}", steps, "optim.decay_steps=400"], cwd=ROOT, check=True,
-                       capture_output=True)  # fmt: skip
+    # the rerun and the uninterrupted run, one after the other in one launch of 2 ranks
+    launch(2, *(load_config(None, [*args, f"run_dir={tmp_path / run}", steps, "optim.decay_steps=400"])
+                for run in ("run", "uninterrupted")))  # fmt: skip
     assert [r["step"] for r in resumed_from(tmp_path / "run")] == [stopped_at]
     assert losses(tmp_path / "run") == losses(tmp_path / "uninterrupted")
 
