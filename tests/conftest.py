@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -22,6 +23,12 @@ TINY_MODEL = [
     "logging.progress=none",
     "optim.warmup_steps=2",
 ]
+
+
+def pytest_collection_finish(session) -> None:
+    """What collection imported (torch, the code under test) is never garbage: frozen, the collection each
+    in-process run makes at its end (bootstrap.distributed) skips it, as in the launcher's rank processes."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

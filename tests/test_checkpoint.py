@@ -9,11 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessException
 
 from hpc_train.builder import build_run
 from hpc_train.checkpoint.safe_load import read_dcp_metadata
@@ -76,7 +79,8 @@ def test_single_process_resume_is_bit_exact(cfg_for, reference):
 @pytest.fixture(scope="module")
 def world4_runs(cfg_for, small_corpus):
     """4 ranks: tp2 x dp2 ZeRO-1 uninterrupted, stopped at 2 and resumed, and sources for resharding (the
-    ZeRO-3 ones evaluate just before their save: FSDP's units gathered by a forward alone are freed)."""
+    ZeRO-3 ones evaluate just before their save: FSDP's units gathered by a forward alone are freed), and the
+    reshard rows' 4-rank target, after its source."""
     full = cfg_for("tp2dp2_full", *TP2_DP2_ZERO1, "train.steps=4", "parallel.nproc=4")
     first = cfg_for("tp2dp2_split", *TP2_DP2_ZERO1, "train.steps=2", "parallel.nproc=4")
     resumed = cfg_for("tp2dp2_split", *TP2_DP2_ZERO1, "train.steps=4", "parallel.nproc=4")
@@ -90,7 +94,8 @@ def world4_runs(cfg_for, small_corpus):
                                       "parallel.nproc=4")  # fmt: skip
     launch(4, full, first, resumed, to_tp1, dp4, dp4_stage("reshard_zero3_zero1", 3),
            dp4_stage("reshard_zero3_tp", 3), dp4_stage("reshard_zero2_zero3", 2),
-           muon("muon_full", 4), muon("muon_split", 2), muon("muon_split", 4))  # fmt: skip
+           muon("muon_full", 4), muon("muon_split", 2), muon("muon_split", 4),
+           *(reshard_target(cfg_for, s, t) for s, t in RESHARDS if "parallel.nproc=4" in t))  # fmt: skip
     return {"adamw": (full.run_dir, resumed.run_dir), "muon": (muon("muon_full", 4).run_dir,
                                                                muon("muon_split", 4).run_dir)}  # fmt: skip
 
@@ -108,39 +113,46 @@ def test_tp2_dp2_zero1_resume_is_bit_exact(world4_runs, rule):
     assert "optim.tok_embeddings.weight.exp_avg" in saved  # the embedding stays with AdamW under either rule
 
 
-@pytest.mark.parametrize(
-    "source, target",
-    [
-        ("reshard_tp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # tp2 x dp2 ZeRO-1 -> 1 process
-        ("reshard_dp", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),  # dp4 -> dp2
-        ("reshard_pp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # pp2 -> pp1
-        # context parallelism: cp2 (ring, ZeRO-1) -> 1 process, 1 process -> cp2 (Ulysses)
-        ("reshard_cp", ["train.micro_batch_size=8", "parallel.nproc=1"]),
-        (
-            "reshard_to_cp",
-            ["parallel.cp=2", "parallel.cp_mode=ulysses", "train.micro_batch_size=8", "parallel.nproc=2"],
-        ),
-        # across ZeRO stages: 3 dp4 -> 1 dp2, 3 dp4 -> 0 tp2, 2 dp4 -> 3 tp2 x dp2
-        ("reshard_zero3_zero1", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),
-        ("reshard_zero3_tp", ["parallel.tp=2", "train.micro_batch_size=8", "parallel.nproc=2"]),
-        (
-            "reshard_zero2_zero3",
-            ["optim.zero_stage=3", "parallel.tp=2", "train.micro_batch_size=4", "parallel.nproc=4"],
-        ),  # fmt: skip
-    ],
-)
-def test_resharded_resume_continues_the_same_run(cfg_for, reference, world4_runs, source, target):
-    if source == "reshard_pp":
-        src = cfg_for(source, "parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", "train.steps=2",
-                      "parallel.nproc=2")  # fmt: skip
-        launch(2, src)
-    if source == "reshard_cp":
-        launch(2, cfg_for(source, "parallel.cp=2", "optim.zero_stage=1", "train.micro_batch_size=8", "train.steps=2",
-                          "parallel.nproc=2"))  # fmt: skip
-    if source == "reshard_to_cp":
-        launch(1, cfg_for(source, "train.micro_batch_size=8", "train.steps=2"))
-    cfg = cfg_for(source, "train.steps=4", *target)
-    launch(cfg.parallel.nproc, cfg)
+RESHARDS = [  # (source run, target layout): each resumes 4 steps in the target layout from the source's step 2
+    ("reshard_tp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # tp2 x dp2 ZeRO-1 -> 1 process
+    ("reshard_dp", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),  # dp4 -> dp2
+    ("reshard_pp", ["train.micro_batch_size=8", "parallel.nproc=1"]),  # pp2 -> pp1
+    # context parallelism: cp2 (ring, ZeRO-1) -> 1 process, 1 process -> cp2 (Ulysses)
+    ("reshard_cp", ["train.micro_batch_size=8", "parallel.nproc=1"]),
+    ("reshard_to_cp", ["parallel.cp=2", "parallel.cp_mode=ulysses", "train.micro_batch_size=8", "parallel.nproc=2"]),
+    # across ZeRO stages: 3 dp4 -> 1 dp2, 3 dp4 -> 0 tp2, 2 dp4 -> 3 tp2 x dp2
+    ("reshard_zero3_zero1", ["train.micro_batch_size=4", "optim.zero_stage=1", "parallel.nproc=2"]),
+    ("reshard_zero3_tp", ["parallel.tp=2", "train.micro_batch_size=8", "parallel.nproc=2"]),
+    ("reshard_zero2_zero3", ["optim.zero_stage=3", "parallel.tp=2", "train.micro_batch_size=4", "parallel.nproc=4"]),
+]
+# the sources world4_runs does not write: name -> (world size, overrides), 2 steps
+RESHARD_SOURCES = {
+    "reshard_pp": (2, ["parallel.pp=2", "train.micro_batch_size=4", "train.grad_accum=2", "parallel.nproc=2"]),
+    "reshard_cp": (2, ["parallel.cp=2", "optim.zero_stage=1", "train.micro_batch_size=8", "parallel.nproc=2"]),
+    "reshard_to_cp": (1, ["train.micro_batch_size=8"]),
+}
+
+
+def reshard_target(cfg_for, source, target):
+    return cfg_for(source, "train.steps=4", *target)
+
+
+@pytest.fixture(scope="module")
+def resharded(cfg_for, world4_runs):
+    """The reshard rows' sources and targets, one launch per world size (world4_runs writes the 4-rank sources
+    and runs the 4-rank target): the 1-rank sources, then the 2-rank sources and targets, then the 1-rank
+    targets."""
+    sources = {w: [cfg_for(name, *o, "train.steps=2") for name, (world, o) in RESHARD_SOURCES.items() if world == w]
+               for w in (1, 2)}  # fmt: skip
+    targets = [reshard_target(cfg_for, source, target) for source, target in RESHARDS]
+    launch(1, *sources[1])
+    launch(2, *sources[2], *(cfg for cfg in targets if cfg.parallel.nproc == 2))
+    launch(1, *(cfg for cfg in targets if cfg.parallel.nproc == 1))
+
+
+@pytest.mark.parametrize("source, target", RESHARDS)
+def test_resharded_resume_continues_the_same_run(cfg_for, reference, resharded, source, target):
+    cfg = reshard_target(cfg_for, source, target)
     (origin,) = resumed_from(cfg.run_dir)  # resumed from the other layout's step 2, not trained afresh
     saved_layout = {k: origin["layout"].get(k, 1) for k in ("tp", "pp", "cp", "dp")}
     p = cfg.parallel
@@ -150,56 +162,94 @@ def test_resharded_resume_continues_the_same_run(cfg_for, reference, world4_runs
     assert max_param_diff(read_final_model(cfg.run_dir), read_final_model(reference)) <= 1e-5
 
 
+def train_args(run_dir, corpus, steps, extra=()) -> list[str]:
+    return [*COMMON, f"data.train_path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}",
+            "train.micro_batch_size=4", "parallel.nproc=2", "logging.progress=lines", *extra]  # fmt: skip
+
+
 def hpc_train_train(run_dir, corpus, steps, fault=None, extra=()):
     env = {k: v for k, v in os.environ.items() if k != "HPC_TRAIN_FAULT"}
     if fault:
         env["HPC_TRAIN_FAULT"] = fault
-    args = [*COMMON, f"data.train_path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}",
-            "train.micro_batch_size=4", "parallel.nproc=2", "logging.progress=lines", *extra]  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "hpc_train.cli", "train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "hpc_train.cli", "train", *train_args(run_dir, corpus, steps, extra)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, small_corpus):
-    run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    assert hpc_train_train(run, small_corpus, 6).returncode == 0
-    return run
+def uninterrupted(killed_runs):
+    """2 ranks, 6 steps, as `hpc-train train` runs it: the first run of the kill -9 matrix's resume launch."""
+    return killed_runs[0] / "uninterrupted"
 
 
 ASYNC = ["checkpoint.async_save=true"]
+KILL_ROWS = [  # fault, extra, resumes from, latest after the kill, left behind by the kill
+    ("mid_step@3", [], 2, 2, []),  # killed inside step 3: nothing of it was saved
+    ("before_manifest@4", [], 2, 2, ["step_0000004.tmp"]),  # shards written, never committed
+    ("before_latest@4", [], 4, 2, ["step_0000004"]),  # committed, `latest` not yet moved: still complete
+    ("committed@4", [], 4, 4, ["step_0000004"]),  # committed, killed before step 4's metrics line
+    # read every 4th step: step 3's line is written before the save, step 4's held in it
+    ("committed@4", ["logging.log_interval=4"], 4, 4, ["step_0000004"]),
+    ("staged@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: copied to host memory, nothing written
+    ("mid_write@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed while writing in the background
+    ("before_manifest@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed in the background commit
+    ("committed@4", ASYNC, 4, 4, ["step_0000004"]),  # async: killed right after its background commit
+]
 
 
-@pytest.mark.parametrize(
-    "fault, extra, resumes_from, latest, left_behind",
-    [
-        ("mid_step@3", [], 2, 2, []),  # killed inside step 3: nothing of it was saved
-        ("before_manifest@4", [], 2, 2, ["step_0000004.tmp"]),  # shards written, never committed
-        ("before_latest@4", [], 4, 2, ["step_0000004"]),  # committed, `latest` not yet moved: still complete
-        ("committed@4", [], 4, 4, ["step_0000004"]),  # committed, killed before step 4's metrics line
-        # read every 4th step: step 3's line is written before the save, step 4's held in it
-        ("committed@4", ["logging.log_interval=4"], 4, 4, ["step_0000004"]),
-        ("staged@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: copied to host memory, nothing written
-        ("mid_write@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed while writing in the background
-        ("before_manifest@4", ASYNC, 2, 2, ["step_0000004.tmp"]),  # async: killed in the background commit
-        ("committed@4", ASYNC, 4, 4, ["step_0000004"]),  # async: killed right after its background commit
-    ],
-)
-def test_kill_9_resumes_from_the_last_committed_checkpoint(tmp_path, uninterrupted, small_corpus, fault, extra,
-                                                           resumes_from, latest, left_behind):  # fmt: skip
+@contextmanager
+def stdout_into(path: Path) -> Iterator[None]:
+    """File descriptor 1 (which the launcher's rank processes inherit) into `path` for the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory, small_corpus):
+    """Each row's run (2 ranks, the settings of `hpc_train_train`) killed at its point, each a launch of its
+    own (the kill ends it), and what it left in its checkpoints; then, one after another in one launch of 2
+    ranks, the uninterrupted run and every killed run resumed (6 steps), rank 0's output kept."""
+    base = tmp_path_factory.mktemp("killed")
+    crashes = []
+    for row, (fault, extra, *_) in enumerate(KILL_ROWS):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("HPC_TRAIN_FAULT", fault)
+            try:
+                launch(2, load_config(None, train_args(base / f"row{row}", small_corpus, 6, extra)))
+                failed = False
+            except ProcessException:  # a rank died (the launcher raises what the CLI exits with status 1 on)
+                failed = True
+        checkpoints = base / f"row{row}/checkpoints"
+        crashes.append({"failed": failed, "names": {p.name for p in checkpoints.iterdir()},
+                        "latest": (checkpoints / "latest").read_text().strip()})  # fmt: skip
+    runs = [base / "uninterrupted", *(base / f"row{row}" for row in range(len(KILL_ROWS)))]
+    with stdout_into(base / "resumed.out"):
+        launch(2, *(load_config(None, train_args(run, small_corpus, 6)) for run in runs))
+    return base, crashes, (base / "resumed.out").read_text()
+
+
+@pytest.mark.parametrize("fault, extra, resumes_from, latest, left_behind", KILL_ROWS)
+def test_kill_9_resumes_from_the_last_committed_checkpoint(killed_runs, uninterrupted, fault, extra, resumes_from,
+                                                           latest, left_behind):  # fmt: skip
     """2 ranks; rank 0 is killed with SIGKILL at a point of the step, of the write or of the commit protocol
     (for an async save: in the training thread while staging, or in the background thread)."""
-    crashed = hpc_train_train(tmp_path, small_corpus, 6, fault, extra)
-    assert crashed.returncode != 0
-    names = {p.name for p in (tmp_path / "checkpoints").iterdir()}
-    assert set(left_behind) <= names and "step_0000002" in names
-    assert (tmp_path / "checkpoints/latest").read_text().strip() == f"step_{latest:07d}"
-    resumed = hpc_train_train(tmp_path, small_corpus, 6)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {tmp_path}/checkpoints/step_{resumes_from:07d}" in resumed.stdout
-    assert [r["step"] for r in resumed_from(tmp_path)] == [resumes_from]
-    assert losses(tmp_path) == losses(uninterrupted)
-    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 7))
+    base, crashes, resumed_out = killed_runs
+    row = KILL_ROWS.index((fault, extra, resumes_from, latest, left_behind))
+    run, crashed = base / f"row{row}", crashes[row]
+    assert crashed["failed"]
+    assert set(left_behind) <= crashed["names"] and "step_0000002" in crashed["names"]
+    assert crashed["latest"] == f"step_{latest:07d}"
+    assert f"resumed from {run}/checkpoints/step_{resumes_from:07d}" in resumed_out
+    assert [r["step"] for r in resumed_from(run)] == [resumes_from]
+    assert losses(run) == losses(uninterrupted)
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 7))
 
 
 def test_killed_rank_restarts_in_the_job_on_the_same_loss_curve(tmp_path, uninterrupted, small_corpus):
@@ -238,7 +288,7 @@ def corrupt(step_dir, how):
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory, small_corpus):
     run = tmp_path_factory.mktemp("saved") / "run"
-    assert hpc_train_train(run, small_corpus, 4).returncode == 0  # checkpoints at steps 2 and 4
+    launch(2, load_config(None, train_args(run, small_corpus, 4)))  # checkpoints at steps 2 and 4
     return run
 
 
@@ -251,7 +301,7 @@ def saved_run(tmp_path_factory, small_corpus):
         ("deleted manifest", "missing manifest.json"),
     ],
 )
-def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_corpus, reference, how, named):
+def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_corpus, reference, how, named, capsys):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
     corrupt(run / "checkpoints/step_0000004", how)
@@ -259,9 +309,9 @@ def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_co
     chosen = CheckpointStore(run / "checkpoints").newest_valid(report=reports.append)
     assert chosen.step == 2
     assert len(reports) == 1 and "step_0000004" in reports[0] and named in reports[0]
-    verify = subprocess.run([sys.executable, "-m", "hpc_train.cli", "ckpt", "verify", str(run)], capture_output=True,
-                            text=True)  # fmt: skip
-    assert verify.returncode == 1 and named in verify.stdout
+    with pytest.raises(SystemExit) as verify:  # `hpc-train ckpt verify`, in this process
+        main(["ckpt", "verify", str(run)])
+    assert verify.value.code == 1 and named in capsys.readouterr().out
     if how == "flipped bytes":  # and training really continues from step 2, as if nothing happened
         resumed = hpc_train_train(run, small_corpus, 4)
         assert "step_0000004 skipped: __0_" in resumed.stdout and "fails its xxh3_128" in resumed.stdout
@@ -269,7 +319,7 @@ def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_co
         assert losses(run) == losses(saved_run)
 
 
-def test_stale_tmp_is_skipped_and_cleaned(saved_run, tmp_path):
+def test_stale_tmp_is_skipped_and_cleaned(saved_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
     stale = run / "checkpoints/step_0000006.tmp"
@@ -278,8 +328,8 @@ def test_stale_tmp_is_skipped_and_cleaned(saved_run, tmp_path):
     reports = []
     assert CheckpointStore(run / "checkpoints").newest_valid(report=reports.append).step == 4
     assert "step_0000006.tmp skipped: incomplete save" in reports[0]
-    listing = subprocess.run([sys.executable, "-m", "hpc_train.cli", "ckpt", "list", str(run)], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
+    main(["ckpt", "list", str(run)])  # `hpc-train ckpt list`, in this process
+    listing = capsys.readouterr().out
     assert "step_0000004" in listing and "(latest)" in listing and "UNUSABLE: incomplete save" in listing
     manifest = json.loads((run / "checkpoints/step_0000004/manifest.json").read_text())
     assert manifest["layout"]["dp"] == 2 and "rank00001.pt" in manifest["files"]
@@ -292,8 +342,9 @@ def test_stale_tmp_is_skipped_and_cleaned(saved_run, tmp_path):
 def test_keep_last_and_keep_every(saved_run, tmp_path, small_corpus):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
-    done = hpc_train_train(run, small_corpus, 12, extra=["checkpoint.keep_last=2", "checkpoint.keep_every=4"])
-    assert done.returncode == 0, done.stderr
+    launch(
+        2, load_config(None, train_args(run, small_corpus, 12, ["checkpoint.keep_last=2", "checkpoint.keep_every=4"]))
+    )
     kept = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept == ["step_0000004", "step_0000008", "step_0000010", "step_0000012"]
 
@@ -326,9 +377,9 @@ def test_sigterm_saves_asynchronously_and_resumes(tmp_path, small_corpus):
     assert stopped_at % 3 == 0  # the stop signal is agreed with the figures, once per log interval
     assert CheckpointStore(tmp_path / "run/checkpoints").newest_valid().step == stopped_at
     steps = f"train.steps={stopped_at + 3}"  # the same schedule: only how far it runs differs
-    for run in ("run", "uninterrupted"):
-        subprocess.run([*cmd, f"run_dir={tmp_path / run}", steps, "optim.decay_steps=400"], cwd=ROOT, check=True,
-                       capture_output=True)  # fmt: skip
+    # the rerun and the uninterrupted run, one after the other in one launch of 2 ranks
+    launch(2, *(load_config(None, [*args, f"run_dir={tmp_path / run}", steps, "optim.decay_steps=400"])
+                for run in ("run", "uninterrupted")))  # fmt: skip
     assert [r["step"] for r in resumed_from(tmp_path / "run")] == [stopped_at]
     assert losses(tmp_path / "run") == losses(tmp_path / "uninterrupted")
 
@@ -620,16 +671,32 @@ def test_nonfinite_training_stops_and_keeps_the_finite_checkpoints(tmp_path, sma
     assert "step 4: the gradient norm is nan; stopping" in skipping.stderr
 
 
-@pytest.mark.parametrize("zero", [[], ["optim.zero_stage=1"]], ids=["dp", "zero1"])
-def test_async_save_in_flight_resumes_bit_exact(tmp_path, small_corpus, zero):
+ZERO = {"dp": [], "zero1": ["optim.zero_stage=1"]}
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory, small_corpus):
+    """For dp and ZeRO-1 (2 ranks, the settings of `hpc_train_train`): 4 steps saving asynchronously, in one
+    launch; then a run resumed (saving synchronously) from a copy of each one's step-2 checkpoint, in another."""
+    base = tmp_path_factory.mktemp("async")
+    launch(2, *(load_config(None, train_args(base / name / "run", small_corpus, 4, [*ASYNC, *zero]))
+                for name, zero in ZERO.items()))  # fmt: skip
+    for name in ZERO:
+        shutil.copytree(base / name / "run/checkpoints/step_0000002", base / name / "resumed/checkpoints/step_0000002")
+    launch(
+        2,
+        *(load_config(None, train_args(base / name / "resumed", small_corpus, 4, zero)) for name, zero in ZERO.items()),
+    )
+    return base
+
+
+@pytest.mark.parametrize("zero", list(ZERO))
+def test_async_save_in_flight_resumes_bit_exact(async_runs, zero):
     """Step 2's checkpoint is copied and written in the background while step 3 trains (and changes the
     weights; ZeRO's state, sent to its writers at the save, is copied then too); a run resumed from it
     (saving synchronously)
     retraces steps 3 and 4 exactly."""
-    assert hpc_train_train(tmp_path / "run", small_corpus, 4, extra=ASYNC + zero).returncode == 0
-    shutil.copytree(tmp_path / "run/checkpoints/step_0000002", tmp_path / "resumed/checkpoints/step_0000002")
-    done = hpc_train_train(tmp_path / "resumed", small_corpus, 4, extra=zero)
-    assert done.returncode == 0, done.stderr
+    tmp_path = async_runs / zero
     assert [r["step"] for r in resumed_from(tmp_path / "resumed")] == [2]
     assert losses(tmp_path / "resumed") == losses(tmp_path / "run")[2:]
     # what each save cost, on the record of the step that started it; the background commit's figures on

@@ -145,10 +145,9 @@ def runs(tmp_path_factory, small_corpus, short_documents):
                  for n, base in MUON_LAYOUTS.items() if LAYOUTS[base][0] == world]  # fmt: skip
         cfgs += [docs(arch, f"{n}_documents", [*LAYOUTS[n][1], f"parallel.nproc={world}"])
                  for arch in ARCHS for n in DOCUMENT_LAYOUTS if LAYOUTS[n][0] == world]  # fmt: skip
+        cfgs += [cfg("llama", f"{n}_compiled", [*LAYOUTS[n][1], f"parallel.nproc={world}", "train.compile=true"])
+                 for n in COMPILED_LAYOUTS if LAYOUTS[n][0] == world]  # fmt: skip
         launch_sequence(counted_training, world, [(c,) for c in cfgs])  # run_training, counting cp's bytes
-    compiled = [cfg("llama", f"{n}_compiled", [*LAYOUTS[n][1], "parallel.nproc=2", "train.compile=true"])
-                for n in COMPILED_LAYOUTS]  # fmt: skip
-    launch_sequence(run_training, 2, [(c,) for c in compiled])
     return {arch: base / arch for arch in ARCHS}
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from hpc_train.checkpoint.store import CheckpointStore
+from hpc_train.config import load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.resilience.stragglers import find_stragglers
 from hpc_train.train.loop import run_training
@@ -114,10 +115,11 @@ def test_a_hang_outside_a_steady_step_is_located(tmp_path, small_corpus, fault, 
     rank writes its stacks, the summary names what was unfinished and where rank 1 waits, and no
     checkpoint of a hung save is committed."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hpc_train.cli", "train", *TINY_MODEL, f"data.train_path={small_corpus}",
-           f"run_dir={run}", "parallel.nproc=2", "checkpoint.interval=2", "parallel.hang_timeout_s=3"]  # fmt: skip
-    if fault.startswith("resume"):  # a checkpoint of step 2 to resume from
-        subprocess.run([*cmd, "train.steps=2"], cwd=ROOT, check=True, capture_output=True, timeout=120)
+    overrides = [*TINY_MODEL, f"data.train_path={small_corpus}", f"run_dir={run}", "parallel.nproc=2",
+                 "checkpoint.interval=2", "parallel.hang_timeout_s=3"]  # fmt: skip
+    cmd = [sys.executable, "-m", "hpc_train.cli", "train", *overrides]
+    if fault.startswith("resume"):  # a checkpoint of step 2 to resume from (launched from this process)
+        launch_local(run_training, 2, load_config(None, [*overrides, "train.steps=2"]))
     env = {**os.environ, "HPC_TRAIN_FAULT": fault}
     tp = ["parallel.tp=2"] if fault.startswith("consolidate") else []
     out = subprocess.run([*cmd, *tp, f"train.steps={steps}"], cwd=ROOT, env=env, capture_output=True, text=True,
