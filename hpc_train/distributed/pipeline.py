@@ -14,11 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from hpc_train.config import ParallelConfig
-
-SCHEDULES = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
 def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -40,14 +37,18 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ):
     """One PipelineStage per local chunk and the configured schedule over `micro_batches`. `loss_fn`
-    divides by the micro-batch count itself, so the schedule must not rescale the gradients."""
+    divides by the micro-batch count itself, so the schedule must not rescale the gradients. Imported here:
+    `torch.distributed.pipelining` costs about a second of CPU at import, which the CLI's checks and the
+    planner, using `stage_ids`, do not need."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
     num_stages = parallel.pp * parallel.virtual_stages
     group = pp_mesh.get_group()
     pipeline_stages = [
         PipelineStage(chunk, stage, num_stages, device, group=group)
         for chunk, stage in zip(chunks, stages, strict=True)
     ]
-    schedule_cls = SCHEDULES[parallel.schedule]
+    schedule_cls = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[parallel.schedule]
     options = {"n_microbatches": micro_batches, "loss_fn": loss_fn}
     if "scale_grads" in inspect.signature(schedule_cls).parameters:  # the releases that rescale by default
         options["scale_grads"] = False
