@@ -9,6 +9,11 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def distribute_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A full-size value laid out as `like`: this rank's shard when `like` is a tensor-parallel DTensor
     (every rank holds the same full value, so nothing is sent where the installed torch lets us say so),

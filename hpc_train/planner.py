@@ -126,7 +126,8 @@ def _param_count(
         elements = {name: p.numel() // tp if name in sharded else p.numel() for name, p in chunk.named_parameters()}
         routed = {f"{name}.mlp.experts.{w}" for name, _ in moe_layers([chunk]) for w in ("w1", "w3", "w2")}
         elements.update({name: elements[name] // ep for name in routed})
-        rows = {name: p.shape[-1] if p.ndim > 1 else 1 for name, p in chunk.named_parameters()}  # FSDP: whole rows
+        # FSDP shards dim 0 (a stacked experts weight: whole experts), padded to a multiple of its ranks
+        rows = {name: p.numel() // p.shape[0] if p.ndim > 1 else 1 for name, p in chunk.named_parameters()}
         ndims = {name: p.ndim for name, p in chunk.named_parameters()}
         trains = {name: not ft.adapters and not is_frozen(chunk.canonical_name(name), list(freeze))
                   for name in elements}  # fmt: skip
@@ -509,8 +510,8 @@ def cp_traffic_bytes(cfg: JobConfig) -> float:
 
 
 def ep_rows(cfg: JobConfig) -> int:
-    """Rows one MoE layer dispatches per micro-batch on a rank: its tokens' top_k assignments (dropless; a
-    capacity factor drops some)."""
+    """Rows one MoE layer dispatches per micro-batch on a rank: its tokens' top_k assignments (dropless: a
+    capacity factor's drops are not counted, so this is its upper bound)."""
     m, t = cfg.model, cfg.train
     return t.micro_batch_size * m.seq_len // cfg.parallel.cp * m.moe.top_k
 
@@ -518,17 +519,20 @@ def ep_rows(cfg: JobConfig) -> int:
 def ep_traffic_bytes(cfg: JobConfig) -> float:
     """Bytes a rank sends over ep per step: in each MoE layer and micro-batch, the rows for experts held
     elsewhere, (ep-1)/ep of them when the load is balanced (exactly so when every token picks every expert),
-    in the compute dtype, through four all-to-alls (dispatch and combine, and their gradients back; a
-    recomputed forward exchanges again), and the tokens-per-expert counts (int64) before each dispatch."""
+    in the compute dtype, through four all-to-alls (dispatch and combine, and their gradients back; a block
+    recomputed whole exchanges again in backward), and the tokens-per-expert counts (int64) before each
+    dispatch. The MoE layers of the whole model over pp (a stage's own share can differ)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.ep == 1 or not m.moe.num_experts:
         return 0.0
     e = 2 if t.precision != "fp32" else 4
-    forwards = 1 + (m.recompute != "none")
     others = (p.ep - 1) / p.ep
-    per_layer = ep_rows(cfg) * m.d_model * e * others * 2 * (forwards + 1) + 8 * m.moe.num_experts * others * forwards
-    layers = m.n_layers - m.moe.first_dense_layers
-    return per_layer * layers / p.pp * t.grad_accum
+    per_stage = m.n_layers // (p.pp * p.virtual_stages)
+    moe_ids = [i for i in range(m.n_layers) if is_moe_layer(m, i)]
+    forwards = len(moe_ids) + sum(recompute_choice(m, i % per_stage) == "full" for i in moe_ids)
+    rows = ep_rows(cfg) * m.d_model * e * others * 2 * (forwards + len(moe_ids))
+    counts = 8 * m.moe.num_experts * others * forwards
+    return (rows + counts) / p.pp * t.grad_accum
 
 
 def ep_buffers(cfg: JobConfig) -> int:

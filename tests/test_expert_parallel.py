@@ -14,7 +14,7 @@ from hpc_train.config import ConfigError, JobConfig, load_config
 from hpc_train.launch.bootstrap import RankEnv
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
-from hpc_train.planner import ep_traffic_bytes
+from hpc_train.planner import ep_traffic_bytes, local_param_count
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
@@ -39,6 +39,11 @@ LAYOUTS = {
     "dp4_ep2_zero1": (
         4,
         ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=1", "optim.bucket_mb=0.05"],
+        3,
+    ),  # fmt: skip
+    "dp4_ep2_zero2": (
+        4,
+        ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=2", "optim.bucket_mb=0.05"],
         3,
     ),  # fmt: skip
     "dp4_ep2_zero3": (4, ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=3"], 3),
@@ -78,9 +83,12 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     launch_local(run_training, 1, reference)
     cfgs = {name: cfg(name, world, steps, *extra) for name, (world, extra, steps) in LAYOUTS.items()}
     resumed = {name: cfg(name, 2, 3, *LAYOUTS[name][1], *other) for name, other in RESUMED.items()}
-    # every token to every expert: each rank sends exactly half its rows to the other (the planner's figure)
-    every = cfg("every_expert", 2, 1, "train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4")
-    two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2] + [(c,) for c in (*resumed.values(), every)]
+    # every token to every expert: each rank sends exactly half its rows to the other (the planner's figure);
+    # selective recompute runs no MoE forward again, full recompute all of them
+    every_expert = ["train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4"]
+    every = {r: cfg(f"every_expert_{r}", 2, 1, *every_expert, f"model.recompute={r}") for r in ("selective", "full")}
+    two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2]
+    two += [(c,) for c in (*resumed.values(), *every.values())]
     launch_sequence(counted_training, 2, two)
     launch_sequence(run_training, 4, [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 4])
     ref, final = read_metrics(reference.run_dir), read_final_model(reference.run_dir)
@@ -96,12 +104,15 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
             for layer, figures in theirs["moe"].items():  # the same routing: the same loads
                 assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (name, layer)
         assert max_param_diff(read_final_model(c.run_dir), final) < 1e-5, name
-    for name in ("ep2", "ep2_tp2", "ep2_pp2", "dp4_ep2_zero1", "dp4_ep2_zero3"):  # the planner's per-rank bytes
+    for name in ("ep2", "ep2_tp2", "ep2_pp2", "dp4_ep2_zero1", "dp4_ep2_zero2", "dp4_ep2_zero3"):  # planned bytes
         record = read_metrics(cfgs[name].run_dir)[0]
         for key in ("params", "grads", "optimizer"):
             assert record["memory_predicted_bytes"][key] == record["memory_bytes"][key], (name, key)
-    sent, planned = float((Path(every.run_dir) / "ep_bytes_0").read_text()), ep_traffic_bytes(every)
-    assert sent == planned == 2 * 4 * (128 * 4 // 2 * 64 * 4) + 2 * 4 * 8 // 2  # layers x (rows, counts)
+    rows, counts = 128 * 4 // 2 * 64 * 4, 4 * 8 // 2  # one all-to-all's rows, one exchange's counts
+    for recompute, (exchanges, forwards) in {"selective": (4, 1), "full": (6, 2)}.items():
+        run = every[recompute]
+        sent, planned = float((Path(run.run_dir) / "ep_bytes_0").read_text()), ep_traffic_bytes(run)
+        assert sent == planned == 2 * (exchanges * rows + forwards * counts), recompute  # two MoE layers
     ep1, ep2 = (read_metrics(cfgs[name].run_dir)[0]["memory_bytes"] for name in ("ep1_then_ep2_zero2", "ep2"))
     assert ep1["params"] - ep2["params"] == EXPERT_BYTES // 2  # each rank holds half the experts
     assert ep1["grads"] - ep2["grads"] == EXPERT_BYTES // 2
@@ -117,3 +128,14 @@ def test_refused_expert_parallel_layouts(make_cfg):
         check_run(make_cfg(*MOE, "parallel.ep=2", "parallel.tp=2"), 2, check_paths=False)
     check_run(make_cfg(*MOE, "parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "train.grad_accum=2"), 8,
               check_paths=False)  # fmt: skip
+
+
+def test_zero3_shards_whole_experts(make_cfg):
+    """FSDP2 shards a stacked experts weight by whole experts, padded to its ranks: at dp8 ep2 each of the
+    4 edp ranks holding a layer's 2 local experts gets one of them (or a padding one), not a quarter of both."""
+    widths = {}
+    for hidden in (32, 64):
+        cfg = make_cfg(*MOE, "model.moe.num_shared_experts=0", f"model.moe.expert_ffn_hidden={hidden}",
+                       "parallel.ep=2", "optim.zero_stage=3")  # fmt: skip
+        widths[hidden] = local_param_count(cfg, dp=8).shard_total
+    assert widths[64] - widths[32] == 2 * 3 * 64 * 32  # two MoE layers, w1 w3 w2 of one expert each

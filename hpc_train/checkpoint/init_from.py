@@ -21,11 +21,10 @@ from hpc_train.checkpoint.integrity import WRITE_ALGORITHM, file_digest, new_dig
 from hpc_train.checkpoint.state import ModelState
 from hpc_train.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore
 from hpc_train.config import ConfigError, JobConfig, ModelConfig
-from hpc_train.distributed.grads import local
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows, quantize_frozen_base
 from hpc_train.finetune.lora import is_adapter
 from hpc_train.models.common.hf import ARCH_FIELDS, import_tensor, plan_import
-from hpc_train.placement import distribute_like
+from hpc_train.placement import distribute_like, local
 
 
 def checkpoint_store(path: str | os.PathLike) -> CheckpointStore:

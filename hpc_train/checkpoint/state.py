@@ -18,11 +18,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hpc_train.distributed.grads import local
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows, unpadded
 from hpc_train.finetune.lora import is_adapter
 from hpc_train.optim.protocol import Optimizer
-from hpc_train.placement import distribute_like
+from hpc_train.placement import distribute_like, local
 
 
 class Stateful(Protocol):

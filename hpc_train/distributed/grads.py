@@ -19,10 +19,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from hpc_train.distributed.mesh import Mesh
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def fix_grad_placements(params: list[torch.nn.Parameter]) -> None:
     """Make every DTensor gradient carry its parameter's placement (reducing Partial sums over tp)."""
     for p in params:

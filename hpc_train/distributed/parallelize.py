@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import ModelConfig
 from hpc_train.data.batch import Batch, SequenceShard
-from hpc_train.distributed.grads import all_reduce_on, fix_grad_placements, local
+from hpc_train.distributed.grads import all_reduce_on, fix_grad_placements
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
 from hpc_train.distributed.transforms import StagePlan, apply_transforms
@@ -36,7 +36,7 @@ from hpc_train.distributed.transforms.fsdp import reshard
 from hpc_train.finetune.lora import init_adapters, is_adapter, quantize_projections
 from hpc_train.models.common.moe import set_aux_grad_scale, skip_shape_inference
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
-from hpc_train.placement import gathered
+from hpc_train.placement import gathered, local
 
 MicroBatches = list[Batch]
 

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.config import OptimConfig
-from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
+from hpc_train.distributed.grads import GradGroups, is_tp_sharded
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.buckets import BucketedReduction, bucketize, flat_allreduce
 from hpc_train.optim.rules import Target, UpdateRule, rule_class, target
 from hpc_train.optim.rules.protocol import MatrixFn
-from hpc_train.placement import distribute_like, gathered
+from hpc_train.placement import distribute_like, gathered, local
 
 
 def on_whole(fn: MatrixFn, piece: torch.Tensor) -> torch.Tensor:

@@ -36,13 +36,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
-from hpc_train.distributed.grads import GradGroups, is_tp_sharded, local
+from hpc_train.distributed.grads import GradGroups, is_tp_sharded
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.buckets import BucketedReduction, bucketize, weak_hook
 from hpc_train.optim.data_parallel import on_whole
 from hpc_train.optim.rules import Target, is_hidden_matrix, rule_class, target
 from hpc_train.optim.rules.protocol import MatrixFn
-from hpc_train.placement import like_param
+from hpc_train.placement import like_param, local
 
 # torch >= 2.13 names these *_single for gloo; older releases only have the *_tensor names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)

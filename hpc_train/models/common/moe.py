@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hpc_train.config import ConfigError, ModelConfig
+from hpc_train.placement import local
 
 STATS = ("load_max_mean", "aux_loss", "dropped")  # per layer and step, in the metrics record
 
@@ -162,11 +162,6 @@ def dispatch_to_experts(experts: Experts, rows: torch.Tensor, counts: torch.Tens
     return AllToAll.apply(out[torch.argsort(order)], send, recv, group)
 
 
-def local_weight(w: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a stacked weight (a DTensor shard under expert parallelism)."""
-    return w.to_local() if isinstance(w, DTensor) else w
-
-
 class Experts(nn.Module):
     """`num_experts` SwiGLU MLPs stored as stacked weights (what a grouped GEMM takes)."""
 
@@ -181,7 +176,7 @@ class Experts(nn.Module):
         """x: (rows, d) sorted by expert, `counts` rows per expert."""
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        x, weights = x.to(dtype), [local_weight(w).to(dtype) for w in (self.w1, self.w3, self.w2)]
+        x, weights = x.to(dtype), [local(w).to(dtype) for w in (self.w1, self.w3, self.w2)]
         if self.grouped and grouped_mm_runs(x, x.shape[-1], self.w1.shape[-1]):
             return grouped_swiglu(x, counts, *weights)
         return looped_swiglu(x, counts, *weights)

@@ -7,8 +7,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
-from hpc_train.distributed.grads import local
 from hpc_train.optim.rules.protocol import Target, WholeMatrices, local_matrices
+from hpc_train.placement import local
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from hpc_train.config import ConfigError, OptimConfig
-from hpc_train.distributed.grads import local
 from hpc_train.optim.rules.adamw import MOMENTS, AdamW
 from hpc_train.optim.rules.protocol import Target, WholeMatrices, local_matrices
+from hpc_train.placement import local
 
 try:  # torch >= 2.9
     from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
