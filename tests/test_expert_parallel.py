@@ -8,15 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
-from hpc_train.config import ConfigError, JobConfig, load_config
-from hpc_train.launch.bootstrap import RankEnv
+from hpc_train.config import ConfigError, load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
 from hpc_train.planner import ep_traffic_bytes, local_param_count
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
+from tools.bench_moe import counted_training  # counts the bytes all_to_all_single sends
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
        "model.moe.bias_update_rate=0.01", "model.moe.num_shared_experts=1"]  # fmt: skip
@@ -52,26 +51,6 @@ RESUMED = {
     "ep2_zero3_then_ep1": ["parallel.ep=1", "optim.zero_stage=0"],
     "ep1_then_ep2_zero2": ["parallel.ep=2", "optim.zero_stage=2", "optim.bucket_mb=0.05"],
 }
-
-
-def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
-    """run_training, counting the bytes this rank sends to the others through all_to_all_single (expert
-    parallelism's only user in these runs) into run_dir/ep_bytes_<rank>, per step."""
-    sent, all_to_all = [0], dist.all_to_all_single
-
-    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        own = input_split_sizes[rank] if input_split_sizes else input.shape[0] // size
-        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
-        sent[0] += (input.shape[0] - own) * row_bytes
-        return all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
-
-    dist.all_to_all_single = counted
-    try:
-        run_training(rank_env, cfg)
-    finally:
-        dist.all_to_all_single = all_to_all
-    (Path(cfg.run_dir) / f"ep_bytes_{rank_env.rank}").write_text(str(sent[0] / cfg.train.steps))
 
 
 def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
