@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -124,7 +125,8 @@ def _param_count(
         plan = spec.tp_plan(chunk, False) if tp > 1 else {}
         sharded = sharded_parameter_names(chunk, plan)
         elements = {name: p.numel() // tp if name in sharded else p.numel() for name, p in chunk.named_parameters()}
-        routed = {f"{name}.mlp.experts.{w}" for name, _ in moe_layers([chunk]) for w in ("w1", "w3", "w2")}
+        routed = {f"{name}.mlp.experts.{weight}" for name, moe in moe_layers([chunk])
+                  for weight, _ in moe.experts.named_parameters()}  # fmt: skip
         elements.update({name: elements[name] // ep for name in routed})
         # FSDP shards dim 0 (a stacked experts weight: whole experts), padded to a multiple of its ranks
         rows = {name: p.numel() // p.shape[0] if p.ndim > 1 else 1 for name, p in chunk.named_parameters()}
@@ -499,14 +501,23 @@ def cp_traffic_bytes(cfg: JobConfig) -> float:
         return 0.0
     e = 2 if t.precision != "fp32" else 4
     q, kv = attention_elements(cfg)
-    forwards = 1 + (m.recompute != "none")
+    layers = range(m.n_layers)
+    passes = forward_passes(cfg, layers, ("selective", "full")) + m.n_layers  # and one backward each
     if p.cp_mode == "ring":
-        per_block = 2 * kv * e * (cp - 1) * (forwards + 1) + 2 * kv * 4 * cp
+        sent = 2 * kv * e * (cp - 1) * passes + 2 * kv * 4 * cp * m.n_layers
     else:
         kv_heads = (m.n_kv_heads or m.n_heads) // p.tp
         kv = kv if kv_heads % cp == 0 else q
-        per_block = (2 * q + 2 * kv) * e * (cp - 1) / cp * (forwards + 1)
-    return per_block * m.n_layers / p.pp * t.grad_accum
+        sent = (2 * q + 2 * kv) * e * (cp - 1) / cp * passes
+    return sent / p.pp * t.grad_accum
+
+
+def forward_passes(cfg: JobConfig, layers: Iterable[int], recomputing: tuple[str, ...]) -> int:
+    """Forward passes of the blocks `layers` (ids in the whole model) per micro-batch: one each, and one more
+    in backward for a block whose recompute choice (models/common/decoder.py) is among `recomputing`."""
+    m, p = cfg.model, cfg.parallel
+    per_stage = m.n_layers // (p.pp * p.virtual_stages)
+    return sum(1 + (recompute_choice(m, i % per_stage) in recomputing) for i in layers)
 
 
 def ep_rows(cfg: JobConfig) -> int:
@@ -527,9 +538,8 @@ def ep_traffic_bytes(cfg: JobConfig) -> float:
         return 0.0
     e = 2 if t.precision != "fp32" else 4
     others = (p.ep - 1) / p.ep
-    per_stage = m.n_layers // (p.pp * p.virtual_stages)
     moe_ids = [i for i in range(m.n_layers) if is_moe_layer(m, i)]
-    forwards = len(moe_ids) + sum(recompute_choice(m, i % per_stage) == "full" for i in moe_ids)
+    forwards = forward_passes(cfg, moe_ids, ("full",))  # selective recompute re-runs attention only
     rows = ep_rows(cfg) * m.d_model * e * others * 2 * (forwards + len(moe_ids))
     counts = 8 * m.moe.num_experts * others * forwards
     return (rows + counts) / p.pp * t.grad_accum

@@ -63,8 +63,8 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     cfgs = {name: cfg(name, world, steps, *extra) for name, (world, extra, steps) in LAYOUTS.items()}
     resumed = {name: cfg(name, 2, 3, *LAYOUTS[name][1], *other) for name, other in RESUMED.items()}
     # every token to every expert: each rank sends exactly half its rows to the other (the planner's figure);
-    # selective recompute runs no MoE forward again, full recompute all of them
-    every_expert = ["train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4"]
+    # selective recompute runs no MoE forward again; full recompute of every second block runs the first again
+    every_expert = ["train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4", "model.recompute_every=2"]
     every = {r: cfg(f"every_expert_{r}", 2, 1, *every_expert, f"model.recompute={r}") for r in ("selective", "full")}
     two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2]
     two += [(c,) for c in (*resumed.values(), *every.values())]
@@ -88,10 +88,11 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
         for key in ("params", "grads", "optimizer"):
             assert record["memory_predicted_bytes"][key] == record["memory_bytes"][key], (name, key)
     rows, counts = 128 * 4 // 2 * 64 * 4, 4 * 8 // 2  # one all-to-all's rows, one exchange's counts
-    for recompute, (exchanges, forwards) in {"selective": (4, 1), "full": (6, 2)}.items():
+    # all-to-alls and count exchanges of the two MoE layers: 4 and 1 each, 6 and 2 for a block recomputed whole
+    for recompute, (exchanges, forwards) in {"selective": (4 + 4, 1 + 1), "full": (6 + 4, 2 + 1)}.items():
         run = every[recompute]
         sent, planned = float((Path(run.run_dir) / "ep_bytes_0").read_text()), ep_traffic_bytes(run)
-        assert sent == planned == 2 * (exchanges * rows + forwards * counts), recompute  # two MoE layers
+        assert sent == planned == exchanges * rows + forwards * counts, recompute
     ep1, ep2 = (read_metrics(cfgs[name].run_dir)[0]["memory_bytes"] for name in ("ep1_then_ep2_zero2", "ep2"))
     assert ep1["params"] - ep2["params"] == EXPERT_BYTES // 2  # each rank holds half the experts
     assert ep1["grads"] - ep2["grads"] == EXPERT_BYTES // 2
