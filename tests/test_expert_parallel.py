@@ -12,7 +12,7 @@ import pytest
 from hpc_train.config import ConfigError, load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
-from hpc_train.planner import ep_traffic_bytes, local_param_count
+from hpc_train.planner import ep_traffic_bytes, estimate, format_estimate, local_param_count
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
 from tools.bench_moe import counted_training  # counts the bytes all_to_all_single sends
@@ -69,7 +69,7 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2]
     two += [(c,) for c in (*resumed.values(), *every.values())]
     launch_sequence(counted_training, 2, two)
-    launch_sequence(run_training, 4, [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 4])
+    launch_sequence(counted_training, 4, [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 4])
     ref, final = read_metrics(reference.run_dir), read_final_model(reference.run_dir)
     assert final["layers.1.mlp.router.expert_bias"].abs().sum() > 0  # the biases moved: routing is compared
     for name, c in cfgs.items():
@@ -93,6 +93,14 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
         run = every[recompute]
         sent, planned = float((Path(run.run_dir) / "ep_bytes_0").read_text()), ep_traffic_bytes(run)
         assert sent == planned == exchanges * rows + forwards * counts, recompute
+    # `hpc-train plan` prints that figure; the routed experts per rank
+    dims = check_run(run, 2, check_paths=False)
+    text = format_estimate(run, dims, estimate(run, dims), 2**35)
+    assert f"ep=2: 2 routed experts per rank, {planned / 2**30:.3f} GiB sent per rank and step by all-to-all" in text
+    # under tp every tp rank sends its ep group the same rows as a rank of the same dp rank without tp sends
+    sent = {(name, rank): (Path(cfgs[name].run_dir) / f"ep_bytes_{rank}").read_text() for name, rank in
+            (("ep2", 0), ("ep2_tp2", 0), ("ep2_tp2", 1))}  # fmt: skip
+    assert len(set(sent.values())) == 1 and float(sent["ep2", 0]) > 0, sent
     ep1, ep2 = (read_metrics(cfgs[name].run_dir)[0]["memory_bytes"] for name in ("ep1_then_ep2_zero2", "ep2"))
     assert ep1["params"] - ep2["params"] == EXPERT_BYTES // 2  # each rank holds half the experts
     assert ep1["grads"] - ep2["grads"] == EXPERT_BYTES // 2
