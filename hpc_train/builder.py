@@ -32,7 +32,7 @@ from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.parallelize import ParallelModel, parallelize
 from hpc_train.distributed.transforms import StagePlan
-from hpc_train.launch.bootstrap import RankEnv
+from hpc_train.bootstrap import RankEnv
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.observe.metrics import MetricsLog

@@ -1,6 +1,6 @@
 import pytest
 
-from hpc_train.launch.bootstrap import detect_rank_env, expand_nodelist, slurm_master_port
+from hpc_train.bootstrap import detect_rank_env, expand_nodelist, slurm_master_port
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from hpc_train.data.batch import SequenceShard
 from hpc_train.distributed.context_attention import ring_attention, ulysses_attention
-from hpc_train.launch.bootstrap import RankEnv, distributed
+from hpc_train.bootstrap import RankEnv, distributed
 from hpc_train.launch.local import launch_local
 
 TOL = 1e-5

@@ -33,7 +33,7 @@ from hpc_train.data.batch import collate
 from hpc_train.data.prepare import load_datasets, prepare_data, stdlib_sources
 from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.parallelize import step_context
-from hpc_train.launch.bootstrap import distributed
+from hpc_train.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec

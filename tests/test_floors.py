@@ -1,6 +1,8 @@
 """Clean floors: hpc_train's packages stand on each other in one order, and no module imports a module on a
 higher floor (at the top of the file or inside a function). A new package or top-level module gets a floor
-here; the test names any module that has none."""
+here; the test names any module that has none. Floors are given to whole folders (and top-level modules),
+never to a file inside a folder, so a folder stands on one floor; and no two folders import each other,
+directly or round a loop of siblings on one floor."""
 
 from __future__ import annotations
 
@@ -17,10 +19,9 @@ FLOORS = {
     "hpc_train.config": 1,
     "hpc_train.data": 2,
     "hpc_train.observe": 2,  # metrics log, memory accounting, profiler
-    "hpc_train.launch.bootstrap": 3,  # rank bootstrap: a process's rank, node, process group
+    "hpc_train.bootstrap": 3,  # rank bootstrap: a process's rank, node, process group
     "hpc_train.resilience": 4,  # faults, hangs, stragglers, preemption, bad nodes, restarts
     "hpc_train.launch": 5,  # submit (Slurm) and local spawn
-    "hpc_train.distributed.mesh": 6,
     "hpc_train.models": 7,
     "hpc_train.finetune": 8,
     "hpc_train.distributed": 9,  # parallelize: tensor parallelism, pipeline, FSDP, gradients
@@ -33,6 +34,15 @@ FLOORS = {
     "hpc_train.commands": 16,
     "hpc_train.cli": 17,
 }
+
+
+def room(module: str) -> str | None:
+    """The FLOORS entry a module stands in: its folder (or itself, a top-level module)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in FLOORS:
+            return ".".join(parts[:n])
+    return None
 
 
 def module_name(path: Path) -> str:
@@ -86,3 +96,27 @@ def test_no_import_goes_up_a_floor():
                 rel = path.relative_to(ROOT.parent)
                 upward.append(f"{rel}:{line}: {module} (floor {own}) imports {target} (floor {theirs})")
     assert not upward, "imports up the floors:\n" + "\n".join(upward)
+
+
+def test_floors_are_given_to_folders_not_to_files_inside_them():
+    folders = [key for key in FLOORS if key != "hpc_train"]
+    inside = sorted(key for key in folders for other in folders if key != other and key.startswith(f"{other}."))
+    assert not inside, f"a folder stands on one floor; these name a part of a folder listed already: {inside}"
+
+
+def test_no_two_folders_import_each_other():
+    """A loop of imports between folders (and top-level modules) runs up a floor somewhere, even where every
+    file-level import stays on or below its floor (siblings on one floor)."""
+    edges: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        module = module_name(path)
+        for _, target in imported(path, module):
+            a, b = room(module), room(target)
+            if a and b and a != b and a != "hpc_train" and b != "hpc_train":
+                edges.setdefault(a, set()).add(b)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})) for nxt in edges.get(start, ()))
+
+    loops = sorted(f"{a} -> {b} -> ... -> {a}" for a, targets in edges.items() for b in targets if reaches(b, a, {b}))
+    assert not loops, "folders that import each other:\n" + "\n".join(loops)

@@ -203,7 +203,7 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
 def zero_stage_blocking(rank_env, root: Path, model: list[str], threads: int) -> None:
     """dp=2 (2 processes): for each ZeRO stage, the time an async save blocks training (at the save and
     before the next update) against the same stage's sync save."""
-    from hpc_train.launch.bootstrap import distributed
+    from hpc_train.bootstrap import distributed
 
     device = torch.device("cpu")
     rows = []

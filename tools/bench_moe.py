@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.config import JobConfig, load_config
-from hpc_train.launch.bootstrap import RankEnv
+from hpc_train.bootstrap import RankEnv
 from hpc_train.launch.local import launch_sequence
 from hpc_train.models.common.moe import grouped_mm_runs, grouped_swiglu, looped_swiglu
 from hpc_train.planner import ep_traffic_bytes

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hpc_train.config import JobConfig, load_config
-from hpc_train.launch.bootstrap import RankEnv
+from hpc_train.bootstrap import RankEnv
 from hpc_train.launch.local import launch_local
 from hpc_train.planner import cp_traffic_bytes
 from hpc_train.train.loop import run_training

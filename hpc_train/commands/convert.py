@@ -27,7 +27,7 @@ from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import ParallelModel, full_state_dict, parallelize
 from hpc_train.distributed.transforms import StagePlan
 from hpc_train.finetune.lora import merge_adapters
-from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
+from hpc_train.bootstrap import RankEnv, distributed, select_device
 from hpc_train.models import get_spec
 
 # what a checkpoint of any layout is loaded into for export: one process, whole fp32 weights

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from hpc_train.errors import HANG_EXIT, USER_ERROR_EXIT, RankFailed
-from hpc_train.launch.bootstrap import RankEnv, distributed
+from hpc_train.bootstrap import RankEnv, distributed
 from hpc_train.resilience.restart import Attempt, announce_restart, exit_description, forwarding_stop_signals, run_rank
 
 

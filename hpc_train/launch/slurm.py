@@ -1,6 +1,6 @@
 """The Slurm submit path: config -> submitit executor -> sbatch job with one srun task per rank.
 
-Every task runs `SlurmTask`, which bootstraps its rank from Slurm's environment (launch/bootstrap.py)
+Every task runs `SlurmTask`, which bootstraps its rank from Slurm's environment (bootstrap.py)
 and calls the entry point it was given (the CLI gives the train loop's). `executor_for` turns the
 config's `slurm` section into submitit's parameters. The config is checked before (`layout.check_job`, the
 CLI's one check): the layout for the job's world size (`slurm_world_size`), and every slurm value sbatch
@@ -21,7 +21,7 @@ from typing import Any
 import submitit
 
 from hpc_train.config import JobConfig, time_limit_minutes, to_yaml
-from hpc_train.launch.bootstrap import RankEnv, detect_rank_env
+from hpc_train.bootstrap import RankEnv, detect_rank_env
 from hpc_train.resilience.bad_nodes import exclusion
 from hpc_train.resilience.restart import run_task
 

@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from hpc_train.launch.bootstrap import node_name
+from hpc_train.bootstrap import node_name
 
 FILE = "bad_nodes.json"
 KEEP = 5  # reasons kept per node, the latest

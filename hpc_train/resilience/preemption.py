@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 
-from hpc_train.launch.bootstrap import STOP_SIGNALS
+from hpc_train.bootstrap import STOP_SIGNALS
 from hpc_train.resilience.bad_nodes import exclusion
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.config import LoggingConfig
-from hpc_train.launch.bootstrap import node_name
+from hpc_train.bootstrap import node_name
 
 
 class ComputeClock:

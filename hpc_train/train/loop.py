@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hpc_train.builder import Run, build_run
 from hpc_train.checkpoint.checkpointer import Resumed
 from hpc_train.config import JobConfig
-from hpc_train.launch.bootstrap import RankEnv, distributed, select_device
+from hpc_train.bootstrap import RankEnv, distributed, select_device
 from hpc_train.observe.memory import live_storage_bytes
 from hpc_train.observe.metrics import peak_memory_bytes
 from hpc_train.observe.profiling import ProfileWindow, write_oom_report
