@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hpc_train.bootstrap import RankEnv
 from hpc_train.checkpoint.checkpointer import Checkpointer
 from hpc_train.checkpoint.init_from import base_fingerprint, load_base, with_source_model
 from hpc_train.checkpoint.state import ModelState, OptimizerState, RNGState
-from hpc_train.config import JobConfig
 from hpc_train.data.blend import BlendedSampler, BlendedSource
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import load_datasets, load_valid_sources
@@ -32,7 +32,7 @@ from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.parallelize import ParallelModel, parallelize
 from hpc_train.distributed.transforms import StagePlan
-from hpc_train.bootstrap import RankEnv
+from hpc_train.job import JobConfig, declared
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.observe.metrics import MetricsLog
@@ -69,6 +69,22 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed + rank)
 
 
+def build_model(
+    cfg: JobConfig, mesh: Mesh, device: torch.device, compute_dtype: torch.dtype | None = None
+) -> ParallelModel:
+    """This rank's part of the model (distributed/parallelize.py), with every feature that is on: its
+    transforms and initializers in the registry's order, bound to the config sections each reads, and its
+    hooks into every step."""
+    o = cfg.optim
+    plan = StagePlan(cfg.model, cfg.parallel, cfg.train, get_spec(cfg.model.arch), mesh, device, compute_dtype,
+                     params_on_host=optimizer_class(o).shards_params and o.offload == "cpu",
+                     transforms=tuple(fn for _, fn in declared(cfg, "transform", mesh=mesh)),
+                     initializers=tuple(fn for _, fn in declared(cfg, "initialize", mesh=mesh)))  # fmt: skip
+    model = parallelize(plan)
+    model.hooks = [hook for _, attach in declared(cfg, "hooks", mesh=mesh) if (hook := attach(model)) is not None]
+    return model
+
+
 def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data: bool = True) -> Run:
     """Every part of the run on this rank; the default process group must exist."""
     cfg = with_source_model(cfg)
@@ -80,10 +96,8 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     train_set, valid_set = load_datasets(cfg.data, cfg.model, progress=is_logger) if with_data else (None, None)
     valid_sources = load_valid_sources(cfg.data, cfg.model, progress=is_logger) if with_data else {}
 
-    spec = get_spec(cfg.model.arch)
     policy = precision_policy(cfg)
-    shards_params = optimizer_class(cfg.optim).shards_params
-    model = parallelize(StagePlan(cfg, spec, mesh, device, policy.autocast_dtype, shards_params))
+    model = build_model(cfg, mesh, device, policy.autocast_dtype)
     model.masked_loss = any(ds is not None and ds.loss_mask is not None
                             for ds in (train_set, valid_set, *valid_sources.values()))  # fmt: skip
     load_base(model, cfg, cfg.checkpoint.io_threads)

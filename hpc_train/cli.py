@@ -7,10 +7,11 @@ import argparse
 import dataclasses
 import sys
 
-from hpc_train.config import ConfigError, JobConfig, check_values, load_config, to_yaml
+from hpc_train.bootstrap import detect_rank_env
+from hpc_train.config import ConfigError, check_values, to_yaml
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.errors import UserError
-from hpc_train.bootstrap import detect_rank_env
+from hpc_train.job import JobConfig, load_config
 from hpc_train.layout import check_job
 
 SLURM_WORLD = "slurm.nodes x slurm.tasks_per_node"  # a Slurm job's world size, in its layout errors

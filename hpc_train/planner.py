@@ -15,34 +15,34 @@ top, which is not modelled, and norms may keep fp32 copies CPU autocast does not
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from hpc_train.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig
+from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.distributed.pipeline import bubble_fraction, stage_ids
-from hpc_train.distributed.transforms.float8 import fp8_projections, runs_on_cuda
-from hpc_train.distributed.transforms.fsdp import reshards_after_forward
-from hpc_train.distributed.transforms.tensor_parallel import sharded_parameter_names
-from hpc_train.finetune.lora import NF4_BLOCK, nf4_scaler_block, projections
+from hpc_train.features.feature import Links, Memory
+from hpc_train.features.lora.adapters import NF4_BLOCK, nf4_scaler_block
+from hpc_train.features.lora.options import FinetuneConfig
+from hpc_train.features.tensor_parallel.sharding import sharded_parameter_names
+from hpc_train.job import JobConfig, declared
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
-from hpc_train.models.common.decoder import recompute_choice
 from hpc_train.models.common.moe import is_moe_layer, moe_layers
-from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen
+from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen, projections
 from hpc_train.optim import optimizer_class, precision_policy
 from hpc_train.optim.buckets import largest_bucket
 from hpc_train.optim.rules import UpdateRule, is_hidden_matrix, rule_class
 
 GiB = 2**30
 LONG_SEQUENCE = 8192  # `plan --search` tries context parallelism from this model.seq_len on
-NF4_DEQUANTIZE_BYTES = 14  # per element of a projection while torchao dequantizes it (see `estimate`)
 
 
 @dataclass
@@ -92,8 +92,9 @@ def local_param_count(cfg: JobConfig, pp_rank: int = 0, dp: int = 1) -> LocalPar
     """Exact parameter elements held by a rank of pipeline rank `pp_rank` (ZeRO-3 shards over `dp`)."""
     p = cfg.parallel
     f = cfg.finetune
-    return _param_count(tuple(vars(cfg.model).items()), p.tp, p.pp, p.virtual_stages, pp_rank,
-                        tuple(cfg.train.freeze), dp, (f.method, f.lora_rank, tuple(f.lora_targets)), p.ep)  # fmt: skip
+    model = tuple((field.name, getattr(cfg.model, field.name)) for field in dataclasses.fields(ModelConfig))
+    return _param_count(model, p.tp, p.pp, p.virtual_stages, pp_rank, tuple(cfg.train.freeze), dp,
+                        (f.method, f.lora_rank, tuple(f.lora_targets)), p.ep)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
@@ -186,29 +187,38 @@ def compute_bytes(cfg: JobConfig) -> int:
 
 
 def activation_parts(cfg: JobConfig) -> StageActivations:
-    """The family's activation formulas for one micro-batch of this run, by part of a stage."""
+    """The family's activation formulas for one micro-batch of this run, by part of a stage: its shape on a
+    rank (its cp shard of the tokens, in the compute dtype; autocast's casts of fp32 weights), as each
+    feature that is on changes it (float8 projections, compiled blocks, LoRA's adapters...)."""
     m, p = cfg.model, cfg.parallel
-    f, policy, compute = cfg.finetune, precision_policy(cfg), compute_bytes(cfg)
-    adapters = f.adapters
-    casts = policy.autocast_dtype is not None and compute == 4 and not adapters  # autocast over fp32 weights
+    policy, compute = precision_policy(cfg), compute_bytes(cfg)
+    casts = policy.autocast_dtype is not None and compute == 4  # autocast over fp32 weights
     shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len // p.cp, tp=p.tp,  # cp: its shard
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
-                            element_bytes=policy.frozen_dtype.itemsize if adapters or casts else compute,
-                            lora_targets=tuple(f.lora_targets) if adapters else (),
-                            lora_rank=f.lora_rank, compiled=cfg.train.compile, autocast_casts=casts,
-                            float8=cfg.train.fp8 != "off")  # fmt: skip
+                            element_bytes=policy.frozen_dtype.itemsize if casts else compute,
+                            autocast_casts=casts)  # fmt: skip
+    for _, adjust in declared(cfg, "activation_shape"):
+        shape = adjust(shape)
     return get_spec(m.arch).activations(m, shape)
+
+
+def block_policy(cfg: JobConfig) -> Callable[[int], str]:
+    """The recompute choice (none, selective, full) of a pipeline stage's i-th block: a feature's (recompute),
+    or none."""
+    policies = [policy() for _, policy in declared(cfg, "block_policy")]
+    return policies[0] if policies else lambda index_in_stage: "none"
 
 
 def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
     """Bytes saved for backward by one micro-batch on a rank of pipeline rank `pp_rank`."""
     m, p = cfg.model, cfg.parallel
     parts = activation_parts(cfg)
+    policy = block_policy(cfg)
     num_stages = p.pp * p.virtual_stages
     total = 0
     per_stage = m.n_layers // num_stages
     for stage in stage_ids(pp_rank, p.pp, p.virtual_stages):
-        choices = [recompute_choice(m, i) for i in range(per_stage)]
+        choices = [policy(i) for i in range(per_stage)]
         total += sum(parts.layer[choice] for choice in choices)
         moe = [is_moe_layer(m, stage * per_stage + i) and choice != "full" for i, choice in enumerate(choices)]
         total += parts.moe_block * sum(moe)
@@ -274,39 +284,25 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
       the update        every gradient and the bucket the update gathers the weights in (stages 1-2; in
                         fp32 for a rule that needs whole matrices) or the flat bucket stage 0 all-reduces
                         after backward.
-    Throughout the step: stage 3's root unit gathered and the next block prefetched (without
-    reshard_after_forward every block; under pipeline parallelism the whole stage with its fp32
-    gradients), and the pipeline's receive buffers (`pipeline_buffers`). A block's working set: the
-    gradients of its output and of its widest activation, and with QLoRA torchao's dequantization of
-    one projection (two int64 index arrays of half its elements, their bf16 lookups and scaled copies,
-    the bf16 weight: 14 bytes per element)."""
+    Throughout the step: the pipeline's receive buffers (`pipeline_buffers`). A block's working set: the
+    gradients of its output and of its widest activation. Each feature that is on adds its own bytes at
+    these moments (features/*: `Memory`): the buffers of an exchange while a block runs (context and expert
+    parallelism), what ZeRO-3 gathers (through the step: its root unit and the next block prefetched, or
+    the whole stage; while a block's backward runs: the block and its gradients), the working set of a
+    float8 projection's or QLoRA's backward, activations moved to host memory."""
     o, dp = cfg.optim, dims.dp * dims.cp  # gradients are averaged, and ZeRO shards, over dp x cp
     cls = optimizer_class(o)
     local = local_param_count(cfg, dp=dp if cls.shards_params else 1)
     element, compute = precision_policy(cfg).param_bytes, compute_bytes(cfg)
     parts = activation_parts(cfg)
-    static = pipeline_buffers(cfg, parts)  # communication buffers alive through the step
-    block = cp_buffers(cfg) + ep_buffers(cfg)  # context and expert parallelism's exchanges, while a block runs
+    added = feature_memory(cfg, dims, local=local, parts=parts, compute=compute)
+    static = pipeline_buffers(cfg, parts) + added.static  # communication buffers alive through the step
+    block = added.block  # what the features' exchanges and gathers hold while a block runs
     first = at_end = update = 0  # buffers alive at one of the moments only
-    if cls.shards_params:  # the fp32 shards are the master weights
+    if cls.shards_params:  # the fp32 shards are the master weights (FSDP2's gathers: its feature's memory)
         param_bytes = 4 * local.shard_total
         trainable, matrices = local.shard_trainable, local.shard_trainable_matrices
         grads, masters, owned = cls.planned_bytes(trainable, 1, element, o.overlap_grad_reduce)
-        # train.fp8_all_gather: a block's float8 projections are gathered in float8, 1 byte an element
-        saved = (compute - 1) * float8_gathered_elements(cfg)
-        blocks = cfg.model.n_layers // dims.pp
-        if dims.pp > 1:  # torch's schedules keep the stage gathered, its fp32 gradients whole, to the last backward
-            static += (compute + 4) * local.total - saved * blocks
-        else:
-            # a block's gradients grow through its backward; FSDP copies them to fp32 for the reduce-scatter
-            # after it, once the block's activations are freed
-            reduced = max(compute * local.largest_block, (compute + 4) * local.largest_block - parts.layer["none"])
-            if reshards_after_forward(cfg):  # the root, the running block and the next one gathered
-                static += compute * (local.root + local.largest_block) - saved
-                block += compute * local.largest_block - saved + reduced
-            else:  # every block stays gathered from its forward to its backward
-                static += compute * local.total - saved * blocks
-                block += reduced
     else:  # LoRA's frozen base in the compute dtype, QLoRA's projections in NF4
         frozen = local.total - local.trainable - local.quantized
         frozen_bytes = precision_policy(cfg).frozen_dtype.itemsize if cfg.finetune.adapters else element
@@ -339,12 +335,11 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         block_trainable = local.largest_block * trainable // local.total  # LoRA: the block's adapters
         fresh = element * (max(local.trainable_sizes) if cls.takes_grads_in_backward else block_trainable)
     optimizer = masters + rule_state_bytes(rule_class(o), owned, trainable, matrices)
-    working = parts.block_backward + NF4_DEQUANTIZE_BYTES * local.largest_projection * bool(local.quantized)
-    working += float8_working_bytes(cfg)
+    working = parts.block_backward + added.working
     if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.takes_grads_in_backward):
         vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, dims.tp)
         grads += vocab_rows * cfg.model.d_model * 4 * (dims.tp - 1) // dims.tp
-    host = 0
+    host = added.host
     if o.offload == "cpu":
         host, optimizer = host + optimizer, 0
         if cls.shards_params:
@@ -353,7 +348,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
             host += 4 * owned
     per_micro = activation_bytes(cfg)
     flight = in_flight(cfg)
-    activations = int(per_micro * flight)
+    activations = int(per_micro * flight) + added.activations
     loss_backward = parts.loss_backward if dims.pp == 1 else 0
     head = parts.last_stage if dims.pp == 1 else 0  # freed once the loss's and the head's backward are done
     # gradients are held at the activation peak from a backward before it: an earlier micro-batch's (the
@@ -369,35 +364,12 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
                           loss_backward, fresh + working, host, total)  # fmt: skip
 
 
-def float8_working_bytes(cfg: JobConfig) -> int:
-    """train.fp8: what the backward of the widest float8 projection (the MLP's, d x f on a tp rank) holds
-    besides its operands: float8 casts (1 byte an element) of its input, its weight and its output's
-    gradient, with their scales (one fp32 per tensor, or per row and column with rowwise scaling); on the
-    CPU, whose `_scaled_mm` computes in fp32, also their fp32 copies (4 bytes more an element, measured)."""
-    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
-    if t.fp8 == "off":
-        return 0
-    tokens, d = t.micro_batch_size * m.seq_len // cfg.parallel.cp, m.d_model  # the rank's sequence shard
-    f = max(projection.out_features for projection in fp8_projections_of(cfg).values()) // tp
-    elements = tokens * d + d * f + tokens * f
-    scales = 4 * (2 * tokens + d + f) if t.fp8 == "rowwise" else 4 * 3
-    return elements * (1 if runs_on_cuda(cfg) else 5) + scales
-
-
-def float8_gathered_elements(cfg: JobConfig) -> int:
-    """With train.fp8_all_gather: the elements of one block's float8 projections on a tp rank, which FSDP2
-    all-gathers in float8 (1 byte) rather than the compute dtype; otherwise 0."""
-    if not cfg.train.fp8_all_gather:
-        return 0
-    return sum(m.weight.numel() for name, m in fp8_projections_of(cfg).items()
-               if name.startswith("layers.0.")) // cfg.parallel.tp  # fmt: skip
-
-
-def fp8_projections_of(cfg: JobConfig) -> dict[str, torch.nn.Module]:
-    """The projections train.fp8 converts, on the meta device."""
-    with torch.device("meta"):
-        chunk = get_spec(cfg.model.arch).build_stage(cfg.model)
-    return fp8_projections(chunk, cfg.train.fp8_min_dim)
+def feature_memory(cfg: JobConfig, dims: ParallelDims, **given) -> Memory:
+    """What the features that are on add to one rank's memory, summed by where it sits in a step. `given`:
+    the planner's own figures a feature may read (`local`: the rank's parameters, `parts`: the family's
+    activation formula, `compute`: the element size of the weights computed with)."""
+    terms = [memory() for _, memory in declared(cfg, "memory", dims=dims, block_policy=block_policy(cfg), **given)]
+    return Memory(**{f.name: sum(getattr(t, f.name) for t in terms) for f in dataclasses.fields(Memory)})
 
 
 def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) -> list[dict]:
@@ -451,177 +423,78 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
 
 
 def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int, matrices: int = 0) -> float:
-    """Bytes a rank sends over dp per step for `params` local elements (ring collectives: (dp-1)/dp of the
-    buffer each). Stage 0: an fp32 all-reduce (reduce-scatter + all-gather). Stages 1-2: an fp32
-    reduce-scatter (stage 2: one per micro-batch) and an all-gather of the weights in their
-    dtype. Stage 3: per micro-batch, an all-gather in the compute dtype for forward and one for backward
-    (one per step without reshard_after_forward under pipeline parallelism, where torch's schedules keep
-    the stage gathered) and an fp32 reduce-scatter (once per step under pipeline parallelism): three
-    collectives where stage 0 has two, 1.5x its elements. A rule that needs whole matrices (Muon) adds,
-    where the state is sharded, an fp32 all-gather of the `matrices` elements' updates."""
+    """Bytes a rank sends over dp per step for `params` local elements by the optimizer's strategy (ring
+    collectives: (dp-1)/dp of the buffer each). Stage 0: an fp32 all-reduce (reduce-scatter + all-gather).
+    Stages 1-2: an fp32 reduce-scatter (stage 2: one per micro-batch) and an all-gather of the weights in
+    their dtype. Stage 3's gathers and reduce-scatters are FSDP2's (features/fsdp). A rule that needs whole
+    matrices (Muon) adds, where the state is sharded, an fp32 all-gather of the `matrices` elements'
+    updates."""
     t, o, dp = cfg.train, cfg.optim, dims.dp * dims.cp
     if dp == 1:
         return 0.0
     ring = params * (dp - 1) / dp
-    compute, weights = compute_bytes(cfg), precision_policy(cfg).param_bytes
     cls = optimizer_class(o)
-    if cls.shards_params:
-        pp = cfg.parallel.pp > 1
-        all_gathers = 2 * t.grad_accum if reshards_after_forward(cfg) else (1 if pp else t.grad_accum)
-        traffic = ring * (compute * all_gathers + 4 * (1 if pp else t.grad_accum))
-        float8 = float8_gathered_elements(cfg) * cfg.model.n_layers // cfg.parallel.pp  # gathered in 1 byte
-        traffic -= float8 * (dp - 1) / dp * (compute - 1) * all_gathers
-    elif o.zero_stage == 0:
+    traffic = 0.0
+    if o.zero_stage == 0:
         traffic = ring * 4 * 2
-    else:
+    elif not cls.shards_params:
         reduce_scatters = t.grad_accum if o.zero_stage == 2 else 1
-        traffic = ring * (4 * reduce_scatters + weights)
+        traffic = ring * (4 * reduce_scatters + precision_policy(cfg).param_bytes)
     if rule_class(o).gathers_matrices and cls.shards_state:
         traffic += 4 * matrices * (dp - 1) / dp
     return traffic
 
 
-def attention_elements(cfg: JobConfig) -> tuple[int, int]:
-    """Elements of one micro-batch's q (or attention output) and of its k (or v) on a rank: its shard of
-    the sequence, its tp rank's heads."""
-    m, p = cfg.model, cfg.parallel
-    head_dim, kv_heads = m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
-    tokens = cfg.train.micro_batch_size * m.seq_len // p.cp
-    return tokens * m.n_heads // p.tp * head_dim, tokens * kv_heads // p.tp * head_dim
-
-
-def cp_traffic_bytes(cfg: JobConfig) -> float:
-    """Bytes a rank sends over cp per step, for every block and micro-batch (a recomputed attention
-    exchanges its forward again). Ring: the k and v blocks cp - 1 hops forward and again backward, and
-    their fp32 gradients cp hops. Ulysses: q, k, v and the output through an all-to-all each way, (cp-1)/cp
-    of each (k and v repeated to the q heads when their heads do not split over cp)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    cp = p.cp
-    if cp == 1:
-        return 0.0
-    e = 2 if t.precision != "fp32" else 4
-    q, kv = attention_elements(cfg)
-    layers = range(m.n_layers)
-    passes = forward_passes(cfg, layers, ("selective", "full")) + m.n_layers  # and one backward each
-    if p.cp_mode == "ring":
-        sent = 2 * kv * e * (cp - 1) * passes + 2 * kv * 4 * cp * m.n_layers
-    else:
-        kv_heads = (m.n_kv_heads or m.n_heads) // p.tp
-        kv = kv if kv_heads % cp == 0 else q
-        sent = (2 * q + 2 * kv) * e * (cp - 1) / cp * passes
-    return sent / p.pp * t.grad_accum
-
-
-def forward_passes(cfg: JobConfig, layers: Iterable[int], recomputing: tuple[str, ...]) -> int:
-    """Forward passes of the blocks `layers` (ids in the whole model) per micro-batch: one each, and one more
-    in backward for a block whose recompute choice (models/common/decoder.py) is among `recomputing`."""
-    m, p = cfg.model, cfg.parallel
-    per_stage = m.n_layers // (p.pp * p.virtual_stages)
-    return sum(1 + (recompute_choice(m, i % per_stage) in recomputing) for i in layers)
-
-
-def ep_rows(cfg: JobConfig) -> int:
-    """Rows one MoE layer dispatches per micro-batch on a rank: its tokens' top_k assignments (dropless: a
-    capacity factor's drops are not counted, so this is its upper bound)."""
-    m, t = cfg.model, cfg.train
-    return t.micro_batch_size * m.seq_len // cfg.parallel.cp * m.moe.top_k
-
-
-def ep_traffic_bytes(cfg: JobConfig) -> float:
-    """Bytes a rank sends over ep per step: in each MoE layer and micro-batch, the rows for experts held
-    elsewhere, (ep-1)/ep of them when the load is balanced (exactly so when every token picks every expert),
-    in the compute dtype, through four all-to-alls (dispatch and combine, and their gradients back; a block
-    recomputed whole exchanges again in backward), and the tokens-per-expert counts (int64) before each
-    dispatch. The MoE layers of the whole model over pp (a stage's own share can differ)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if p.ep == 1 or not m.moe.num_experts:
-        return 0.0
-    e = 2 if t.precision != "fp32" else 4
-    others = (p.ep - 1) / p.ep
-    moe_ids = [i for i in range(m.n_layers) if is_moe_layer(m, i)]
-    forwards = forward_passes(cfg, moe_ids, ("full",))  # selective recompute re-runs attention only
-    rows = ep_rows(cfg) * m.d_model * e * others * 2 * (forwards + len(moe_ids))
-    counts = 8 * m.moe.num_experts * others * forwards
-    return (rows + counts) / p.pp * t.grad_accum
-
-
-def ep_buffers(cfg: JobConfig) -> int:
-    """Bytes expert parallelism adds while an MoE layer runs (balanced load): the rows received from the
-    ep group and their copy regrouped by expert, in the compute dtype."""
-    if cfg.parallel.ep == 1 or not cfg.model.moe.num_experts:
-        return 0
-    return 2 * ep_rows(cfg) * cfg.model.d_model * (2 if cfg.train.precision != "fp32" else 4)
-
-
-def cp_buffers(cfg: JobConfig) -> int:
-    """Bytes context parallelism adds while one attention runs (backward, the larger): the ring's received
-    k, v block beside its fp32 gradients, sent and received, and the fp32 q gradient; Ulysses' send and
-    receive copies of q, k, v."""
-    p = cfg.parallel
-    if p.cp == 1:
-        return 0
-    e = compute_bytes(cfg) if cfg.train.precision == "fp32" else 2
-    q, kv = attention_elements(cfg)
-    if p.cp_mode == "ring":
-        return 2 * kv * e + 4 * 2 * kv * 4 + 4 * q
-    return 2 * (q + 2 * kv) * e
+def traffic(cfg: JobConfig, dims: ParallelDims) -> dict[str, float]:
+    """Bytes a rank sends per step, by process-group role: dp (the optimizer's strategy, and what features
+    add to it: FSDP2's gathers, float8's savings), cp, ep... (each feature's own)."""
+    local = local_param_count(cfg)
+    out = {"dp": dp_traffic_bytes(cfg, dims, local.trainable, local.trainable_matrices)}
+    given = {"dims": dims, "local": local, "compute": compute_bytes(cfg), "block_policy": block_policy(cfg)}
+    for _, sent in declared(cfg, "traffic", **given):
+        for role, nbytes in sent().items():
+            out[role] = out.get(role, 0.0) + nbytes
+    return out
 
 
 def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mfu: float = 0.4,
-                       nvlink_gbps: float = 300.0, ib_gbps: float = 25.0, pcie_gbps: float = 25.0,
-                       host_adam_elements_per_s: float = 1e9) -> float:  # fmt: skip
+                       links: Links | None = None, host_adam_elements_per_s: float = 1e9) -> float:  # fmt: skip
     """A simple model to rank layouts: compute at `mfu` of peak (x4/3 with full recompute), the pipeline
-    bubble (pp-1)/(m v), tp communication over NVLink, dp traffic over InfiniBand (GB/s; `dp_traffic_bytes`)
-    less what overlaps backward (overlap_grad_reduce: the last micro-batch's backward, 2/3 of its compute;
-    stage 3 prefetches, so up to all of the compute), and offload's real cost: the owned gradients to the
-    host and the updated weights back over PCIe (stage 3: the parameter shards for every all-gather and
-    the gradient shards of every reduce-scatter) and AdamW on the host cores of each rank."""
+    bubble (pp-1)/(m v), tp communication over NVLink, dp traffic over InfiniBand (`traffic`) less what
+    overlaps backward (overlap_grad_reduce: the last micro-batch's backward, 2/3 of its compute; stage 3
+    prefetches, so up to all of the compute), offload's real cost: the owned gradients to the host and the
+    updated weights back over PCIe (stage 3: the parameter shards for every all-gather and the gradient
+    shards of every reduce-scatter) and AdamW on the host cores of each rank, and what each feature that is
+    on adds (context and expert parallelism's exchanges)."""
     m, p, t, o, dp = cfg.model, cfg.parallel, cfg.train, cfg.optim, dims.dp
+    links = links or Links(gpus_per_node=cfg.slurm.gpus_per_node or 8)
     tokens = t.micro_batch_size * t.grad_accum * m.seq_len  # per dp rank (all its cp ranks)
     compute = tokens * dp * get_spec(m.arch).flops_per_token(m) / (dims.world_size * peak_flops * mfu)
-    if m.recompute == "full":
+    policy = block_policy(cfg)
+    if policy(0) == "full":
         compute *= 4 / 3
     bubble = compute * bubble_fraction(p, t.grad_accum)
     elt = 2 if t.precision != "fp32" else 4
     tp_bytes = 0 if p.tp == 1 else 4 * m.n_layers / p.pp * tokens / p.cp * m.d_model * elt * (p.tp - 1) / p.tp
-    local = local_param_count(cfg)
-    n = local.trainable
-    dp_time = dp_traffic_bytes(cfg, dims, n, local.trainable_matrices) / (ib_gbps * 1e9)
-    # cp within a node (beside tp) over NVLink, else InfiniBand; the ring's transfers overlap the attention
-    # blocks it computes (6 x seq x d flops per token and layer, causal, forward and backward), Ulysses' not
-    node = cfg.slurm.gpus_per_node or 8
-    cp_time = cp_traffic_bytes(cfg) / ((nvlink_gbps if p.tp * p.cp <= node else ib_gbps) * 1e9)
-    if p.cp_mode == "ring":
-        attention = 6 * m.seq_len * m.d_model * m.n_layers * tokens * dp / (dims.world_size * peak_flops * mfu)
-        cp_time = max(0.0, cp_time - attention)
+    dp_time = traffic(cfg, dims)["dp"] / (links.ib_gbps * 1e9)
     if optimizer_class(o).shards_params:  # FSDP prefetches
         dp_time = max(0.0, dp_time - compute)
     elif o.overlap_grad_reduce:
         dp_time = max(0.0, dp_time - 2 / 3 * compute / t.grad_accum)
     offload = 0.0
     if o.offload == "cpu":
+        n = local_param_count(cfg).trainable
         owned = math.ceil(n / (dp * dims.cp))
         transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
-        offload = transfers / (pcie_gbps * 1e9) + owned / host_adam_elements_per_s
-    # expert parallelism within a node over NVLink, else InfiniBand; the all-to-alls wait for the experts
-    ep_time = ep_traffic_bytes(cfg) / ((nvlink_gbps if p.tp * p.ep <= node else ib_gbps) * 1e9)
-    return compute + bubble + tp_bytes / (nvlink_gbps * 1e9) + dp_time + cp_time + ep_time + offload
+        offload = transfers / (links.pcie_gbps * 1e9) + owned / host_adam_elements_per_s
+    features = sum(seconds() for _, seconds in declared(cfg, "step_time", dims=dims, links=links, block_policy=policy,
+                                                        flops_per_s=peak_flops * mfu))  # fmt: skip
+    return compute + bubble + tp_bytes / (links.nvlink_gbps * 1e9) + dp_time + offload + features
 
 
 def plan_world(cfg: JobConfig) -> int:
     """The world the plan is for: the Slurm job's ranks on a GPU layout, else the local processes."""
     return cfg.slurm.nodes * cfg.slurm.tasks_per_node if cfg.slurm.gpus_per_node else cfg.parallel.nproc
-
-
-def moe_param_counts(cfg: JobConfig) -> tuple[int, int]:
-    """(total, active) parameters of the whole model with MoE blocks: a token goes through top_k of each
-    layer's routed experts (counted on the meta device)."""
-    with torch.device("meta"):
-        model = get_spec(cfg.model.arch).build_stage(cfg.model)
-    total = sum(p.numel() for p in model.parameters())
-    moe = cfg.model.moe
-    routed = sum(p.numel() for _, layer in moe_layers([model]) for p in layer.experts.parameters())
-    return total, total - routed * (moe.num_experts - moe.top_k) // moe.num_experts
 
 
 def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gpu_mem_bytes: float) -> str:
@@ -640,22 +513,8 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "
             f"zero={cfg.optim.zero_stage}, offload={cfg.optim.offload}, {cfg.train.precision}")  # fmt: skip
     lines = [head]
-    if cfg.model.moe.num_experts:
-        total, active = moe_param_counts(cfg)
-        lines.append(f"mixture of experts: {total / 1e9:.3f}B parameters, {active / 1e9:.3f}B active per token "
-                     f"({cfg.model.moe.top_k} of {cfg.model.moe.num_experts} routed experts)")  # fmt: skip
-        if p.ep > 1:
-            lines.append(f"expert parallelism ep={p.ep}: {cfg.model.moe.num_experts // p.ep} routed experts per rank, "
-                         f"{ep_traffic_bytes(cfg) / GiB:.3f} GiB sent per rank and step by all-to-all")  # fmt: skip
-    if cfg.finetune.adapters:
-        local = local_param_count(cfg)
-        frozen = (local.total - local.trainable) / 1e6
-        line = f"{cfg.finetune.method} (a rank of the first stage): {local.trainable / 1e6:.1f}M trainable "
-        line += f"adapter parameters beside {frozen:.0f}M frozen"
-        if local.quantized:
-            line += (f", the projections in NF4 ({local.quantized_bytes / GiB:.3f} GiB of the parameters; a "
-                     "block's backward includes dequantizing one projection)")  # fmt: skip
-        lines.append(line)
+    given = {"dims": dims, "local": local_param_count(cfg), "block_policy": block_policy(cfg)}
+    lines += [line for _, describe in declared(cfg, "describe", **given) for line in describe()]
     lines.append("per rank (first pipeline stage):")
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]
     if plan.host:

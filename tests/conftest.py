@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_train.config import JobConfig, load_config
 from hpc_train.data.prepare import prepare_data, stdlib_sources
+from hpc_train.job import JobConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

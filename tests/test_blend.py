@@ -9,10 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from hpc_train.config import ConfigError, load_config
+from hpc_train.config import ConfigError
 from hpc_train.data.blend import BlendedSampler, BlendedSource, next_sources, normalised, share_bound
 from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter
 from hpc_train.data.prepare import prepare_data, stdlib_sources
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, read_metrics

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessException
 
+from hpc_train.bootstrap import distributed
 from hpc_train.builder import build_run
 from hpc_train.checkpoint.safe_load import read_dcp_metadata
 from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.cli import main
-from hpc_train.config import load_config
-from hpc_train.bootstrap import distributed
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.placement import local
 from hpc_train.train.loop import run_training

@@ -6,9 +6,9 @@ two (sent as they are). The whole-model parity of every cp layout is tests/test_
 import torch
 import torch.distributed as dist
 
-from hpc_train.data.batch import SequenceShard
-from hpc_train.distributed.context_attention import ring_attention, ulysses_attention
 from hpc_train.bootstrap import RankEnv, distributed
+from hpc_train.data.batch import SequenceShard
+from hpc_train.features.context_parallel.exchange import ring_attention, ulysses_attention
 from hpc_train.launch.local import launch_local
 
 TOL = 1e-5

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from hpc_train.config import ConfigError, ModelConfig, load_config, validate
+from hpc_train.config import ConfigError, ModelConfig, validate
 from hpc_train.data.batch import collate
 from hpc_train.data.blend import BlendedSource
 from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter
+from hpc_train.job import load_config
 from hpc_train.models.common.decoder import init_weights
 from hpc_train.models.gpt2 import GPT2
 from hpc_train.models.llama import LLAMA

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train.config import ConfigError, load_config
+from hpc_train.config import ConfigError
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
-from hpc_train.planner import ep_traffic_bytes, estimate, format_estimate, local_param_count
+from hpc_train.planner import estimate, format_estimate, local_param_count, traffic
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
 from tools.bench_moe import counted_training  # counts the bytes all_to_all_single sends
@@ -91,7 +92,8 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     # all-to-alls and count exchanges of the two MoE layers: 4 and 1 each, 6 and 2 for a block recomputed whole
     for recompute, (exchanges, forwards) in {"selective": (4 + 4, 1 + 1), "full": (6 + 4, 2 + 1)}.items():
         run = every[recompute]
-        sent, planned = float((Path(run.run_dir) / "ep_bytes_0").read_text()), ep_traffic_bytes(run)
+        dims = check_run(run, 2, check_paths=False)
+        sent, planned = float((Path(run.run_dir) / "ep_bytes_0").read_text()), traffic(run, dims)["ep"]
         assert sent == planned == exchanges * rows + forwards * counts, recompute
     # `hpc-train plan` prints that figure; the routed experts per rank
     dims = check_run(run, 2, check_paths=False)

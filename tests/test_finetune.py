@@ -22,18 +22,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from hpc_train.bootstrap import distributed
 from hpc_train.builder import build_run
 from hpc_train.checkpoint.hf_io import HFFolder, save_hf
 from hpc_train.checkpoint.init_from import newest_checkpoint, with_model_fields, with_source_model
 from hpc_train.cli import main
 from hpc_train.commands.convert import export_hf, import_config, import_hf, load_model, load_whole
 from hpc_train.commands.generate import generate
-from hpc_train.config import ConfigError, load_config
+from hpc_train.config import ConfigError
 from hpc_train.data.batch import collate
 from hpc_train.data.prepare import load_datasets, prepare_data, stdlib_sources
 from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.parallelize import step_context
-from hpc_train.bootstrap import distributed
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec

@@ -16,16 +16,17 @@ FLOORS = {
     "hpc_train": 0,  # the package itself (its version)
     "hpc_train.errors": 0,
     "hpc_train.placement": 0,  # tensors laid out like a parameter: torch only
-    "hpc_train.config": 1,
+    "hpc_train.config": 1,  # the core schema, its composition, loading and value checks
     "hpc_train.data": 2,
     "hpc_train.observe": 2,  # metrics log, memory accounting, profiler
     "hpc_train.bootstrap": 3,  # rank bootstrap: a process's rank, node, process group
     "hpc_train.resilience": 4,  # faults, hangs, stragglers, preemption, bad nodes, restarts
-    "hpc_train.launch": 5,  # submit (Slurm) and local spawn
-    "hpc_train.models": 7,
-    "hpc_train.finetune": 8,
-    "hpc_train.distributed": 9,  # parallelize: tensor parallelism, pipeline, FSDP, gradients
-    "hpc_train.optim": 10,
+    "hpc_train.launch": 5,  # submit (Slurm) and local spawn: the supervisors, above what they supervise
+    "hpc_train.models": 6,
+    "hpc_train.distributed": 7,  # parallelize: the mesh, the pipeline, gradients, the step hooks' protocol
+    "hpc_train.optim": 8,
+    "hpc_train.features": 9,  # one folder per feature, each a room of its own (`room`)
+    "hpc_train.job": 10,  # the registry: the features, the schema they compose
     "hpc_train.layout": 11,
     "hpc_train.planner": 12,
     "hpc_train.checkpoint": 13,
@@ -37,8 +38,11 @@ FLOORS = {
 
 
 def room(module: str) -> str | None:
-    """The FLOORS entry a module stands in: its folder (or itself, a top-level module)."""
+    """The FLOORS entry a module stands in: its folder (or itself, a top-level module); under features/,
+    each feature's folder (and features/feature.py) is a room of its own."""
     parts = module.split(".")
+    if parts[:2] == ["hpc_train", "features"] and len(parts) > 2:
+        return ".".join(parts[:3])
     for n in range(len(parts), 0, -1):
         if ".".join(parts[:n]) in FLOORS:
             return ".".join(parts[:n])
@@ -116,7 +120,8 @@ def test_no_two_folders_import_each_other():
                 edges.setdefault(a, set()).add(b)
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})) for nxt in edges.get(start, ()))
+        nexts = edges.get(start, ())
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})) for nxt in nexts)
 
     loops = sorted(f"{a} -> {b} -> ... -> {a}" for a, targets in edges.items() for b in targets if reaches(b, a, {b}))
     assert not loops, "folders that import each other:\n" + "\n".join(loops)

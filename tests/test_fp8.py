@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train.config import ConfigError, load_config
-from hpc_train.distributed.transforms.float8 import capability_problem
+from hpc_train.config import ConfigError
+from hpc_train.features.float8.linears import capability_problem
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
 from hpc_train.train.loop import run_training
@@ -181,10 +182,11 @@ def test_only_the_block_projections_become_float8(cfg_for):
     import torch
     from torchao.float8 import ScalingGranularity
 
-    from hpc_train.distributed.transforms.float8 import TRANSFORM, is_float8
-    from hpc_train.distributed.transforms.plan import StagePlan
-    from hpc_train.finetune.lora import projections
+    from hpc_train.distributed.transforms import StagePlan
+    from hpc_train.features.float8.linears import is_float8
+    from hpc_train.job import declared
     from hpc_train.models import get_spec
+    from hpc_train.models.spec import projections
 
     for recipe, granularity in (
         ("tensorwise", ScalingGranularity.TENSORWISE),
@@ -195,9 +197,10 @@ def test_only_the_block_projections_become_float8(cfg_for):
         with torch.device("meta"):
             stage = spec.build_stage(cfg.model)
         names = [name for name, _ in stage.named_parameters()]
-        plan = StagePlan(cfg, spec, None, torch.device("cpu"))
-        assert TRANSFORM.applies(plan) and not TRANSFORM.applies(StagePlan(cfg_for("off"), spec, None, plan.device))
-        TRANSFORM.apply(stage, plan)
+        plan = StagePlan(cfg.model, cfg.parallel, cfg.train, spec, None, torch.device("cpu"))
+        transforms = dict(declared(cfg, "transform"))
+        assert "float8" in transforms and "float8" not in dict(declared(cfg_for("off"), "transform"))
+        transforms["float8"](stage, plan)
         converted = [name for name, m in stage.named_modules() if is_float8(m)]
         assert converted == list(projections(stage)) and len(converted) == 7 * cfg.model.n_layers
         assert not is_float8(stage.output) and [name for name, _ in stage.named_parameters()] == names

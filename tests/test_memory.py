@@ -26,7 +26,7 @@ POLICIES = {
 
 @pytest.fixture(scope="module")
 def measured(small_corpus, tmp_path_factory):
-    from hpc_train.config import load_config
+    from hpc_train.job import load_config
     from tests.conftest import TINY_MODEL
 
     results = {}

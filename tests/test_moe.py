@@ -15,8 +15,10 @@ import yaml
 
 from hpc_train import planner
 from hpc_train.checkpoint.ownership import identity_differences
-from hpc_train.config import ConfigError, load_config, to_yaml
-from hpc_train.distributed.transforms.tensor_parallel import sharded_parameter_names
+from hpc_train.config import ConfigError, to_yaml
+from hpc_train.features.moe.plan import moe_param_counts
+from hpc_train.features.tensor_parallel.sharding import sharded_parameter_names
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
 from hpc_train.models import get_spec
@@ -30,7 +32,6 @@ from hpc_train.models.common.moe import (
     update_expert_bias,
 )
 from hpc_train.models.llama.model import SwiGLU
-from hpc_train.planner import moe_param_counts
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
 
@@ -156,7 +157,7 @@ def test_active_flops_and_the_planners_total_and_active_parameters(make_cfg):
     model = spec.build_stage(moe)
     assert isinstance(model.layers["0"].mlp, SwiGLU) and isinstance(model.layers["1"].mlp, MoE)
     cfg = make_cfg(*MOE, "model.moe.num_shared_experts=1")
-    total, active = moe_param_counts(cfg)
+    total, active = moe_param_counts(cfg.model)
     built = spec.build_stage(cfg.model)
     sharded = sharded_parameter_names(built, spec.tp_plan(built, False))  # under tp: shared experts, not routed
     assert {"layers.0.mlp.shared.w1.weight", "layers.0.mlp.shared.w2.weight"} <= sharded

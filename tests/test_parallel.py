@@ -8,9 +8,10 @@ gradient norm of every step, and the final parameters gathered to full tensors.
 
 import pytest
 
-from hpc_train.config import load_config
+from hpc_train.distributed.mesh import ParallelDims
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_sequence
-from hpc_train.planner import cp_traffic_bytes
+from hpc_train.planner import traffic
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
 from tools.bench_parallel import counted_training
@@ -223,10 +224,11 @@ def test_packed_documents_train_alike_at_one_process_and_tp2(runs, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if "cp" in name])
 def test_context_parallel_bytes_are_the_planners(runs, arch, layout):
-    """What rank 0 sent over cp per step, counted at the primitives, is the planner's cp_traffic_bytes (a
+    """What rank 0 sent over cp per step, counted at the primitives, is the planner's cp traffic (a
     pipeline's first step adds the forward that infers its shapes: at most one step's more over the run)."""
     cfg = load_config(None, [*COMMON, f"model.arch={arch}", *LAYOUTS[layout][1]])
-    sent, planned = float((runs[arch] / layout / "cp_bytes_0").read_text()), cp_traffic_bytes(cfg)
+    dims = ParallelDims(pp=cfg.parallel.pp, cp=cfg.parallel.cp, tp=cfg.parallel.tp)
+    sent, planned = float((runs[arch] / layout / "cp_bytes_0").read_text()), traffic(cfg, dims)["cp"]
     if cfg.parallel.pp == 1:
         assert sent > 0 and sent == pytest.approx(planned, rel=1e-9)
     else:

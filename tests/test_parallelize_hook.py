@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from hpc_train.config import ModelConfig
-from hpc_train.distributed.transforms.tensor_parallel import apply_tensor_parallel
+from hpc_train.features.tensor_parallel.sharding import apply_tensor_parallel
 from hpc_train.launch.local import single_process_group
 from hpc_train.models.llama import LLAMA
 

@@ -69,14 +69,15 @@ def test_plan_cli_and_submit_refuses_a_layout_that_does_not_fit(capsys):
 def test_plan_counts_context_parallelism():
     """cp divides a rank's activations by cp (its sequence shard) and `plan --search` tries cp, in both
     modes, for long sequences only."""
-    from hpc_train.config import load_config
-    from hpc_train.planner import activation_bytes, cp_traffic_bytes, search
+    from hpc_train.distributed.mesh import ParallelDims
+    from hpc_train.job import load_config
+    from hpc_train.planner import activation_bytes, search, traffic
     from tests.conftest import TINY_MODEL
 
     long = [*TINY_MODEL, "model.seq_len=16384", "train.micro_batch_size=1"]
     one, four = load_config(None, long), load_config(None, [*long, "parallel.cp=4"])
     assert activation_bytes(four) == pytest.approx(activation_bytes(one) / 4, rel=0.05)  # + what every rank keeps
-    assert cp_traffic_bytes(one) == 0 < cp_traffic_bytes(four)
+    assert traffic(one, ParallelDims()).get("cp", 0) == 0 < traffic(four, ParallelDims(cp=4))["cp"]
     rows = search(one, 8, 80 * 2**30, 1e15)
     assert {(r["cp"], r["cp_mode"]) for r in rows if r["cp"] > 1} >= {(2, "ring"), (4, "ulysses")}
     assert all(r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 for r in rows)

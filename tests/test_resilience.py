@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hpc_train.checkpoint.store import CheckpointStore
-from hpc_train.config import load_config
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.resilience.stragglers import find_stragglers
 from hpc_train.train.loop import run_training

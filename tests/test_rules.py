@@ -9,10 +9,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hpc_train.builder import build_run
-from hpc_train.config import ConfigError, load_config
-from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.bootstrap import distributed
+from hpc_train.builder import build_run
+from hpc_train.config import ConfigError
+from hpc_train.distributed.mesh import ParallelDims
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_sequence
 from hpc_train.layout import check_run
 from hpc_train.optim.rules import RULES, is_hidden_matrix, rule_class, target

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from hpc_train.cli import main
-from hpc_train.config import check_values, load_config
+from hpc_train.config import check_values
+from hpc_train.job import load_config
 from hpc_train.launch import slurm
 from hpc_train.launch.local import launch_local
 from hpc_train.train.loop import run_training

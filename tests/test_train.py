@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hpc_train.config import load_config
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.models import get_spec
 from hpc_train.resilience import watchdog

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpc_train.bootstrap import distributed
 from hpc_train.builder import build_run
-from hpc_train.config import load_config
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.distributed.grads import GradGroups, all_reduce_on, clip_grad_norm
 from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import forward_backward
-from hpc_train.bootstrap import distributed
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.layout import check_run
 from hpc_train.optim import build_optimizer

@@ -36,8 +36,8 @@ import torch.distributed.checkpoint as dcp
 
 from hpc_train.builder import build_run
 from hpc_train.checkpoint.checkpointer import host_stager
-from hpc_train.config import load_config
 from hpc_train.data.batch import Batch
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, single_process_group
 from hpc_train.models.common.decoder import count_params
 from hpc_train.train.step import StepOptions, train_step

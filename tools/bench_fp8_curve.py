@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpc_train.config import load_config
 from hpc_train.data.prepare import prepare_data, stdlib_sources
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.train.loop import run_training
 

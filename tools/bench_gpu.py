@@ -29,9 +29,9 @@ from collections.abc import Callable
 import torch
 
 from hpc_train.builder import build_run
-from hpc_train.config import JobConfig, load_config
 from hpc_train.data.batch import Batch
-from hpc_train.distributed.transforms.float8 import capability_problem, fp8_projections
+from hpc_train.features.float8.linears import capability_problem, fp8_projections
+from hpc_train.job import JobConfig, load_config
 from hpc_train.launch.local import single_process_group
 from hpc_train.models import get_spec
 from hpc_train.observe.metrics import device_peak_flops

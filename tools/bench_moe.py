@@ -6,7 +6,7 @@ router would (a skewed draw, some experts nearly empty). Prints a table, or JSON
 Then (unless --no-ep) the training step of an MoE model at two processes (dp2) with expert parallelism
 (parallel.ep=2: each rank holds half the experts, tokens exchanged by all-to-all) against ep1 (every rank holds
 every expert), same global batch: the median step time after the warm-up steps and their ratio, and the
-bytes rank 0 sent per step by all-to-all against the planner's `ep_traffic_bytes`.
+bytes rank 0 sent per step by all-to-all against the planner's ep traffic (`planner.traffic`).
 
     python tools/bench_moe.py                   # CPU, fp32, every thread
     python tools/bench_moe.py --threads 1 --dtype bf16
@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpc_train.config import JobConfig, load_config
 from hpc_train.bootstrap import RankEnv
+from hpc_train.job import JobConfig, load_config
 from hpc_train.launch.local import launch_sequence
+from hpc_train.layout import check_run
 from hpc_train.models.common.moe import grouped_mm_runs, grouped_swiglu, looped_swiglu
-from hpc_train.planner import ep_traffic_bytes
+from hpc_train.planner import traffic
 from hpc_train.train.loop import run_training
 
 SHAPES = [  # (assignments, experts, d_model, expert hidden)
@@ -104,8 +105,9 @@ def bench_ep(steps: int, warmup: int, overrides: list[str]) -> None:
     print(f"\nMoE training step at dp2 (8 experts, top 2, d 256, 4 layers, global batch 16 x 128), {steps} steps")
     print(f"{'layout':<8} {'step ms':>9} {'vs ep1':>7} {'all-to-all MiB/step sent by rank 0, measured / planned':>56}")
     for ep, cfg in cfgs.items():
-        traffic = f"{sent[ep] / 2**20:.2f} / {ep_traffic_bytes(cfg) / 2**20:.2f}"
-        print(f"{'ep' + str(ep):<8} {times[ep] * 1e3:>9.1f} {times[ep] / times[1]:>7.2f} {traffic:>56}")
+        planned = traffic(cfg, check_run(cfg, 2, check_paths=False)).get("ep", 0.0)
+        figure = f"{sent[ep] / 2**20:.2f} / {planned / 2**20:.2f}"
+        print(f"{'ep' + str(ep):<8} {times[ep] * 1e3:>9.1f} {times[ep] / times[1]:>7.2f} {figure:>56}")
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 global batch, in one run. Each layout trains for --steps steps; the median step time after --warmup
 steps is reported, with the overhead ratio layout / single process. Context-parallel layouts also report
 the bytes a rank sent over cp per step (counted at the primitives: all_to_all_single and the ring's
-batched isends) against the planner's `cp_traffic_bytes`.
+batched isends) against the planner's cp traffic (`planner.traffic`).
 
 --long: the tiny model at model.seq_len=16384 (one sample per step) at cp=1 and cp=4 (ring and Ulysses):
 rank 0's saved activations and its step's peak of live tensor bytes (logging.measure_peak_step), and the
@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hpc_train.config import JobConfig, load_config
 from hpc_train.bootstrap import RankEnv
+from hpc_train.job import JobConfig, load_config
 from hpc_train.launch.local import launch_local
-from hpc_train.planner import cp_traffic_bytes
+from hpc_train.layout import check_run
+from hpc_train.planner import traffic
 from hpc_train.train.loop import run_training
 
 SP = "parallel.sequence_parallel=true"
@@ -134,7 +135,8 @@ def main() -> None:
             cp_bytes = ""
             if cfg.parallel.cp > 1:  # rank 0's (every cp rank sends the same)
                 measured = float((Path(tmp) / name / "cp_bytes_0").read_text())
-                cp_bytes = f"{measured / 2**20:.2f} / {cp_traffic_bytes(cfg) / 2**20:.2f}"
+                planned = traffic(cfg, check_run(cfg, world, check_paths=False))["cp"]
+                cp_bytes = f"{measured / 2**20:.2f} / {planned / 2**20:.2f}"
             rows.append((name, world, statistics.median(times), cp_bytes))
     tokens = 16 * 128
     base = next((t for n, _, t, _ in rows if n == "single"), rows[0][2])

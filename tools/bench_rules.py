@@ -14,7 +14,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from hpc_train.config import load_config
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_sequence
 from hpc_train.train.loop import run_training
 

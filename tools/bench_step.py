@@ -16,8 +16,8 @@ import time
 import torch
 
 from hpc_train.builder import build_run
-from hpc_train.config import load_config
 from hpc_train.data.batch import Batch
+from hpc_train.job import load_config
 from hpc_train.launch.local import single_process_group
 from hpc_train.models.common.decoder import count_params
 from hpc_train.optim.rules import target

@@ -20,10 +20,10 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from hpc_train.builder import build_run
-from hpc_train.config import load_config
-from hpc_train.data.batch import Batch
 from hpc_train.bootstrap import distributed
+from hpc_train.builder import build_run
+from hpc_train.data.batch import Batch
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.models import get_spec
 from hpc_train.models.common.decoder import count_params

@@ -21,8 +21,8 @@ from hpc_train.checkpoint.integrity import WRITE_ALGORITHM, file_digest, new_dig
 from hpc_train.checkpoint.state import ModelState
 from hpc_train.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore
 from hpc_train.config import ConfigError, JobConfig, ModelConfig
-from hpc_train.distributed.parallelize import ParallelModel, pad_rows, quantize_frozen_base
-from hpc_train.finetune.lora import is_adapter
+from hpc_train.distributed.parallelize import ParallelModel, pad_rows
+from hpc_train.features.lora.adapters import is_adapter, quantize_projections
 from hpc_train.models.common.hf import ARCH_FIELDS, import_tensor, plan_import
 from hpc_train.placement import distribute_like, local
 
@@ -93,7 +93,8 @@ def load_base(model: ParallelModel, cfg: JobConfig, io_threads: int = 1) -> None
     if cfg.model.init_from:
         load_initial_weights(model, cfg.model.init_from, io_threads)
     if cfg.finetune.quantized_base:
-        quantize_frozen_base(model)
+        for chunk in model.chunks:  # QLoRA: the block projections' weights (loaded or initialized) to NF4
+            model.quantized.update(chunk.canonical_name(name) for name in quantize_projections(chunk))
 
 
 @torch.no_grad()

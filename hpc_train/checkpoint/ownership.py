@@ -23,7 +23,7 @@ import yaml
 
 from hpc_train.checkpoint.safe_load import CheckpointError
 from hpc_train.checkpoint.store import CheckpointStore
-from hpc_train.config import JobConfig
+from hpc_train.job import JobConfig
 
 IDENTITY_KEYS = (
     "name", "model.arch", "model.vocab_size", "model.n_layers", "model.n_heads",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows, unpadded
-from hpc_train.finetune.lora import is_adapter
+from hpc_train.features.lora.adapters import is_adapter
 from hpc_train.optim.protocol import Optimizer
 from hpc_train.placement import distribute_like, local
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from hpc_train.bootstrap import RankEnv, distributed, select_device
+from hpc_train.builder import build_model
 from hpc_train.checkpoint.checkpointer import read_parts
 from hpc_train.checkpoint.hf_io import is_hf_folder, require_module, save_hf, written_into
 from hpc_train.checkpoint.init_from import (
@@ -22,12 +24,11 @@ from hpc_train.checkpoint.init_from import (
 )
 from hpc_train.checkpoint.state import ModelState
 from hpc_train.checkpoint.store import CheckpointError
-from hpc_train.config import ConfigError, JobConfig, load_config
+from hpc_train.config import ConfigError
 from hpc_train.distributed.mesh import Mesh, ParallelDims
-from hpc_train.distributed.parallelize import ParallelModel, full_state_dict, parallelize
-from hpc_train.distributed.transforms import StagePlan
-from hpc_train.finetune.lora import merge_adapters
-from hpc_train.bootstrap import RankEnv, distributed, select_device
+from hpc_train.distributed.parallelize import ParallelModel, full_state_dict
+from hpc_train.features.lora.adapters import merge_adapters
+from hpc_train.job import JobConfig, load_config
 from hpc_train.models import get_spec
 
 # what a checkpoint of any layout is loaded into for export: one process, whole fp32 weights
@@ -83,7 +84,7 @@ def load_model(source: str, base: str | None = None) -> tuple[JobConfig, Paralle
     else:
         moved = [f"model.init_from={base}"] if base else []
         cfg = load_config(None, [*SINGLE_PROCESS, *moved], saved=info.manifest["config"])
-    model = parallelize(StagePlan(cfg, get_spec(cfg.model.arch), Mesh(ParallelDims(), "cpu"), torch.device("cpu")))
+    model = build_model(cfg, Mesh(ParallelDims(), "cpu"), torch.device("cpu"))
     qlora = cfg.finetune.quantized_base
     if info is None or qlora:  # a checkpoint holds its weights, except QLoRA's NF4 base: rebuilt as in training
         if qlora and (fingerprint := base_fingerprint(cfg)) != info.manifest.get("base_weights"):

@@ -9,9 +9,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from hpc_train.bootstrap import RankEnv, distributed, node_name, select_device
 from hpc_train.config import JobConfig
 from hpc_train.distributed.mesh import ROLES, Mesh
-from hpc_train.bootstrap import RankEnv, distributed, node_name, select_device
 from hpc_train.layout import check_run
 
 ITERATIONS = 5

@@ -1,6 +1,7 @@
-"""Configuration: the schema (schema.py: one dataclass per section, each field's rule beside it), loading
-YAML + `key=value` overrides over it (load.py), and the checks omegaconf cannot express (checks.py).
-Every error is a `ConfigError` naming the key and the fix."""
+"""Configuration: the core schema (schema.py: one dataclass per section, each field's rule beside it, fields.py),
+its composition with the keys every registered feature declares (compose.py; the registry, hpc_train/job.py,
+composes the schema a run loads), loading YAML + `key=value` overrides over a schema (load.py), and the
+checks omegaconf cannot express (checks.py). Every error is a `ConfigError` naming the key and the fix."""
 
 from hpc_train.config.checks import (
     check_values,
@@ -10,14 +11,14 @@ from hpc_train.config.checks import (
     time_limit_minutes,
     validate,
 )
+from hpc_train.config.compose import compose
+from hpc_train.config.fields import ConfigError, choice, fraction, non_negative, positive
 from hpc_train.config.load import load_config, parse_overrides, to_yaml
 from hpc_train.config.schema import (
     BUILTIN_DATA,
     CheckpointConfig,
-    ConfigError,
     DataConfig,
     DataSource,
-    FinetuneConfig,
     JobConfig,
     LoggingConfig,
     ModelConfig,
@@ -29,9 +30,9 @@ from hpc_train.config.schema import (
 )
 
 __all__ = [
-    "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "FinetuneConfig", "JobConfig",
+    "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "JobConfig",
     "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "SlurmConfig", "TrainConfig",
-    "check_values",
+    "check_values", "choice", "compose", "fraction", "non_negative", "positive",
     "derive_dp", "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes", "to_yaml",
     "validate",
 ]  # fmt: skip

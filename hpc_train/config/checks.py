@@ -11,7 +11,8 @@ import re
 import unicodedata
 from pathlib import Path
 
-from hpc_train.config.schema import BUILTIN_DATA, RANGES, ConfigError, JobConfig
+from hpc_train.config.fields import RANGES, ConfigError
+from hpc_train.config.schema import BUILTIN_DATA, JobConfig
 
 
 def _get(cfg: JobConfig, key: str):
@@ -249,7 +250,7 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
                 "global_batch_size out"
             )
 
-    checks = [layout, lambda: check_pipeline(cfg), lambda: check_context(cfg), lambda: check_documents(cfg)]
+    checks = [layout, lambda: check_pipeline(cfg), lambda: check_documents(cfg)]
     if check_paths:
         data_keys = ("data.train_path", "data.valid_path")
         checks += [lambda key=key: check_data_path(key, _get(cfg, key)) for key in data_keys]
@@ -291,36 +292,10 @@ def check_pipeline(cfg: JobConfig) -> None:
         raise ConfigError(f"interleaved 1F1B needs train.grad_accum={ga} to be a multiple of parallel.pp={p.pp}")
 
 
-def check_context(cfg: JobConfig) -> None:
-    """Context parallelism's shapes: the sequence splits into equal shards (2 chunks per rank for the ring's
-    zig-zag split), each further split over tp under sequence parallelism; Ulysses splits each tp rank's
-    heads over cp."""
-    m, p = cfg.model, cfg.parallel
-    if p.cp == 1:
-        return
-    if cfg.train.compile:  # the exchanges' autograd Functions inside compiled blocks: no parity test yet
-        raise ConfigError(f"train.compile with parallel.cp={p.cp} is not tested yet: set train.compile=false")
-    pieces = 2 * p.cp if p.cp_mode == "ring" else p.cp
-    pieces *= p.tp if p.sequence_parallel else 1
-    if m.seq_len % pieces:
-        split = f"{2 * p.cp} chunks (ring: 2 per cp rank)" if p.cp_mode == "ring" else f"{p.cp} shards"
-        raise ConfigError(f"model.seq_len={m.seq_len} does not split into {split}"
-                          f"{' x tp for sequence parallelism' if p.sequence_parallel else ''}: use a seq_len that is a "
-                          f"multiple of {pieces}")  # fmt: skip
-    heads = m.n_heads // p.tp if m.n_heads % p.tp == 0 else m.n_heads
-    if p.cp_mode == "ulysses" and heads % p.cp:
-        raise ConfigError(f"parallel.cp_mode=ulysses splits each tp rank's {heads} heads (model.n_heads={m.n_heads} / "
-                          f"parallel.tp={p.tp}) over parallel.cp={p.cp}: pick a cp dividing them, or "
-                          "parallel.cp_mode=ring")  # fmt: skip
-
-
 def check_documents(cfg: JobConfig) -> None:
-    """Packed-document positions and masks reach the first pipeline stage only, and are not split over the
-    sequence: refused with pp > 1 or cp > 1."""
+    """Packed-document positions and masks reach the first pipeline stage only: refused with pp > 1 (and, by
+    context parallelism's own check, with cp > 1)."""
     on = [f"data.{key}" for key in ("reset_position_ids", "document_mask") if getattr(cfg.data, key)]
-    if on and cfg.parallel.cp > 1:
-        raise ConfigError(f"{' and '.join(on)} with parallel.cp={cfg.parallel.cp}: context parallelism does not "
-                          "split document positions and masks yet; use parallel.cp=1 or turn them off")  # fmt: skip
     if on and cfg.parallel.pp > 1:
         raise ConfigError(f"{' and '.join(on)} with parallel.pp={cfg.parallel.pp}: later pipeline stages see only "
                           "hidden states, not the documents; use parallel.pp=1 (tp, dp and FSDP work) or turn "

@@ -14,7 +14,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from hpc_train.config.schema import ConfigError, JobConfig
+from hpc_train.config.fields import ConfigError
+from hpc_train.config.schema import JobConfig
 
 
 def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
@@ -28,17 +29,17 @@ def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
     return keys
 
 
-def _merge_error(err: OmegaConfBaseException, source: str) -> ConfigError:
+def _merge_error(err: OmegaConfBaseException, source: str, schema: type[JobConfig]) -> ConfigError:
     """Turn an omegaconf merge error into a message naming the key, the value and the fix."""
     key = err.full_key or err.key or "?"
     if isinstance(err, ConfigKeyError):
-        valid = _all_keys(OmegaConf.structured(JobConfig))
+        valid = _all_keys(OmegaConf.structured(schema))
         close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
         hint = f"; did you mean '{close[0]}'?" if close else "; `hpc-train config show` lists the valid keys"
         return ConfigError(f"unknown config key '{key}' (from {source}){hint}")
     if isinstance(err, ValidationError) and err.value is not None and key != "?":
         value = err.value._value() if hasattr(err.value, "_value") else err.value
-        expected = JobConfig
+        expected = schema
         try:
             for part in str(key).split("."):
                 expected = typing.get_type_hints(expected)[part]
@@ -53,9 +54,9 @@ def _merge_error(err: OmegaConfBaseException, source: str) -> ConfigError:
     return ConfigError(f"invalid {where}(from {source}): {str(err.msg or err).splitlines()[0]}")
 
 
-def _check_sections(layer: DictConfig, source: str) -> None:
+def _check_sections(layer: DictConfig, source: str, schema: type[JobConfig]) -> None:
     """A section given as a plain value (`model: 5`) is named before omegaconf reports it obscurely."""
-    sections = {f.name for f in dataclasses.fields(JobConfig) if f.default_factory is not dataclasses.MISSING}
+    sections = {f.name for f in dataclasses.fields(schema) if f.default_factory is not dataclasses.MISSING}
     for key in layer:
         if key in sections and not isinstance(layer._get_node(key), DictConfig):
             raise ConfigError(f"config section '{key}' (from {source}) must be a mapping of its keys "
@@ -83,11 +84,16 @@ def _parses(value: str) -> bool:
 
 
 def load_config(
-    path: str | os.PathLike | None = None, overrides: list[str] | None = None, saved: str | None = None
+    path: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
+    saved: str | None = None,
+    *,
+    schema: type[JobConfig] = JobConfig,
 ) -> JobConfig:
     """Defaults <- YAML file (or `saved`, the YAML text a checkpoint recorded) <- `key=value` overrides,
-    type-checked and interpolations resolved."""
-    merged = OmegaConf.structured(JobConfig)
+    type-checked and interpolations resolved, into `schema`: the core sections, or (hpc_train.job) those
+    with every registered feature's keys."""
+    merged = OmegaConf.structured(schema)
     layers: list[tuple[str, DictConfig]] = []
     if saved is not None:
         layers.append(("a checkpoint's recorded config", OmegaConf.create(saved)))
@@ -108,11 +114,11 @@ def load_config(
         layers.append((str(path), loaded))
     layers.append(("command line", parse_overrides(overrides or [])))
     for source, layer in layers:
-        _check_sections(layer, source)
+        _check_sections(layer, source, schema)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
-            raise _merge_error(err, source) from None
+            raise _merge_error(err, source, schema) from None
     try:
         OmegaConf.resolve(merged)
         return OmegaConf.to_object(merged)

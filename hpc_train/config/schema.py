@@ -5,39 +5,10 @@ depends on the model family, the optimizer or the layout is checked by them (`la
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from hpc_train.errors import UserError
-
-RANGES = {  # a field's `range` rule -> (test, what the message says it must be)
-    "positive": (lambda v: v > 0, "> 0"),
-    "non_negative": (lambda v: v >= 0, ">= 0"),
-    "fraction": (lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.9 or 0.95"),
-}
-
-
-def choice(*options: str) -> Any:
-    """A field that takes one of `options`; the first is its default."""
-    return field(default=options[0], metadata={"choices": options})
-
-
-def positive(default: float | None) -> Any:
-    return field(default=default, metadata={"range": "positive"})
-
-
-def non_negative(default: float | None) -> Any:
-    return field(default=default, metadata={"range": "non_negative"})
-
-
-def fraction(default: float) -> Any:
-    return field(default=default, metadata={"range": "fraction"})
-
+from hpc_train.config.fields import choice, fraction, non_negative, positive
 
 BUILTIN_DATA = "stdlib"  # data path naming the embedded corpus (the interpreter's own standard library)
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem, with a message that names the key and what to change."""
 
 
 @dataclass(unsafe_hash=True)
@@ -80,10 +51,6 @@ class ModelConfig:
     norm_eps: float = positive(1e-5)
     tie_embeddings: bool | None = None  # output head shares the embedding; None = the family's (gpt2 ties)
     init_std: float = positive(0.02)
-    recompute: str = choice("none", "selective", "full")  # selective: the attention core; full: whole layers
-    recompute_every: int = positive(1)  # with a policy: recompute every k-th layer of each pipeline stage
-    # with a policy: only the first M layers of each stage (None = all)
-    recompute_first: int | None = non_negative(None)
     # the head and loss run on this many tokens at a time, each chunk's logits recomputed in backward, so the
     # whole micro-batch's logits never exist at once (under sequence parallelism: whole sequences); 0 = one go
     loss_chunk_tokens: int = non_negative(2048)
@@ -104,10 +71,9 @@ class ParallelConfig:
     tp: int = positive(1)
     pp: int = positive(1)
     dp: int | None = None  # None = world_size / (tp * pp * cp)
-    # context parallelism: each sample's sequence split over cp ranks; attention exchanges keys and values
-    # around a ring (zig-zag split: equal causal work per rank) or all-to-all between sequence and head shards
+    # context parallelism: each sample's sequence split over cp ranks (parallel.cp_mode: how attention
+    # exchanges keys and values between them, features/context_parallel)
     cp: int = positive(1)
-    cp_mode: str = choice("ring", "ulysses")
     # expert parallelism: each MoE layer's routed experts split over ep ranks carved from dp (ep divides dp)
     ep: int = positive(1)
     virtual_stages: int = positive(1)
@@ -138,17 +104,6 @@ class TrainConfig:
     save_final_model: bool = True  # write run_dir/model_final.pt (consolidated weights) at the end
     freeze: list[str] = field(default_factory=list)  # parameter names (fnmatch patterns) held fixed
     skip_nonfinite: int = non_negative(0)  # steps with a non-finite loss or gradient skipped before the run stops
-    compile: bool = False  # torch.compile each block and, without tp, the loss chunk (regional compile)
-    # float8 matmuls in the blocks' projections (torchao's Float8Linear, dynamic scaling): off, one scale per
-    # tensor, or one per row (more accurate, slower); the embedding and the head stay in the compute dtype.
-    # Needs a GPU of compute capability 8.9+ (Ada, Hopper) on CUDA; the CPU runs it too (slowly)
-    fp8: str = choice("off", "tensorwise", "rowwise")
-    fp8_min_dim: int = non_negative(0)  # projections with a side (in or out features) below this stay unconverted
-    fp8_all_gather: bool = False  # ZeRO-3: FSDP2 all-gathers those weights in float8 (tensorwise, NCCL only)
-
-    def __post_init__(self) -> None:
-        if self.fp8 in ("False", "false"):  # YAML reads a bare `off` (and `false`) as a boolean
-            self.fp8 = "off"
 
 
 @dataclass
@@ -182,28 +137,6 @@ class OptimConfig:
     nesterov: bool = True
     ns_steps: int = positive(5)
     muon_adjust_lr: str = choice("match_rms_adamw", "original")
-
-
-@dataclass
-class FinetuneConfig:
-    """Which parameters train: all of them, or low-rank adapters on frozen base weights (LoRA; QLoRA keeps
-    the frozen base in 4-bit NF4)."""
-
-    method: str = choice("full", "lora", "qlora")
-    lora_rank: int = positive(8)
-    lora_alpha: float = positive(16.0)  # the adapter's output is scaled by lora_alpha / lora_rank
-    lora_dropout: float = fraction(0.0)  # on the adapter's input
-    lora_targets: list[str] = field(default_factory=lambda: ["wq", "wv"])  # projections (e.g. wq wk wv wo w1 w2 w3)
-
-    @property
-    def adapters(self) -> bool:
-        """Only low-rank adapters train (LoRA or QLoRA); the base model is frozen."""
-        return self.method != "full"
-
-    @property
-    def quantized_base(self) -> bool:
-        """The frozen base's projections are held in NF4 (QLoRA)."""
-        return self.method == "qlora"
 
 
 @dataclass
@@ -302,7 +235,6 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

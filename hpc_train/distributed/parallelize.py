@@ -14,8 +14,6 @@ same optimizer step and stay equal. Gradient norms count only the first stage's 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,16 +23,12 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import ModelConfig
-from hpc_train.data.batch import Batch, SequenceShard
+from hpc_train.data.batch import Batch
 from hpc_train.distributed.grads import all_reduce_on, fix_grad_placements
+from hpc_train.distributed.hooks import StepHooks
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.pipeline import build_schedule, stage_ids
-from hpc_train.distributed.transforms import StagePlan, apply_transforms
-from hpc_train.distributed.transforms.context_parallel import sequence_shard
-from hpc_train.distributed.transforms.float8 import precompute_scales
-from hpc_train.distributed.transforms.fsdp import reshard
-from hpc_train.finetune.lora import init_adapters, is_adapter, quantize_projections
-from hpc_train.models.common.moe import set_aux_grad_scale, skip_shape_inference
+from hpc_train.distributed.transforms import StagePlan
 from hpc_train.models.spec import ModelSpec, StageModule, is_frozen
 from hpc_train.placement import gathered, local
 
@@ -57,9 +51,8 @@ class ParallelModel:
     quantized: set[str] = field(default_factory=set)  # QLoRA's NF4 weights: rebuilt from their source, not saved
     masked_loss: bool = False  # the data has a loss mask: the loss is a mean over the global batch's counted targets
     loss_tokens: torch.Tensor | None = None  # with a mask, this step's counted targets per micro-batch (Decoder.loss)
-    after_update: Callable[[], None] | None = None  # runs after each optimizer step (float8 all-gather's scales)
-    sequence_shard: SequenceShard | None = None  # context parallelism: the positions of each sample held here
     schedule_mode: str | None = None  # the pipeline schedule's last call, step or eval (a switch re-infers shapes)
+    hooks: list[StepHooks] = field(default_factory=list)  # the features' parts in every step (the builder's)
 
     def scaled_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A pipeline micro-batch's share of the batch loss (from the last stage's final-norm output), times
@@ -115,10 +108,10 @@ class ParallelModel:
             chunk.train(mode)
 
 
-def freeze(model: ParallelModel, patterns: list[str], adapters_only: bool) -> None:
-    """train.freeze's patterns; with LoRA or QLoRA (`adapters_only`) everything but the adapters."""
+def freeze(model: ParallelModel, patterns: tuple[str, ...] | list[str]) -> None:
+    """train.freeze's patterns: those parameters are held fixed."""
     for name, p in model.named_parameters:
-        if is_frozen(name, patterns) or (adapters_only and not is_adapter(name)):
+        if is_frozen(name, patterns):
             p.requires_grad_(False)
 
 
@@ -152,43 +145,36 @@ def materialize(chunk: StageModule, device: torch.device, params_on_host: bool) 
 
 
 def parallelize(plan: StagePlan) -> ParallelModel:
-    """Build this rank's stages on the meta device, apply the transforms that the plan calls for
-    (distributed/transforms: tp, recompute, adapters, compile, FSDP...), then allocate only the local
-    shards on the plan's device and initialize them (identically to the single-process model): no rank
-    ever holds more than its own part of the model, plus one full parameter at a time during init."""
-    cfg, spec, mesh, device = plan.cfg, plan.spec, plan.mesh, plan.device
-    p = cfg.parallel
+    """Build this rank's stages on the meta device, apply the plan's transforms in order (tp, recompute,
+    adapters, compile, FSDP...: the registered features', bound to their config sections by the builder),
+    then allocate only the local shards on the plan's device and initialize them (identically to the
+    single-process model; then the features' initializers): no rank ever holds more than its own part of
+    the model, plus one full parameter at a time during init."""
+    spec, mesh, device, p = plan.spec, plan.mesh, plan.device, plan.parallel
     pp, tp = mesh.size("pp"), mesh.size("tp")
     num_stages = pp * p.virtual_stages
     stages = stage_ids(mesh.rank("pp"), pp, p.virtual_stages)
     chunks = []
     for stage in stages:
         with torch.device("meta"):
-            chunk = spec.build_stage(cfg.model, stage, num_stages, tp)
-        apply_transforms(chunk, plan)
-        materialize(chunk, device, params_on_host=plan.shards_params and cfg.optim.offload == "cpu")
-        spec.init_weights(chunk, cfg.train.seed)
-        init_adapters(chunk, cfg.train.seed)
+            chunk = spec.build_stage(plan.model, stage, num_stages, tp)
+        for transform in plan.transforms:
+            transform(chunk, plan)
+        materialize(chunk, device, plan.params_on_host)
+        spec.init_weights(chunk, plan.train.seed)
+        for initialize in plan.initializers:
+            initialize(chunk)
         chunks.append(chunk)
     tied_copy, tied_group = _tied_pipeline_copy(chunks, mesh)
-    model = ParallelModel(cfg.model, spec, chunks, mesh, device, cfg.train.grad_accum, plan.compute_dtype,
-                          tied_copy=tied_copy, tied_group=tied_group,
-                          sequence_shard=sequence_shard(mesh, p.cp_mode))  # fmt: skip
-    freeze(model, cfg.train.freeze, cfg.finetune.adapters)
-    if cfg.train.fp8_all_gather:
-        model.after_update = functools.partial(precompute_scales, chunks)
+    model = ParallelModel(plan.model, spec, chunks, mesh, device, plan.train.grad_accum, plan.compute_dtype,
+                          tied_copy=tied_copy, tied_group=tied_group)  # fmt: skip
+    freeze(model, plan.train.freeze)
     if pp > 1:
         if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time
             chunks[-1].emits_hidden = True
-        model.schedule = build_schedule(chunks, stages, p, cfg.train.grad_accum, mesh.sub("pp"), device,
+        model.schedule = build_schedule(chunks, stages, p, plan.train.grad_accum, mesh.sub("pp"), device,
                                         model.scaled_loss)  # fmt: skip
     return model
-
-
-def quantize_frozen_base(model: ParallelModel) -> None:
-    """QLoRA: the block projections' weights (loaded or initialized) to NF4, on every stage held here."""
-    for chunk in model.chunks:
-        model.quantized.update(chunk.canonical_name(name) for name in quantize_projections(chunk))
 
 
 def step_context(model: ParallelModel, device: torch.device) -> contextlib.ExitStack:
@@ -207,8 +193,10 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
     total = torch.zeros((), device=device)
     if model.masked_loss:
         model.loss_tokens = counted_targets(model, micro_batches)
-    if model.model_cfg.moe.num_experts:  # the aux loss's gradient: the main loss's share of the batch
-        set_aux_grad_scale(model.chunks, model.loss_scale / len(micro_batches))
+    mode = "step" if backward else "eval"
+    infers_shapes = model.schedule is not None and backward and model.schedule_mode != mode
+    for hook in model.hooks:
+        hook.before_forward(len(micro_batches), model.loss_scale, infers_shapes)
     with step_context(model, device):
         if model.schedule is None:
             for batch in micro_batches:
@@ -223,10 +211,7 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
         inputs = (tokens,) if model.mesh.is_first_stage else ()
         target = targets if model.mesh.is_last_stage else None
         losses: list[torch.Tensor] = []
-        mode = "step" if backward else "eval"
-        if backward and model.schedule_mode != mode:  # torch infers the stages' shapes again: one more forward
-            skip_shape_inference(model.chunks)  # left out of the MoE statistics
-        model.schedule_mode = mode
+        model.schedule_mode = mode  # a switch makes torch infer the stages' shapes again: one more forward
         run = model.schedule.step if backward else model.schedule.eval
         run(*inputs, target=target, losses=losses)
         for loss in losses:
@@ -250,7 +235,8 @@ def forward_backward(model: ParallelModel, micro_batches: MicroBatches) -> torch
 @torch.no_grad()
 def forward_only(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
     loss = _run(model, micro_batches, backward=False)
-    reshard(model.chunks)  # ZeRO-3: no backward frees what forward gathered
+    for hook in model.hooks:
+        hook.after_eval()
     return loss
 
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from hpc_train.errors import HANG_EXIT, USER_ERROR_EXIT, RankFailed
 from hpc_train.bootstrap import RankEnv, distributed
+from hpc_train.errors import HANG_EXIT, USER_ERROR_EXIT, RankFailed
 from hpc_train.resilience.restart import Attempt, announce_restart, exit_description, forwarding_stop_signals, run_rank
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import submitit
 
-from hpc_train.config import JobConfig, time_limit_minutes, to_yaml
 from hpc_train.bootstrap import RankEnv, detect_rank_env
+from hpc_train.config import JobConfig, time_limit_minutes, to_yaml
 from hpc_train.resilience.bad_nodes import exclusion
 from hpc_train.resilience.restart import run_task
 

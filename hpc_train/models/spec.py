@@ -40,6 +40,7 @@ class ActivationShape:
     # train.fp8: the projections are float8 linears, which keep their input and their weight itself (a view
     # of the parameter) for backward, never a cast of the weight
     float8: bool = False
+    first_block_recompute: str = "none"  # the recompute choice of a stage's first block (none, selective, full)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,11 @@ class ModelSpec:
     # (stage, tp_mesh, sequence_parallel): shards a stage over tp in place, for a family whose layers a TP dict
     # cannot describe (e.g. MoE experts); None: `tp_plan` is applied (torchtitan's parallelize_fn)
     parallelize_fn: Callable[[StageModule, DeviceMesh, bool], None] | None = None
+
+
+def projections(chunk: nn.Module) -> dict[str, nn.Linear]:
+    """The blocks' linear projections, by name within the stage (`layers.<i>.attn.wq`)."""
+    return {name: m for name, m in chunk.named_modules() if name.startswith("layers.") and isinstance(m, nn.Linear)}
 
 
 def is_frozen(name: str, patterns: list[str]) -> bool:

@@ -1,4 +1,4 @@
-"""zero_stage 3: parameters, gradients and optimizer state sharded over dp by FSDP2 (distributed/transforms/fsdp.py).
+"""zero_stage 3: parameters, gradients and optimizer state sharded over dp by FSDP2 (features/fsdp).
 
 FSDP2 all-gathers each block's parameters for its forward and backward and reduce-scatters its gradients
 (the mean over dp, in fp32) as backward leaves the block, once per micro-batch (pipeline stages: once per

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpc_train.errors import USER_ERROR_EXIT, RankFailed, UserError
 from hpc_train.bootstrap import STOP_SIGNALS, RankEnv, node_name, rendezvous
+from hpc_train.errors import USER_ERROR_EXIT, RankFailed, UserError
 from hpc_train.resilience.bad_nodes import blame
 
 KEY = "hpc_train/restart/{}/{}"  # attempt, what

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_train.config import LoggingConfig
 from hpc_train.bootstrap import node_name
+from hpc_train.config import LoggingConfig
 
 
 class ComputeClock:

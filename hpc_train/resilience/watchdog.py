@@ -23,8 +23,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from hpc_train.errors import HANG_EXIT
 from hpc_train.bootstrap import node_name
+from hpc_train.errors import HANG_EXIT
 from hpc_train.resilience.bad_nodes import blame
 
 KEY = "hpc_train/progress/{}"

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_train.bootstrap import RankEnv, distributed, select_device
 from hpc_train.builder import Run, build_run
 from hpc_train.checkpoint.checkpointer import Resumed
 from hpc_train.config import JobConfig
-from hpc_train.bootstrap import RankEnv, distributed, select_device
 from hpc_train.observe.memory import live_storage_bytes
 from hpc_train.observe.metrics import peak_memory_bytes
 from hpc_train.observe.profiling import ProfileWindow, write_oom_report
@@ -29,7 +29,6 @@ from hpc_train.resilience.bad_nodes import blame
 from hpc_train.resilience.preemption import StopRequest, requeue_slurm_job
 from hpc_train.resilience.stragglers import StragglerMonitor, describe_stragglers
 from hpc_train.resilience.watchdog import HangWatchdog
-from hpc_train.train.moe import moe_record
 from hpc_train.train.report import TrainResult, announce, finish
 from hpc_train.train.step import (
     NonFiniteStep,
@@ -178,7 +177,7 @@ def _train(
         hang.arm(step, allowance=watchdog.START_ALLOWANCE if step == start_step + 1 else 1)
         lr = lr_at(step - 1, cfg.optim, t.steps)
         micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device,
-                                           run.model.sequence_shard, cfg.data)  # fmt: skip
+                                           run.model.hooks, cfg.data)  # fmt: skip
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
         options = StepOptions(cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged,
@@ -229,8 +228,9 @@ def _train(
             r.update(meter.fields(r["step"], elapsed, p.result.memory, tuple(peak), p.timings))
             if run.scaler:
                 r.update(loss_scale=f["loss_scale"], skipped_steps=int(f["skipped_steps"]))
-            if p.result.moe:
-                r["moe"] = moe_record(p.result.moe)
+            for hook in run.model.hooks:  # the features' figures (one read of the device each)
+                if hook.name in p.result.features:
+                    r.update(hook.record(p.result.features[hook.name]))
             result.losses.append(f["loss"])
             records.append(r)
         pending.clear()

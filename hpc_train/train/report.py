@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hpc_train.bootstrap import describe_rank
 from hpc_train.builder import Run
 from hpc_train.config import to_yaml
 from hpc_train.distributed.parallelize import full_state_dict
 from hpc_train.distributed.pipeline import bubble_fraction
-from hpc_train.bootstrap import describe_rank
 from hpc_train.models.common.decoder import count_params
 from hpc_train.observe.metrics import StepMeter, device_peak_flops
 from hpc_train.planner import estimate

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.config import DataConfig, TrainConfig
-from hpc_train.data.batch import SequenceShard, Source, collate
+from hpc_train.data.batch import Source, collate
 from hpc_train.distributed.grads import clip_grad_norm
+from hpc_train.distributed.hooks import StepHooks
 from hpc_train.distributed.parallelize import MicroBatches, ParallelModel, forward_backward, forward_only, reduce_loss
 from hpc_train.errors import UserError
 from hpc_train.observe.memory import SavedActivations, StepPeak, tensor_bytes
@@ -23,7 +24,6 @@ from hpc_train.optim.protocol import Optimizer
 from hpc_train.resilience import watchdog
 from hpc_train.resilience.faults import fault_point
 from hpc_train.resilience.stragglers import ComputeClock
-from hpc_train.train.moe import finish_moe_step
 
 
 class NonFiniteStep(UserError, RuntimeError):
@@ -56,7 +56,8 @@ FIGURES = ("loss", "grad_norm", "overflow", "overflow_at_floor", "loss_scale", "
 class StepResult:
     figures: torch.Tensor  # FIGURES, on the device until `read_figures`
     memory: dict[str, int] = field(default_factory=dict)  # this rank's bytes by category
-    moe: dict[str, torch.Tensor] = field(default_factory=dict)  # per MoE layer, train/moe.py's figures
+    # by step hook (ParallelModel.hooks), its figures after the update (on the device until the loop reads them)
+    features: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def read_figures(results: list[StepResult]) -> list[dict[str, float]]:
@@ -83,11 +84,11 @@ def skip_reason(figures: dict[str, float]) -> str | None:
 
 def apply_gradients(
     model: ParallelModel, optimizer: Optimizer, lr: float, options: StepOptions, loss: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, dict[str, dict[str, torch.Tensor]]]:
     """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step
-    (`before_update` first: an async checkpoint's copy must be done). The update is dropped on the device,
-    on every rank alike, when the gradients overflowed or the norm or the global `loss` is not finite: no
-    host read decides it. Returns the step's FIGURES and that decision (a bool on the device)."""
+    (`before_update` first: an async checkpoint's copy must be done), then every step hook's `after_update`.
+    The update is dropped on the device, on every rank alike, when the gradients overflowed or the norm or
+    the global `loss` is not finite: no host read decides it. Returns the step's FIGURES and the hooks'."""
     scaler, timings, device = options.scaler, options.timings, model.device
     with timed(timings, "grad_reduce", device):
         optimizer.reduce_gradients()
@@ -104,11 +105,10 @@ def apply_gradients(
         if options.before_update is not None:
             options.before_update()
         optimizer.step(lr, skip)
-        if model.after_update is not None:
-            model.after_update()
+        by_hook = {hook.name: hook.after_update(skip) for hook in model.hooks}
         optimizer.zero_grad()
     figures = torch.stack([t.to(device, torch.float64) for t in (loss, grad_norm, overflow, at_floor, scale, skipped)])
-    return figures, skip
+    return figures, {name: figures_ for name, figures_ in by_hook.items() if figures_}
 
 
 def train_step(
@@ -155,9 +155,9 @@ def _train_step(
         "activations_peak": saved.peak_bytes,
     }
     mean_loss = reduce_loss(model, loss)  # before the update: a non-finite loss drops it too
-    figures, skipped = apply_gradients(model, optimizer, lr, options, mean_loss)
+    figures, by_hook = apply_gradients(model, optimizer, lr, options, mean_loss)
     memory["optimizer"] = optimizer.state_bytes()
-    return StepResult(figures, by_place(memory, optimizer), finish_moe_step(model, len(micro_batches), skipped))
+    return StepResult(figures, by_place(memory, optimizer), by_hook)
 
 
 def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:
@@ -173,13 +173,16 @@ def rank_micro_batches(
     source: Source,
     indices: list[np.ndarray],
     device: torch.device,
-    shard: SequenceShard | None = None,
+    hooks: list[StepHooks] | tuple[()] = (),
     data: DataConfig | None = None,
 ) -> MicroBatches:
     """The samples at `indices`, on `device`, with `data`'s document positions and masks (if on), each cut to
-    this context-parallel rank's positions (`shard`)."""
+    this rank's part by the step `hooks` (context parallelism: its positions of each sample)."""
     reset, mask = (False, False) if data is None else (data.reset_position_ids, data.document_mask)
-    return [collate(source, idx, reset, mask).shard(shard).to(device) for idx in indices]
+    batches = [collate(source, idx, reset, mask) for idx in indices]
+    for hook in hooks:
+        batches = [hook.shard(batch) for batch in batches]
+    return [batch.to(device) for batch in batches]
 
 
 def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig, data: DataConfig | None = None) -> float:
@@ -192,7 +195,7 @@ def evaluate(model: ParallelModel, dataset: Source, t: TrainConfig, data: DataCo
     for b in range(t.eval_batches):
         start = (b * dp + dp_rank) * per_rank
         indices = np.arange(start, start + per_rank) % len(dataset)
-        micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device, model.sequence_shard, data)
+        micro = rank_micro_batches(dataset, np.split(indices, t.grad_accum), device, model.hooks, data)
         total += reduce_loss(model, forward_only(model, micro))
     model.train(True)
     return total.item() / t.eval_batches

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from hpc_train.config import ModelConfig
-from hpc_train.models.common.decoder import Architecture, loss_chunk_rows, padded_vocab_size, recompute_choice
+from hpc_train.models.common.decoder import Architecture, loss_chunk_rows, padded_vocab_size
 from hpc_train.models.common.moe import expert_hidden, is_moe_layer, moe_block_weights
 from hpc_train.models.spec import ActivationShape, StageActivations
 
@@ -147,7 +147,7 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         # nll_loss's gradient and log_softmax's, fp32; loss_parallel's (tp) takes three (measured on CPU)
         loss_backward = tokens * vocab // tp * (0 if loss_compiled else 12 if tp > 1 else 8)
     # frozen embeddings keep no token ids, and the first block's first norm has no gradient to pass back
-    first = tokens * 8 if not targets else -norm * (recompute_choice(cfg, 0) != "full")
+    first = tokens * 8 if not targets else -norm * (shape.first_block_recompute != "full")
     moe_block = moe_extra_bytes(cfg, arch, shape, casts) if arch.moe and cfg.moe.num_experts else 0
     return StageActivations(
         layer={

@@ -97,7 +97,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, arch: Architecture):
         super().__init__()
         self.recompute_core = False  # selective recompute: keep only q, k, v for the attention core
-        # context parallelism (distributed/transforms/context_parallel.py): the core that exchanges keys and
+        # context parallelism (features/context_parallel): the core that exchanges keys and
         # values between cp ranks, and which sequence positions this rank's tokens are
         self.core: AttentionCore = causal_attention
         self.shard: SequenceShard | None = None
@@ -162,7 +162,7 @@ class Decoder(nn.Module):
     """The whole model, or one pipeline stage of it: `layer_ids` picks the blocks (their names stay global,
     `layers.<i>`), `first` adds the embeddings, `last` the final norm and output head. `tp` only sets the
     vocabulary padding; the tensor-parallel sharding itself is applied by
-    `distributed.transforms.tensor_parallel`.
+    features/tensor_parallel.
     With tied embeddings the head shares the embedding's parameter; a last pipeline stage without the
     embedding holds its own copy of it (kept equal by `distributed.parallelize`)."""
 
@@ -299,7 +299,8 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
 
 def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, tp: int = 1, *, arch: Architecture) -> Decoder:
     """Pipeline stage `stage` of `num_stages` (equal layer counts; embeddings first, head last); stage 0 of 1
-    is the whole model. Activation recompute is a transform (distributed/transforms/recompute.py)."""
+    is the whole model. Activation recompute is a feature's transform (features/recompute) setting each
+    block's switches (`Block.recompute_all`, `Attention.recompute_core`)."""
     per_stage = cfg.n_layers // num_stages
     layers = range(stage * per_stage, (stage + 1) * per_stage)
     return Decoder(cfg, arch, tp=tp, layer_ids=layers, first=stage == 0, last=stage == num_stages - 1)
@@ -309,23 +310,6 @@ def loss_chunk_rows(chunk_tokens: int, targets_shape: tuple[int, ...]) -> int:
     """Rows of (rows, length) targets per loss chunk: `chunk_tokens` worth, at least one row (0: all rows)."""
     rows, length = targets_shape
     return max(1, chunk_tokens // length) if chunk_tokens else rows
-
-
-def recompute_choice(cfg: ModelConfig, index_in_stage: int) -> str:
-    """The recompute policy of a stage's `index_in_stage`-th block: none, selective or full. With
-    `recompute_every=k` only every k-th block of the stage, with `recompute_first=M` only its first M."""
-    chosen = cfg.recompute != "none" and index_in_stage % cfg.recompute_every == 0
-    chosen = chosen and (cfg.recompute_first is None or index_in_stage < cfg.recompute_first)
-    return cfg.recompute if chosen else "none"
-
-
-def apply_recompute(model: Decoder, cfg: ModelConfig) -> None:
-    """Activation recompute (torch.utils.checkpoint, non-reentrant) for the blocks of this model or stage:
-    `selective` recomputes the attention core, `full` whole blocks."""
-    for i, block in enumerate(model.layers.values()):
-        choice = recompute_choice(cfg, i)
-        block.recompute_all = choice == "full"
-        block.attn.recompute_core = choice == "selective"
 
 
 def validate_decoder(cfg: ModelConfig, tp: int, *, arch: Architecture) -> None:

@@ -8,7 +8,7 @@ DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias added to the scor
 moved after each optimizer step towards the mean load (`update_expert_bias`). Dropless unless
 `capacity_factor` caps each expert's tokens; the dropped assignments are counted.
 
-Expert parallelism (`parallel.ep`, distributed/transforms/expert_parallel.py) leaves each rank of an ep group
+Expert parallelism (`parallel.ep`, features/moe/expert_parallel.py) leaves each rank of an ep group
 1/ep of the routed experts (a DTensor shard) and sets the layer's `ep_group`: the router still runs on the
 rank's own tokens, whose rows go to the ranks holding their experts and come back with two all-to-alls of
 uneven splits (`dispatch_to_experts`), so routing, statistics and results are those of one rank with every expert.

@@ -2,7 +2,8 @@
 (carved from dp: distributed/mesh.py), as DTensors of placement Shard(0) over the experts, so initialization
 and checkpoints see the whole stacked weights (DCP reshards an ep2 checkpoint to ep1 and back) while a rank
 allocates and computes only its 1/ep of the experts. The layer's tokens reach them by all-to-all
-(models/common/moe.py `dispatch_to_experts`); their gradients are reduced over edp (optim/experts.py)."""
+(models/common/moe.py `dispatch_to_experts`); their gradients are reduced over edp (optim/experts.py; FSDP2
+shards them over edp: features/fsdp)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from hpc_train.distributed.transforms.plan import StagePlan, Transform
+from hpc_train.distributed.transforms import StagePlan
 from hpc_train.models.common.moe import MoE
 from hpc_train.models.spec import StageModule
 
@@ -26,8 +27,7 @@ def apply_expert_parallel(stage: nn.Module, ep_mesh: DeviceMesh) -> None:
             module.ep_group = ep_mesh.get_group()
 
 
-def _apply(stage: StageModule, plan: StagePlan) -> None:
-    apply_expert_parallel(stage, plan.mesh.sub("ep"))
-
-
-TRANSFORM = Transform("expert_parallel", lambda plan: plan.mesh.ep > 1, _apply)
+def shard_experts(stage: StageModule, plan: StagePlan) -> None:
+    """The transform, under expert parallelism (the mesh carves ep from dp)."""
+    if plan.mesh.ep > 1:
+        apply_expert_parallel(stage, plan.mesh.sub("ep"))

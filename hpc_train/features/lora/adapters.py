@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from hpc_train.config import ConfigError, FinetuneConfig
-from hpc_train.models.spec import StageModule, param_generator
+from hpc_train.config import ConfigError
+from hpc_train.features.lora.options import FinetuneConfig
+from hpc_train.models.spec import StageModule, param_generator, projections
 from hpc_train.placement import distribute_like
 
 ADAPTERS = ("lora_a", "lora_b")
@@ -30,11 +31,6 @@ NF4_BLOCK = 64  # weights per NF4 scale (QLoRA's)
 
 def is_adapter(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ADAPTERS
-
-
-def projections(chunk: nn.Module) -> dict[str, nn.Linear]:
-    """The blocks' linear projections, by name within the stage (`layers.<i>.attn.wq`)."""
-    return {name: m for name, m in chunk.named_modules() if name.startswith("layers.") and isinstance(m, nn.Linear)}
 
 
 def check_targets(chunk: nn.Module, targets: list[str]) -> None:

@@ -13,8 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from hpc_train.distributed.transforms.float8 import float8_tp_plan
-from hpc_train.distributed.transforms.plan import StagePlan, Transform
+from hpc_train.config import ParallelConfig
+from hpc_train.distributed.transforms import StagePlan
+from hpc_train.features.float8.linears import float8_tp_plan
 from hpc_train.models.spec import ModelSpec, StageModule
 
 
@@ -35,11 +36,9 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
     model.tie_weights()  # a tied head takes the embedding's (identically sharded) parameter again
 
 
-def _apply(stage: StageModule, plan: StagePlan) -> None:
-    apply_tensor_parallel(stage, plan.spec, plan.mesh.sub("tp"), plan.cfg.parallel.sequence_parallel)
-
-
-TRANSFORM = Transform("tensor_parallel", lambda plan: plan.mesh.size("tp") > 1, _apply)
+def shard(stage: StageModule, plan: StagePlan, *, parallel: ParallelConfig) -> None:
+    """The transform: `stage` sharded over the mesh's tp dimension (with sequence parallelism if asked)."""
+    apply_tensor_parallel(stage, plan.spec, plan.mesh.sub("tp"), parallel.sequence_parallel)
 
 
 def sharded_parameter_names(model: nn.Module, plan: dict[str, ParallelStyle]) -> set[str]:

@@ -1,4 +1,4 @@
-"""ZeRO-3: parameters sharded over the data-parallel group with PyTorch FSDP2 (`fully_shard`).
+"""ZeRO-3 (optim.zero_stage=3): parameters sharded over the data-parallel group with PyTorch FSDP2 (`fully_shard`).
 
 Each transformer block is its own FSDP unit (all-gathered just before it runs, freed after it unless
 `reshard_after_forward` is off), the stage's embeddings, final norm and head the root unit. Applied on the
@@ -6,7 +6,7 @@ meta device after tensor parallelism, so a tp-sharded parameter becomes a 2D (dp
 ever allocates more than its shard. The sharded fp32 parameters are the master weights; the mixed-precision
 policy all-gathers them in the compute dtype and reduce-scatters gradients in fp32. With `offload` the
 sharded parameters, their gradients and so the optimizer state live in host memory (parallelize.materialize
-allocates the shards there, as FSDP2's CPU offload wants them).
+allocates the shards there, as FSDP2's CPU offload wants them: StagePlan.params_on_host).
 
 Under expert parallelism each MoE layer's routed experts (DTensor shards over ep) are their own FSDP unit
 over edp, the dp ranks holding the same experts (torchtitan's approach): their 2D (edp, ep) shards hold every
@@ -21,18 +21,28 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from hpc_train.config import JobConfig
-from hpc_train.distributed.transforms.plan import StagePlan, Transform
+from hpc_train.config import OptimConfig, ParallelConfig
+from hpc_train.distributed.hooks import StepHooks
+from hpc_train.distributed.transforms import StagePlan
 from hpc_train.models.common.moe import MoE
 from hpc_train.models.spec import StageModule
 
 
-def reshards_after_forward(cfg: JobConfig) -> bool:
+def reshards_after_forward(optim: OptimConfig, parallel: ParallelConfig) -> bool:
     """optim.reshard_after_forward, its default resolved: on without pipeline parallelism, off with it
     (torchtitan's choice: a stage runs a forward per micro-batch, and torch's schedules keep its
     parameters gathered until the step's last backward anyway)."""
-    configured = cfg.optim.reshard_after_forward
-    return cfg.parallel.pp == 1 if configured is None else configured
+    configured = optim.reshard_after_forward
+    return parallel.pp == 1 if configured is None else configured
+
+
+def all_gathers_per_step(optim: OptimConfig, parallel: ParallelConfig, micro_batches: int) -> int:
+    """How often a block's parameters are all-gathered per step: for forward and again for backward per
+    micro-batch when they are resharded after forward; else once per micro-batch, or once per step under
+    pipeline parallelism (torch's schedules keep the stage gathered)."""
+    if reshards_after_forward(optim, parallel):
+        return 2 * micro_batches
+    return 1 if parallel.pp > 1 else micro_batches
 
 
 def apply_fsdp(
@@ -70,20 +80,25 @@ def apply_fsdp(
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def _apply(stage: StageModule, plan: StagePlan) -> None:
-    offload = plan.cfg.optim.offload == "cpu"
+def shard(stage: StageModule, plan: StagePlan, *, optim: OptimConfig, parallel: ParallelConfig) -> None:
+    """The transform: `stage` sharded over dp x cp (its routed experts, under expert parallelism, over edp)."""
     experts = plan.mesh.sub("edp") if plan.mesh.ep > 1 else None
-    apply_fsdp(stage, plan.mesh.sub("dp_cp"), plan.compute_dtype, reshards_after_forward(plan.cfg), offload,
-               plan.device, experts)  # fmt: skip
+    apply_fsdp(stage, plan.mesh.sub("dp_cp"), plan.compute_dtype, reshards_after_forward(optim, parallel),
+               optim.offload == "cpu", plan.device, experts)  # fmt: skip
 
 
-TRANSFORM = Transform("fsdp", lambda plan: plan.shards_params, _apply)
+class Reshard(StepHooks):
+    """After forward passes without backward (evaluation): every gathered parameter of the FSDP units freed
+    (the units that do not reshard after forward stay gathered otherwise, and a checkpoint must read the
+    shards)."""
 
+    name = "fsdp"
 
-def reshard(chunks: list[nn.Module]) -> None:
-    """Free every gathered parameter of FSDP units (a forward without backward leaves the units that do not
-    reshard after forward gathered, and a checkpoint must read the shards)."""
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+    def __init__(self, chunks: list[nn.Module]):
+        self.chunks = chunks
+
+    def after_eval(self) -> None:
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()

@@ -1,15 +1,25 @@
-"""The step's end for MoE layers: their statistics summed over the data-parallel batch (one all-reduce),
-DeepSeek-V3's routing-bias update from those loads, and the per-layer figures of the metrics record
-(models/common/moe.py STATS) for the whole model (one all-reduce over pipeline stages), left on the device
-until the loop reads the step."""
+"""MoE layers' part in every step (`MoEStep`): before the forward passes, the aux loss's gradient scale and
+which forward is a pipeline's shape inference (left out of the statistics); after the update, their
+statistics summed over the data-parallel batch (one all-reduce), DeepSeek-V3's routing-bias update from those
+loads, and the per-layer figures of the metrics record (models/common/moe.py STATS) for the whole model (one
+all-reduce over pipeline stages), left on the device until the loop reads the step."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from hpc_train.distributed.hooks import StepHooks
 from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.models.common.moe import STATS, is_moe_layer, moe_layers, take_stats, update_expert_bias
+from hpc_train.models.common.moe import (
+    STATS,
+    is_moe_layer,
+    moe_layers,
+    set_aux_grad_scale,
+    skip_shape_inference,
+    take_stats,
+    update_expert_bias,
+)
 
 
 def finish_moe_step(
@@ -50,3 +60,23 @@ def moe_record(figures: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
         return {}
     values = torch.stack(list(figures.values())).tolist()
     return {name: dict(zip(STATS, row, strict=True)) for name, row in zip(figures, values, strict=True)}
+
+
+class MoEStep(StepHooks):
+    name = "moe"
+
+    def __init__(self, model: ParallelModel):
+        self.model, self.micro_batches = model, 1
+
+    def before_forward(self, micro_batches: int, loss_scale: float | torch.Tensor, infers_shapes: bool) -> None:
+        """The aux loss's gradient: the main loss's share of the batch; a shape-inferring forward unrecorded."""
+        self.micro_batches = micro_batches
+        set_aux_grad_scale(self.model.chunks, loss_scale / micro_batches)
+        if infers_shapes:
+            skip_shape_inference(self.model.chunks)
+
+    def after_update(self, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
+        return finish_moe_step(self.model, self.micro_batches, skipped)
+
+    def record(self, figures: dict[str, torch.Tensor]) -> dict[str, dict[str, dict[str, float]]]:
+        return {"moe": moe_record(figures)} if figures else {}

@@ -1,1 +1,0 @@
-"""Fine-tuning transforms of a built model: LoRA adapters and QLoRA's NF4 base (lora.py)."""
