@@ -36,8 +36,8 @@ from hpc_train.distributed.parallelize import step_context
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
 from hpc_train.layout import check_run
-from hpc_train.models import get_spec
-from hpc_train.models.common.hf import plan_import
+from hpc_train.models import hf_adapter_writing
+from hpc_train.models.common.hf import model_fields, plan_import
 from hpc_train.train.loop import run_training
 from tests.conftest import max_param_diff, read_final_model, read_metrics
 
@@ -210,7 +210,7 @@ def test_a_checkpoint_that_does_not_match_is_named(hf_models):
     cfg = _model_cfg(folder)
     shapes = dict(folder.shapes)
     expected = _expected(cfg)
-    plan_import(folder.format, cfg, shapes, expected)  # the folder as it is matches
+    plan_import(folder.adapter, cfg, shapes, expected)  # the folder as it is matches
     cases = {
         "missing tensor model.layers.1.mlp.up_proj.weight": lambda s: s.pop("model.layers.1.mlp.up_proj.weight"),
         "no place for: model.layers.0.extra.weight": lambda s: s.update({"model.layers.0.extra.weight": (4,)}),
@@ -222,7 +222,7 @@ def test_a_checkpoint_that_does_not_match_is_named(hf_models):
         changed = dict(shapes)
         change(changed)
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            plan_import(folder.format, cfg, changed, expected)
+            plan_import(folder.adapter, cfg, changed, expected)
 
 
 def _model_cfg(folder: HFFolder):
@@ -283,13 +283,13 @@ def test_what_mixtral_and_hpc_train_do_not_share_is_refused(make_cfg, hf_models,
     folder = HFFolder(hf_models["mixtral"])
     for key, value in {"sliding_window": 16, "router_jitter_noise": 0.1}.items():
         with pytest.raises(ConfigError, match=f"Hugging Face config {key}={value} is not supported"):
-            folder.format.model_fields({**folder.config, key: value})
+            model_fields(folder.adapter, {**folder.config, key: value})
     experts = "model.layers.1.block_sparse_moe.experts"
     cfg, shapes = _model_cfg(folder), dict(folder.shapes)
     del shapes[f"{experts}.3.w2.weight"]
     shapes[f"{experts}.2.w1.weight"] = (64, 96)
     with pytest.raises(ConfigError) as err:
-        plan_import(folder.format, cfg, shapes, _expected(cfg))
+        plan_import(folder.adapter, cfg, shapes, _expected(cfg))
     assert str(err.value).endswith(f"missing tensor {experts}.3.w2.weight; {experts}.2.w1.weight has shape "
                                    f"(64, 96), unlike {experts}.0.w1.weight's (96, 64)")  # fmt: skip
     conflicts = {"mixtral": ("model.moe.top_k=1", "model.moe.top_k=1 (it has 2)"),
@@ -304,14 +304,14 @@ def test_what_mixtral_and_hpc_train_do_not_share_is_refused(make_cfg, hf_models,
 
     with single_process_group():
         cfg, state = load_whole(hf_models["mixtral"])
-    spec, moe = get_spec("llama"), cfg.model.moe
-    save_hf(tmp_path / "zero_bias", spec, cfg.model, state)  # the routing bias is there, and zero
+    adapter, moe = hf_adapter_writing(cfg.model), cfg.model.moe
+    save_hf(tmp_path / "zero_bias", adapter, cfg.model, state)  # the routing bias is there, and zero
     unfit = dataclasses.replace(moe, num_shared_experts=1, first_dense_layers=1, score_func="sigmoid")
     with pytest.raises(ConfigError, match=r"num_shared_experts=1 .*first_dense_layers=1 .*score_func='sigmoid'"):
-        save_hf(tmp_path / "unfit", spec, dataclasses.replace(cfg.model, moe=unfit), state)
+        save_hf(tmp_path / "unfit", adapter, dataclasses.replace(cfg.model, moe=unfit), state)
     state["layers.1.mlp.router.expert_bias"][2] = 0.5
     with pytest.raises(ConfigError, match=r"no place for layers.1.mlp.router.expert_bias, which are not zero"):
-        save_hf(tmp_path / "biased", spec, cfg.model, state)
+        save_hf(tmp_path / "biased", adapter, cfg.model, state)
     assert not (tmp_path / "biased").exists() and (tmp_path / "zero_bias" / "model.safetensors").is_file()
 
 
