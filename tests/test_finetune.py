@@ -28,7 +28,7 @@ from hpc_train.checkpoint.init_from import newest_checkpoint, with_model_fields,
 from hpc_train.cli import main
 from hpc_train.commands.convert import export_hf, import_config, import_hf, load_model, load_whole
 from hpc_train.commands.generate import generate
-from hpc_train.config import ConfigError, load_config
+from hpc_train.config import ConfigError, ModelConfig, MoEConfig, load_config
 from hpc_train.data.batch import collate
 from hpc_train.data.prepare import load_datasets, prepare_data, stdlib_sources
 from hpc_train.data.sampler import ResumableSampler
@@ -36,8 +36,8 @@ from hpc_train.distributed.parallelize import step_context
 from hpc_train.launch.bootstrap import distributed
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
 from hpc_train.layout import check_run
-from hpc_train.models import hf_adapter_writing
-from hpc_train.models.common.hf import model_fields, plan_import
+from hpc_train.models import MODEL_SPECS, hf_adapter_reading, hf_adapter_writing
+from hpc_train.models.common.hf import ARCH_FIELDS, model_fields, plan_import
 from hpc_train.train.loop import run_training
 from tests.conftest import max_param_diff, read_final_model, read_metrics
 
@@ -223,6 +223,38 @@ def test_a_checkpoint_that_does_not_match_is_named(hf_models):
         change(changed)
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             plan_import(folder.adapter, cfg, changed, expected)
+
+
+# one architecture per family, every ARCH_FIELDS key set; Mixtral's experts as wide as the dense MLP, the one
+# width its config.json has
+ARCHITECTURES = {
+    "llama": ModelConfig(arch="llama", vocab_size=VOCAB, n_layers=2, n_heads=4, n_kv_heads=2, d_model=64,
+                         ffn_hidden=160, rope_theta=5000.0, norm_eps=1e-5, tie_embeddings=False,
+                         max_position_embeddings=32),
+    "gpt2": ModelConfig(arch="gpt2", vocab_size=VOCAB, n_layers=2, n_heads=4, d_model=64, ffn_hidden=256,
+                        norm_eps=1e-5, tie_embeddings=True, max_position_embeddings=32),
+}  # fmt: skip
+EXPERTS = MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden=160)
+
+
+def test_every_adapter_round_trips_its_config():
+    """Ours -> the transformers config (as save_pretrained writes it) -> ours gives back every architecture
+    field the adapter maps; each ModelConfig finds its adapter, and a config.json of another model_type is
+    refused naming the ones hpc_train reads."""
+    for spec in MODEL_SPECS.values():
+        for adapter in spec.hf:
+            cfg = ARCHITECTURES[spec.name]
+            cfg = dataclasses.replace(cfg, moe=EXPERTS) if adapter.experts else cfg
+            assert hf_adapter_writing(cfg) is adapter
+            written = transformers.AutoConfig.for_model(adapter.model_type, **adapter.to_hf_config(cfg)).to_dict()
+            assert hf_adapter_reading(written) is adapter
+            fields = model_fields(adapter, written)
+            assert set(fields) <= set(ARCH_FIELDS) and with_model_fields(cfg, fields) == cfg, adapter.architecture
+    known = "llama (LlamaForCausalLM), mixtral (MixtralForCausalLM), gpt2 (GPT2LMHeadModel)"
+    with pytest.raises(ConfigError, match=re.escape(f"model_type='bert' is not supported; hpc_train reads {known}")):
+        hf_adapter_reading({"model_type": "bert"})
+    with pytest.raises(ConfigError, match="model.arch=gpt2 has no Hugging Face counterpart for model.moe"):
+        hf_adapter_writing(dataclasses.replace(ARCHITECTURES["gpt2"], moe=EXPERTS))
 
 
 def _model_cfg(folder: HFFolder):
