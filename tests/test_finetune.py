@@ -29,7 +29,7 @@ from hpc_train.checkpoint.init_from import newest_checkpoint, with_model_fields,
 from hpc_train.cli import main
 from hpc_train.commands.convert import export_hf, import_config, import_hf, load_model, load_whole
 from hpc_train.commands.generate import generate
-from hpc_train.config import ConfigError
+from hpc_train.config import ConfigError, ModelConfig, MoEConfig
 from hpc_train.data.batch import collate
 from hpc_train.data.prepare import load_datasets, prepare_data, stdlib_sources
 from hpc_train.data.sampler import ResumableSampler
@@ -37,8 +37,8 @@ from hpc_train.distributed.parallelize import step_context
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
 from hpc_train.layout import check_run
-from hpc_train.models import get_spec
-from hpc_train.models.common.hf import plan_import
+from hpc_train.models import MODEL_SPECS, hf_adapter_reading, hf_adapter_writing
+from hpc_train.models.common.hf import ARCH_FIELDS, model_fields, plan_import
 from hpc_train.train.loop import run_training
 from tests.conftest import max_param_diff, read_final_model, read_metrics
 
@@ -211,7 +211,7 @@ def test_a_checkpoint_that_does_not_match_is_named(hf_models):
     cfg = _model_cfg(folder)
     shapes = dict(folder.shapes)
     expected = _expected(cfg)
-    plan_import(folder.format, cfg, shapes, expected)  # the folder as it is matches
+    plan_import(folder.adapter, cfg, shapes, expected)  # the folder as it is matches
     cases = {
         "missing tensor model.layers.1.mlp.up_proj.weight": lambda s: s.pop("model.layers.1.mlp.up_proj.weight"),
         "no place for: model.layers.0.extra.weight": lambda s: s.update({"model.layers.0.extra.weight": (4,)}),
@@ -223,7 +223,39 @@ def test_a_checkpoint_that_does_not_match_is_named(hf_models):
         changed = dict(shapes)
         change(changed)
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            plan_import(folder.format, cfg, changed, expected)
+            plan_import(folder.adapter, cfg, changed, expected)
+
+
+# one architecture per family, every ARCH_FIELDS key set; Mixtral's experts as wide as the dense MLP, the one
+# width its config.json has
+ARCHITECTURES = {
+    "llama": ModelConfig(arch="llama", vocab_size=VOCAB, n_layers=2, n_heads=4, n_kv_heads=2, d_model=64,
+                         ffn_hidden=160, rope_theta=5000.0, norm_eps=1e-5, tie_embeddings=False,
+                         max_position_embeddings=32),
+    "gpt2": ModelConfig(arch="gpt2", vocab_size=VOCAB, n_layers=2, n_heads=4, d_model=64, ffn_hidden=256,
+                        norm_eps=1e-5, tie_embeddings=True, max_position_embeddings=32),
+}  # fmt: skip
+EXPERTS = MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden=160)
+
+
+def test_every_adapter_round_trips_its_config():
+    """Ours -> the transformers config (as save_pretrained writes it) -> ours gives back every architecture
+    field the adapter maps; each ModelConfig finds its adapter, and a config.json of another model_type is
+    refused naming the ones hpc_train reads."""
+    for spec in MODEL_SPECS.values():
+        for adapter in spec.hf:
+            cfg = ARCHITECTURES[spec.name]
+            cfg = dataclasses.replace(cfg, moe=EXPERTS) if adapter.experts else cfg
+            assert hf_adapter_writing(cfg) is adapter
+            written = transformers.AutoConfig.for_model(adapter.model_type, **adapter.to_hf_config(cfg)).to_dict()
+            assert hf_adapter_reading(written) is adapter
+            fields = model_fields(adapter, written)
+            assert set(fields) <= set(ARCH_FIELDS) and with_model_fields(cfg, fields) == cfg, adapter.architecture
+    known = "llama (LlamaForCausalLM), mixtral (MixtralForCausalLM), gpt2 (GPT2LMHeadModel)"
+    with pytest.raises(ConfigError, match=re.escape(f"model_type='bert' is not supported; hpc_train reads {known}")):
+        hf_adapter_reading({"model_type": "bert"})
+    with pytest.raises(ConfigError, match="model.arch=gpt2 has no Hugging Face counterpart for model.moe"):
+        hf_adapter_writing(dataclasses.replace(ARCHITECTURES["gpt2"], moe=EXPERTS))
 
 
 def _model_cfg(folder: HFFolder):
@@ -284,13 +316,13 @@ def test_what_mixtral_and_hpc_train_do_not_share_is_refused(make_cfg, hf_models,
     folder = HFFolder(hf_models["mixtral"])
     for key, value in {"sliding_window": 16, "router_jitter_noise": 0.1}.items():
         with pytest.raises(ConfigError, match=f"Hugging Face config {key}={value} is not supported"):
-            folder.format.model_fields({**folder.config, key: value})
+            model_fields(folder.adapter, {**folder.config, key: value})
     experts = "model.layers.1.block_sparse_moe.experts"
     cfg, shapes = _model_cfg(folder), dict(folder.shapes)
     del shapes[f"{experts}.3.w2.weight"]
     shapes[f"{experts}.2.w1.weight"] = (64, 96)
     with pytest.raises(ConfigError) as err:
-        plan_import(folder.format, cfg, shapes, _expected(cfg))
+        plan_import(folder.adapter, cfg, shapes, _expected(cfg))
     assert str(err.value).endswith(f"missing tensor {experts}.3.w2.weight; {experts}.2.w1.weight has shape "
                                    f"(64, 96), unlike {experts}.0.w1.weight's (96, 64)")  # fmt: skip
     conflicts = {"mixtral": ("model.moe.top_k=1", "model.moe.top_k=1 (it has 2)"),
@@ -305,14 +337,14 @@ def test_what_mixtral_and_hpc_train_do_not_share_is_refused(make_cfg, hf_models,
 
     with single_process_group():
         cfg, state = load_whole(hf_models["mixtral"])
-    spec, moe = get_spec("llama"), cfg.model.moe
-    save_hf(tmp_path / "zero_bias", spec, cfg.model, state)  # the routing bias is there, and zero
+    adapter, moe = hf_adapter_writing(cfg.model), cfg.model.moe
+    save_hf(tmp_path / "zero_bias", adapter, cfg.model, state)  # the routing bias is there, and zero
     unfit = dataclasses.replace(moe, num_shared_experts=1, first_dense_layers=1, score_func="sigmoid")
     with pytest.raises(ConfigError, match=r"num_shared_experts=1 .*first_dense_layers=1 .*score_func='sigmoid'"):
-        save_hf(tmp_path / "unfit", spec, dataclasses.replace(cfg.model, moe=unfit), state)
+        save_hf(tmp_path / "unfit", adapter, dataclasses.replace(cfg.model, moe=unfit), state)
     state["layers.1.mlp.router.expert_bias"][2] = 0.5
     with pytest.raises(ConfigError, match=r"no place for layers.1.mlp.router.expert_bias, which are not zero"):
-        save_hf(tmp_path / "biased", spec, cfg.model, state)
+        save_hf(tmp_path / "biased", adapter, cfg.model, state)
     assert not (tmp_path / "biased").exists() and (tmp_path / "zero_bias" / "model.safetensors").is_file()
 
 

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from hpc_train.config import ConfigError, ModelConfig
-from hpc_train.models import MODEL_SPECS
-from hpc_train.models.common.hf import HFFormat, export_state, format_for, formats
-from hpc_train.models.spec import ModelSpec
+from hpc_train.models import hf_adapter_reading
+from hpc_train.models.common.hf import HFAdapter, export_state, model_fields
 
 CONFIG, INDEX, WEIGHTS = "config.json", "model.safetensors.index.json", "model.safetensors"
 
@@ -37,19 +36,9 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
     return (Path(path) / CONFIG).is_file()
 
 
-def family(config: dict[str, Any]) -> tuple[ModelSpec, HFFormat]:
-    """The model family whose Hugging Face counterpart wrote `config`."""
-    known = [(spec, fmt) for spec in MODEL_SPECS.values() if spec.hf is not None for fmt in formats(spec.hf)]
-    for spec, fmt in known:
-        if fmt.model_type == config.get("model_type"):
-            return spec, fmt
-    known = [fmt.architecture for _, fmt in known]
-    raise ConfigError(f"Hugging Face model_type={config.get('model_type')!r} is not supported; hpc_train reads "
-                      f"{', '.join(known)}")  # fmt: skip
-
-
 class HFFolder:
-    """A Hugging Face model folder: its config, its tensors' shapes, and each tensor read on demand."""
+    """A Hugging Face model folder: its config, the adapter of the class that wrote it, its tensors' shapes,
+    and each tensor read on demand."""
 
     def __init__(self, path: str | os.PathLike):
         safe_open = require_module("safetensors").safe_open
@@ -57,7 +46,7 @@ class HFFolder:
         if not is_hf_folder(self.path):
             raise ConfigError(f"'{self.path}' is not a Hugging Face model folder (no {CONFIG})")
         self.config = json.loads((self.path / CONFIG).read_text())
-        self.spec, self.format = family(self.config)
+        self.adapter = hf_adapter_reading(self.config)
         if (self.path / INDEX).is_file():
             weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
@@ -78,7 +67,7 @@ class HFFolder:
                 self.shapes[name] = tuple(handle.get_slice(name).get_shape())
 
     def model_fields(self) -> dict[str, Any]:
-        return self.format.model_fields(self.config)
+        return model_fields(self.adapter, self.config)
 
     def read(self, name: str) -> torch.Tensor:
         """The last tensor read is kept: GPT-2's fused q, k, v is asked for three times in a row."""
@@ -87,17 +76,13 @@ class HFFolder:
         return self._last[1]
 
 
-def save_hf(out: str | os.PathLike, spec: ModelSpec, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
-    """Whole, unpadded hpc_train tensors -> a Hugging Face folder at `out`, written beside it and renamed
-    into place (an existing `out` is replaced only once the new one is complete)."""
+def save_hf(out: str | os.PathLike, adapter: HFAdapter, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
+    """Whole, unpadded hpc_train tensors -> a Hugging Face folder at `out` through `adapter`, written beside it
+    and renamed into place (an existing `out` is replaced only once the new one is complete)."""
     transformers, save_file = require_module("transformers"), require_module("safetensors.torch").save_file
-    if spec.hf is None:
-        raise ConfigError(f"model.arch={spec.name} has no Hugging Face counterpart to export to")
-    fmt = format_for(spec.hf, cfg)
-    kwargs = fmt.hf_config(cfg)  # refuses what the HF class cannot express
-    tensors = export_state(fmt, cfg, state)
-    config = transformers.AutoConfig.for_model(fmt.model_type, **kwargs)
-    config.architectures = [fmt.architecture]
+    tensors = export_state(adapter, cfg, state)  # refuses what the HF class cannot express
+    config = transformers.AutoConfig.for_model(adapter.model_type, **adapter.to_hf_config(cfg))
+    config.architectures = [adapter.architecture]
     config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     with written_into(out) as tmp:
         config.save_pretrained(tmp)

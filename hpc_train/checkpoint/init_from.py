@@ -114,7 +114,7 @@ def _load_hf(model: ParallelModel, folder: HFFolder) -> None:
     for name, p in whole.named_parameters():
         shape = (cfg.vocab_size, *p.shape[1:]) if name in spec.vocab_params else tuple(p.shape)
         expected[whole.canonical_name(name)] = shape
-    plan = plan_import(folder.format, cfg, folder.shapes, expected)
+    plan = plan_import(folder.adapter, cfg, folder.shapes, expected)
     for name, p in model.named_parameters:
         if is_adapter(name):
             continue

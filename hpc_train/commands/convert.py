@@ -29,7 +29,8 @@ from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import ParallelModel, full_state_dict
 from hpc_train.features.lora.adapters import merge_adapters
 from hpc_train.job import JobConfig, load_config
-from hpc_train.models import get_spec
+from hpc_train.models import hf_adapter_writing
+from hpc_train.models.common.hf import hf_modules
 
 # what a checkpoint of any layout is loaded into for export: one process, whole fp32 weights
 SINGLE_PROCESS = ["parallel.nproc=1", "parallel.tp=1", "parallel.pp=1", "parallel.dp=null",
@@ -112,36 +113,30 @@ def load_whole(source: str, base: str | None = None) -> tuple[JobConfig, dict[st
 def export_hf(source: str, out: str, adapters_only: bool = False, base: str | None = None) -> Path:
     """Write the checkpoint under `source` as a Hugging Face folder at `out`; needs a one-rank process group."""
     cfg, state = load_whole(source, base)
-    spec = get_spec(cfg.model.arch)
     if adapters_only:
         return save_peft_adapters(out, cfg, state)
     if cfg.finetune.adapters:
         state = merge_adapters(state, cfg.finetune)
-    return save_hf(out, spec, cfg.model, state)
+    return save_hf(out, hf_adapter_writing(cfg.model), cfg.model, state)
 
 
 def save_peft_adapters(out: str, cfg: JobConfig, state: dict[str, torch.Tensor]) -> Path:
     """LoRA adapters alone, as PEFT saves them (adapter_model.safetensors + adapter_config.json), named after
     the Hugging Face modules they sit beside."""
     save_file = require_module("safetensors.torch").save_file
-    spec, ft = get_spec(cfg.model.arch), cfg.finetune
+    ft = cfg.finetune
     if not ft.adapters:
         raise CheckpointError("--adapters-only: this checkpoint was trained with finetune.method=full; it has none")
-    rules = {rule.ours: rule for rule in spec.hf.rules(cfg.model)}
-    tensors, targets = {}, set()
-    for name in [n for n in state if n.endswith(".lora_a")]:
-        module = name.removesuffix(".lora_a")
-        rule = rules.get((f"{module}.weight",))
-        if rule is None:  # e.g. GPT-2's q, k, v: one fused module there, three adapters here
-            raise CheckpointError(f"--adapters-only: {module} has no Hugging Face module of its own; export the "
-                                  "merged model instead (without --adapters-only)")  # fmt: skip
-        theirs = rule.theirs.removesuffix(".weight")
-        targets.add(theirs)  # whole names: GPT-2's attn.c_proj and mlp.c_proj share their last part
-        tensors[f"base_model.model.{theirs}.lora_A.weight"] = state[name].contiguous()
-        tensors[f"base_model.model.{theirs}.lora_B.weight"] = state[f"{module}.lora_b"].contiguous()
+    modules = [name.removesuffix(".lora_a") for name in state if name.endswith(".lora_a")]
+    theirs, fan_in_fan_out = hf_modules(hf_adapter_writing(cfg.model), cfg.model, modules)
+    tensors = {}
+    for module in modules:
+        tensors[f"base_model.model.{theirs[module]}.lora_A.weight"] = state[f"{module}.lora_a"].contiguous()
+        tensors[f"base_model.model.{theirs[module]}.lora_B.weight"] = state[f"{module}.lora_b"].contiguous()
+    # target_modules: whole names (GPT-2's attn.c_proj and mlp.c_proj share their last part)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ft.lora_rank, "lora_alpha": ft.lora_alpha,
-              "lora_dropout": ft.lora_dropout, "target_modules": sorted(targets), "bias": "none",
-              "fan_in_fan_out": rule.kind == "transpose", "inference_mode": True,
+              "lora_dropout": ft.lora_dropout, "target_modules": sorted(set(theirs.values())), "bias": "none",
+              "fan_in_fan_out": fan_in_fan_out, "inference_mode": True,
               "base_model_name_or_path": None}  # fmt: skip
     with written_into(out) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})

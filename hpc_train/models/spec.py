@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hpc_train.config import ModelConfig
-from hpc_train.models.common.hf import HFFormat
+from hpc_train.models.common.hf import HFAdapter
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,9 @@ class ModelSpec:
     padded_vocab_size: Callable[[ModelConfig, int], int]  # (cfg, tp)
     validate: Callable[[ModelConfig, int], None]  # (cfg, tp): raises ConfigError
     vocab_params: tuple[str, ...]  # padded on their vocabulary rows: checkpoints store them unpadded
-    hf: HFFormat | None = None  # its Hugging Face transformers counterpart, for import-hf / export-hf
+    # its Hugging Face transformers counterparts, for import-hf / export-hf: at most one for dense configs and
+    # one for model.moe's (`experts`); the registry (models/__init__.py) picks among them
+    hf: tuple[HFAdapter, ...] = ()
     # (stage, tp_mesh, sequence_parallel): shards a stage over tp in place, for a family whose layers a TP dict
     # cannot describe (e.g. MoE experts); None: `tp_plan` is applied (torchtitan's parallelize_fn)
     parallelize_fn: Callable[[StageModule, DeviceMesh, bool], None] | None = None

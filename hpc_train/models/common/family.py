@@ -15,7 +15,7 @@ from hpc_train.models.common.decoder import (
     padded_vocab_size,
     validate_decoder,
 )
-from hpc_train.models.common.hf import HFFormat
+from hpc_train.models.common.hf import HFAdapter
 from hpc_train.models.common.moe import expert_hidden, reset_expert_bias, validate_moe
 from hpc_train.models.common.tp_plan import decoder_tp_plan
 from hpc_train.models.spec import ModelSpec, StageModule
@@ -40,7 +40,7 @@ def validate_family(cfg: ModelConfig, tp: int, *, name: str, arch: Architecture)
                           "model.moe.expert_ffn_hidden to a multiple of tp")  # fmt: skip
 
 
-def decoder_spec(name: str, arch: Architecture, hf: HFFormat | None = None) -> ModelSpec:
+def decoder_spec(name: str, arch: Architecture, hf: tuple[HFAdapter, ...] = ()) -> ModelSpec:
     """The registry entry of a family built on this skeleton."""
     return ModelSpec(
         name=name,

@@ -5,9 +5,9 @@ input/output embeddings."""
 from __future__ import annotations
 
 from hpc_train.models.common.family import decoder_spec
-from hpc_train.models.gpt2.hf import HF
+from hpc_train.models.gpt2.hf import GPT2_HF
 from hpc_train.models.gpt2.model import ARCH
 
-GPT2 = decoder_spec("gpt2", ARCH, HF)
+GPT2 = decoder_spec("gpt2", ARCH, (GPT2_HF,))
 
 __all__ = ["GPT2"]

@@ -1,19 +1,24 @@
-"""The GPT-2 family's Hugging Face counterpart, `GPT2LMHeadModel`: its config keys and its tensor names."""
+"""The GPT-2 family's adapter for `GPT2LMHeadModel`: its config keys, its tensor names, and the HF options
+hpc_train's GPT-2 does not implement."""
 
 from __future__ import annotations
 
 from hpc_train.config import ModelConfig
 from hpc_train.models.common.decoder import ties_embeddings
-from hpc_train.models.common.hf import HFFormat, TensorRule, require
+from hpc_train.models.common.hf import HFAdapter, TensorRule, unsupported
 from hpc_train.models.gpt2.model import ARCH, ffn_size
+
+
+def _refuse_import(config: dict) -> list[str]:
+    """Another activation, unscaled or layer-scaled attention, cross-attention."""
+    return [*unsupported(config, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new"),
+            *unsupported(config, "scale_attn_weights", (True,), True),
+            *unsupported(config, "scale_attn_by_inverse_layer_idx", (False,), False),
+            *unsupported(config, "add_cross_attention", (False,), False)]  # fmt: skip
 
 
 def _model_fields(config: dict) -> dict:
     """GPT2LMHeadModel's config.json -> ModelConfig fields (the learned positions' count too: n_positions)."""
-    require(config, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
-    require(config, "scale_attn_weights", (True,), True)
-    require(config, "scale_attn_by_inverse_layer_idx", (False,), False)
-    require(config, "add_cross_attention", (False,), False)
     return {"arch": "gpt2", "vocab_size": config["vocab_size"], "n_layers": config["n_layer"],
             "n_heads": config["n_head"], "n_kv_heads": None, "d_model": config["n_embd"],
             "ffn_hidden": config.get("n_inner") or 4 * config["n_embd"],
@@ -29,7 +34,7 @@ def _hf_config(cfg: ModelConfig) -> dict:
             "activation_function": "gelu_new", "tie_word_embeddings": ties_embeddings(cfg, ARCH)}  # fmt: skip
 
 
-def _hf_rules(cfg: ModelConfig) -> list[TensorRule]:
+def _rules(cfg: ModelConfig) -> list[TensorRule]:
     """HF's GPT-2 keeps its projections as Conv1D, (in, out), and q, k, v fused in c_attn."""
     rules = [TensorRule(("tok_embeddings.weight",), "transformer.wte.weight"),
              TensorRule(("pos_embeddings.weight",), "transformer.wpe.weight")]  # fmt: skip
@@ -51,5 +56,5 @@ def _hf_rules(cfg: ModelConfig) -> list[TensorRule]:
     return rules
 
 
-HF = HFFormat("gpt2", "GPT2LMHeadModel", _model_fields, _hf_config, _hf_rules,
-              derived=(".attn.bias", ".attn.masked_bias"))  # fmt: skip
+GPT2_HF = HFAdapter("gpt2", "GPT2LMHeadModel", _model_fields, _hf_config, _rules, refuse_import=_refuse_import,
+                    derived=(".attn.bias", ".attn.masked_bias"))  # fmt: skip

@@ -4,9 +4,10 @@ grouped-query attention, no biases, untied embeddings unless `model.tie_embeddin
 from __future__ import annotations
 
 from hpc_train.models.common.family import decoder_spec
-from hpc_train.models.llama.hf import HF
+from hpc_train.models.llama.hf import LLAMA_HF
+from hpc_train.models.llama.mixtral_hf import MIXTRAL_HF
 from hpc_train.models.llama.model import ARCH
 
-LLAMA = decoder_spec("llama", ARCH, HF)
+LLAMA = decoder_spec("llama", ARCH, (LLAMA_HF, MIXTRAL_HF))
 
 __all__ = ["LLAMA"]
