@@ -24,6 +24,7 @@ import torch
 from hpc_train.bootstrap import RankEnv
 from hpc_train.checkpoint.checkpointer import Checkpointer
 from hpc_train.checkpoint.init_from import base_fingerprint, load_base, with_source_model
+from hpc_train.checkpoint.ownership import RunIdentity
 from hpc_train.checkpoint.state import ModelState, OptimizerState, RNGState
 from hpc_train.data.blend import BlendedSampler, BlendedSource
 from hpc_train.data.indexed import IndexedDataset
@@ -32,8 +33,7 @@ from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.parallelize import ParallelModel, parallelize
 from hpc_train.distributed.transforms import StagePlan
-from hpc_train.job import JobConfig, declared
-from hpc_train.layout import check_run
+from hpc_train.job import JobConfig, block_policy, check_run, declared
 from hpc_train.models import get_spec
 from hpc_train.observe.metrics import MetricsLog
 from hpc_train.optim import build_optimizer, optimizer_class, precision_policy
@@ -75,13 +75,13 @@ def build_model(
     """This rank's part of the model (distributed/parallelize.py), with every feature that is on: its
     transforms and initializers in the registry's order, bound to the config sections each reads, and its
     hooks into every step."""
-    o = cfg.optim
+    o, given = cfg.optim, {"mesh": mesh, "block_policy": block_policy(cfg)}
     plan = StagePlan(cfg.model, cfg.parallel, cfg.train, get_spec(cfg.model.arch), mesh, device, compute_dtype,
                      params_on_host=optimizer_class(o).shards_params and o.offload == "cpu",
-                     transforms=tuple(fn for _, fn in declared(cfg, "transform", mesh=mesh)),
-                     initializers=tuple(fn for _, fn in declared(cfg, "initialize", mesh=mesh)))  # fmt: skip
+                     transforms=tuple(fn for _, fn in declared(cfg, "transform", **given)),
+                     initializers=tuple(fn for _, fn in declared(cfg, "initialize", **given)))  # fmt: skip
     model = parallelize(plan)
-    model.hooks = [hook for _, attach in declared(cfg, "hooks", mesh=mesh) if (hook := attach(model)) is not None]
+    model.hooks = [hook for _, attach in declared(cfg, "hooks", **given) if (hook := attach(model)) is not None]
     return model
 
 
@@ -96,11 +96,11 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     train_set, valid_set = load_datasets(cfg.data, cfg.model, progress=is_logger) if with_data else (None, None)
     valid_sources = load_valid_sources(cfg.data, cfg.model, progress=is_logger) if with_data else {}
 
-    policy = precision_policy(cfg)
+    policy = precision_policy(cfg.train, cfg.optim)
     model = build_model(cfg, mesh, device, policy.autocast_dtype)
     model.masked_loss = any(ds is not None and ds.loss_mask is not None
                             for ds in (train_set, valid_set, *valid_sources.values()))  # fmt: skip
-    load_base(model, cfg, cfg.checkpoint.io_threads)
+    load_base(model, cfg.model.init_from, cfg.finetune.quantized_base, cfg.checkpoint.io_threads)
     adapters = cfg.finetune.adapters
     optimizer = build_optimizer(model, cfg.optim)
     # after the optimizer took its fp32 master copy; LoRA's frozen base in the compute dtype
@@ -122,15 +122,20 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     layout = {**dims.as_dict(), "ep": cfg.parallel.ep, "world_size": dims.world_size,
               "zero_stage": cfg.optim.zero_stage, "precision": t.precision}  # fmt: skip
     shared = {"sampler": sampler, "loss_scaler": scaler, "metrics": metrics}
-    checkpointer = Checkpointer(
+    identity = RunIdentity(
         cfg,
+        train_set.identity() if train_set else None,
+        base_fingerprint(cfg.model.init_from, t.seed) if is_logger and model.quantized else None,
+    )
+    checkpointer = Checkpointer(
+        cfg.checkpoint,
+        t.steps,
+        identity,
         layout,
         sharded={"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
         shared={name: part for name, part in shared.items() if part is not None},
         per_rank={"rng": RNGState()},
         report=report,
-        data=train_set.identity() if train_set else None,
-        base_weights=base_fingerprint(cfg) if is_logger and model.quantized else None,
     )
     return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,
                sampler, metrics, checkpointer, report, valid_sources)  # fmt: skip

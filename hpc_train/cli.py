@@ -5,16 +5,59 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
+import torch
+
 from hpc_train.bootstrap import detect_rank_env
-from hpc_train.config import ConfigError, check_values, to_yaml
+from hpc_train.config import ConfigError, check_values, raise_all, to_yaml
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.errors import UserError
-from hpc_train.job import JobConfig, load_config
-from hpc_train.layout import check_job
+from hpc_train.job import JobConfig, check_run, load_config
 
 SLURM_WORLD = "slurm.nodes x slurm.tasks_per_node"  # a Slurm job's world size, in its layout errors
+
+
+def check_job(
+    cfg: JobConfig, world_size: int, starts_here: bool, check_paths: bool = True, world_from: str = ""
+) -> ParallelDims:
+    """The one check every CLI command that resolves a config runs before it starts or submits anything
+    (train, submit and its dry run, doctor, plan, config show, import-hf), so the same bad input gets the same
+    error from each. Every key's own rule, the slurm section's included, holds wherever the command runs (a
+    config is one document: what a local run records may be submitted later), and then `check_run`'s layout
+    for `world_size` (`world_from` names where that came from, in the layout's errors). This machine's limits
+    (`check_machine`) apply only where the ranks start here (`starts_here`): train and doctor --local started
+    alone, import-hf, and `config show` outside a job, which reports what `train` here would refuse. A
+    submitted job runs on the cluster's nodes, `plan` sizes a layout for any machine, and a rank started by
+    srun or torchrun was placed by its launcher, so none of them is bound by this machine."""
+    raise_all([lambda: check_values(cfg), *([lambda: check_machine(cfg)] if starts_here else [])])
+    try:
+        return check_run(cfg, world_size, check_paths, here=starts_here)
+    except ConfigError as err:
+        if not world_from:
+            raise
+        raise ConfigError(f"{err} (world size = {world_from} = {world_size})") from None
+
+
+def check_machine(cfg: JobConfig) -> None:
+    """A run launched here fits this machine: its device exists and one process per GPU (NCCL's rule), or a
+    bounded number of CPU processes (each needs a core's share and its own memory). What a feature needs of
+    the machine it checks itself (`check_run`'s `here`)."""
+    problems = []
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        problems.append("train.device=cuda but this machine has no CUDA device visible; use train.device=cpu")
+    cores = len(os.sched_getaffinity(0))
+    if cuda and torch.cuda.is_available():
+        limit, what = torch.cuda.device_count(), f"one per GPU ({torch.cuda.device_count()} here)"
+    else:
+        limit, what = 4 * cores, f"4 per CPU core ({cores} here)"
+    if cfg.parallel.nproc > limit:
+        problems.append(f"parallel.nproc={cfg.parallel.nproc} local processes exceed {what}; use parallel.nproc <= "
+                        f"{limit}, or `hpc-train submit` to run on a cluster")  # fmt: skip
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def _config_and_overrides(args: argparse.Namespace) -> JobConfig:

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,8 +31,7 @@ from hpc_train.features.feature import Links, Memory
 from hpc_train.features.lora.adapters import NF4_BLOCK, nf4_scaler_block
 from hpc_train.features.lora.options import FinetuneConfig
 from hpc_train.features.tensor_parallel.sharding import sharded_parameter_names
-from hpc_train.job import JobConfig, declared
-from hpc_train.layout import check_run
+from hpc_train.job import JobConfig, block_policy, check_run, declared
 from hpc_train.models import get_spec
 from hpc_train.models.common.moe import is_moe_layer, moe_layers
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen, projections
@@ -183,7 +181,7 @@ def compute_bytes(cfg: JobConfig) -> int:
     dtype FSDP gathers its fp32 shards in (the compute dtype)."""
     if optimizer_class(cfg.optim).shards_params and cfg.train.precision != "fp32":
         return 2
-    return precision_policy(cfg).param_bytes
+    return precision_policy(cfg.train, cfg.optim).param_bytes
 
 
 def activation_parts(cfg: JobConfig) -> StageActivations:
@@ -191,7 +189,7 @@ def activation_parts(cfg: JobConfig) -> StageActivations:
     rank (its cp shard of the tokens, in the compute dtype; autocast's casts of fp32 weights), as each
     feature that is on changes it (float8 projections, compiled blocks, LoRA's adapters...)."""
     m, p = cfg.model, cfg.parallel
-    policy, compute = precision_policy(cfg), compute_bytes(cfg)
+    policy, compute = precision_policy(cfg.train, cfg.optim), compute_bytes(cfg)
     casts = policy.autocast_dtype is not None and compute == 4  # autocast over fp32 weights
     shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len // p.cp, tp=p.tp,  # cp: its shard
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
@@ -202,15 +200,9 @@ def activation_parts(cfg: JobConfig) -> StageActivations:
     return get_spec(m.arch).activations(m, shape)
 
 
-def block_policy(cfg: JobConfig) -> Callable[[int], str]:
-    """The recompute choice (none, selective, full) of a pipeline stage's i-th block: a feature's (recompute),
-    or none."""
-    policies = [policy() for _, policy in declared(cfg, "block_policy")]
-    return policies[0] if policies else lambda index_in_stage: "none"
-
-
 def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
-    """Bytes saved for backward by one micro-batch on a rank of pipeline rank `pp_rank`."""
+    """Bytes saved for backward by one micro-batch on a rank of pipeline rank `pp_rank`, on its device: what
+    the family's formula says its blocks and stage parts keep, and what features move off the device."""
     m, p = cfg.model, cfg.parallel
     parts = activation_parts(cfg)
     policy = block_policy(cfg)
@@ -218,14 +210,12 @@ def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
     total = 0
     per_stage = m.n_layers // num_stages
     for stage in stage_ids(pp_rank, p.pp, p.virtual_stages):
-        choices = [policy(i) for i in range(per_stage)]
-        total += sum(parts.layer[choice] for choice in choices)
-        moe = [is_moe_layer(m, stage * per_stage + i) and choice != "full" for i, choice in enumerate(choices)]
-        total += parts.moe_block * sum(moe)
+        total += sum(parts.block(policy(i), is_moe_layer(m, stage * per_stage + i)) for i in range(per_stage))
         total += parts.every_stage
         total += parts.first_stage if stage == 0 else 0
         total += parts.last_stage if stage == num_stages - 1 else 0
-    return total
+    given = {"parts": parts, "block_policy": policy, "pp_rank": pp_rank}
+    return total + sum(moved() for _, moved in declared(cfg, "activations", **given))
 
 
 def in_flight(cfg: JobConfig) -> int:
@@ -293,9 +283,11 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     o, dp = cfg.optim, dims.dp * dims.cp  # gradients are averaged, and ZeRO shards, over dp x cp
     cls = optimizer_class(o)
     local = local_param_count(cfg, dp=dp if cls.shards_params else 1)
-    element, compute = precision_policy(cfg).param_bytes, compute_bytes(cfg)
+    policy = precision_policy(cfg.train, cfg.optim)
+    element, compute = policy.param_bytes, compute_bytes(cfg)
     parts = activation_parts(cfg)
-    added = feature_memory(cfg, dims, local=local, parts=parts, compute=compute)
+    flight = in_flight(cfg)
+    added = feature_memory(cfg, dims, local=local, parts=parts, compute=compute, in_flight=flight)
     static = pipeline_buffers(cfg, parts) + added.static  # communication buffers alive through the step
     block = added.block  # what the features' exchanges and gathers hold while a block runs
     first = at_end = update = 0  # buffers alive at one of the moments only
@@ -305,7 +297,9 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         grads, masters, owned = cls.planned_bytes(trainable, 1, element, o.overlap_grad_reduce)
     else:  # LoRA's frozen base in the compute dtype, QLoRA's projections in NF4
         frozen = local.total - local.trainable - local.quantized
-        frozen_bytes = precision_policy(cfg).frozen_dtype.itemsize if cfg.finetune.adapters else element
+        frozen_bytes = (
+            precision_policy(cfg.train, cfg.optim).frozen_dtype.itemsize if cfg.finetune.adapters else element
+        )
         param_bytes = local.trainable * element + frozen * frozen_bytes + local.quantized_bytes
         trainable, matrices = local.trainable, local.trainable_matrices
         grads, masters, owned = cls.planned_bytes(trainable - local.experts, dp, element, o.overlap_grad_reduce)
@@ -347,8 +341,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         else:  # stages 1-2: the owned fp32 gradients' host copy the update reads
             host += 4 * owned
     per_micro = activation_bytes(cfg)
-    flight = in_flight(cfg)
-    activations = int(per_micro * flight) + added.activations
+    activations = int(per_micro * flight)
     loss_backward = parts.loss_backward if dims.pp == 1 else 0
     head = parts.last_stage if dims.pp == 1 else 0  # freed once the loss's and the head's backward are done
     # gradients are held at the activation peak from a backward before it: an earlier micro-batch's (the
@@ -439,7 +432,7 @@ def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int, matrices: 
         traffic = ring * 4 * 2
     elif not cls.shards_params:
         reduce_scatters = t.grad_accum if o.zero_stage == 2 else 1
-        traffic = ring * (4 * reduce_scatters + precision_policy(cfg).param_bytes)
+        traffic = ring * (4 * reduce_scatters + precision_policy(cfg.train, cfg.optim).param_bytes)
     if rule_class(o).gathers_matrices and cls.shards_state:
         traffic += 4 * matrices * (dp - 1) / dp
     return traffic
@@ -487,8 +480,9 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
         owned = math.ceil(n / (dp * dims.cp))
         transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
         offload = transfers / (links.pcie_gbps * 1e9) + owned / host_adam_elements_per_s
-    features = sum(seconds() for _, seconds in declared(cfg, "step_time", dims=dims, links=links, block_policy=policy,
-                                                        flops_per_s=peak_flops * mfu))  # fmt: skip
+    given = {"dims": dims, "links": links, "block_policy": policy, "flops_per_s": peak_flops * mfu,
+             "parts": activation_parts(cfg)}  # fmt: skip
+    features = sum(seconds() for _, seconds in declared(cfg, "step_time", **given))
     return compute + bubble + tp_bytes / (links.nvlink_gbps * 1e9) + dp_time + offload + features
 
 
@@ -513,7 +507,8 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "
             f"zero={cfg.optim.zero_stage}, offload={cfg.optim.offload}, {cfg.train.precision}")  # fmt: skip
     lines = [head]
-    given = {"dims": dims, "local": local_param_count(cfg), "block_policy": block_policy(cfg)}
+    given = {"dims": dims, "local": local_param_count(cfg), "block_policy": block_policy(cfg),
+             "parts": activation_parts(cfg)}  # fmt: skip
     lines += [line for _, describe in declared(cfg, "describe", **given) for line in describe()]
     lines.append("per rank (first pipeline stage):")
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]

@@ -7,9 +7,8 @@ import torch
 
 from hpc_train.cli import main
 from hpc_train.config import ConfigError, validate
-from hpc_train.job import load_config
+from hpc_train.job import check_run, load_config
 from hpc_train.launch import local, slurm
-from hpc_train.layout import check_run
 from tests.conftest import ROOT
 
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from hpc_train.config import ConfigError
-from hpc_train.job import load_config
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import launch_local, launch_sequence
-from hpc_train.layout import check_run
 from hpc_train.planner import estimate, format_estimate, local_param_count, traffic
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics

@@ -34,9 +34,8 @@ from hpc_train.data.batch import collate
 from hpc_train.data.prepare import load_datasets, prepare_data, stdlib_sources
 from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.parallelize import step_context
-from hpc_train.job import load_config
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
-from hpc_train.layout import check_run
 from hpc_train.models import MODEL_SPECS, hf_adapter_reading, hf_adapter_writing
 from hpc_train.models.common.hf import ARCH_FIELDS, model_fields, plan_import
 from hpc_train.train.loop import run_training

@@ -27,7 +27,6 @@ FLOORS = {
     "hpc_train.optim": 8,
     "hpc_train.features": 9,  # one folder per feature, each a room of its own (`room`)
     "hpc_train.job": 10,  # the registry: the features, the schema they compose
-    "hpc_train.layout": 11,
     "hpc_train.planner": 12,
     "hpc_train.checkpoint": 13,
     "hpc_train.builder": 14,  # the composition root

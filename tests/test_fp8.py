@@ -15,9 +15,8 @@ import pytest
 
 from hpc_train.config import ConfigError
 from hpc_train.features.float8.linears import capability_problem
-from hpc_train.job import load_config
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import launch_local, launch_sequence
-from hpc_train.layout import check_run
 from hpc_train.train.loop import run_training
 from hpc_train.train.report import FINAL_MODEL
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics

@@ -1,6 +1,7 @@
-"""Activation recompute: same losses and gradients as no recompute, and the measured activation bytes
-(saved for backward) drop as each policy should. The measurements themselves: a step's peak of live
-tensor bytes, and nothing they or the optimizers hook keeps memory alive."""
+"""Activation recompute and activation offload: same losses and gradients as neither, and the measured
+activation bytes (saved for backward, on the device) drop as each policy should, by the planner's figures.
+The measurements themselves: a step's peak of live tensor bytes, and nothing they or the optimizers hook
+keeps memory alive."""
 
 import weakref
 
@@ -21,7 +22,13 @@ POLICIES = {
     "full": ["model.recompute=full"],
     "full_every_2": ["model.recompute=full", "model.recompute_every=2"],
     "full_first_1": ["model.recompute=full", "model.recompute_first=1"],
-}
+    # the blocks' saved tensors through host memory: every block but the last, every block, and beside
+    # recompute (a block that recomputes keeps its own: here the first of every two)
+    "offload_selective": ["model.activation_offload=selective"],
+    "offload_full": ["model.activation_offload=full"],
+    "offload_full_recompute_every_2": ["model.activation_offload=full", "model.recompute=full",
+                                       "model.recompute_every=2"],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -32,27 +39,33 @@ def measured(small_corpus, tmp_path_factory):
     results = {}
     with single_process_group() as rank_env:
         for name, overrides in POLICIES.items():
-            cfg = load_config(None, [*TINY_MODEL, "model.n_layers=4", f"data.train_path={small_corpus}", *overrides])
+            cfg = load_config(None, [*TINY_MODEL, "model.n_layers=4", "train.micro_batch_size=4",
+                                     f"data.train_path={small_corpus}", *overrides])  # fmt: skip
             model = build_run(cfg, rank_env, torch.device("cpu"), with_data=False).model
             data = IndexedDataset(small_corpus, cfg.model.seq_len)
             batch = [data.batch(np.arange(4))]
             with SavedActivations(model.parameters) as saved:
                 loss = forward_backward(model, batch).item()
             grads = {n: p.grad.clone() for n, p in model.named_parameters}
-            results[name] = (loss, grads, saved.bytes)
+            offloaded = [
+                hook.after_update(torch.zeros(())) for hook in model.hooks if hook.name == "activation_offload"
+            ]
+            results[name] = (loss, grads, saved.bytes, offloaded[0] if offloaded else None, cfg)
     return results
 
 
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
-def test_recompute_gives_the_same_loss_and_gradients(measured, policy):
-    loss, grads, _ = measured[policy]
-    ref_loss, ref_grads, _ = measured["none"]
+def test_recompute_and_offload_give_the_same_loss_and_gradients(measured, policy):
+    loss, grads, *_ = measured[policy]
+    ref_loss, ref_grads, *_ = measured["none"]
     assert loss == ref_loss
     assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= 1e-7
+    if policy.startswith("offload") and "recompute" not in policy:  # bit for bit: the same tensors came back
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
 
 
 def test_saved_activation_bytes_drop_as_each_policy_predicts(measured):
-    saved = {name: result[2] for name, result in measured.items()}
+    saved = {name: result[2] for name, result in measured.items() if not name.startswith("offload")}
     # batch 4 x seq 32 x d 64 fp32 = 32 KiB per hidden-state tensor; 4 layers
     hidden = 4 * 32 * 64 * 4
     assert saved["none"] > saved["selective"] > saved["full_every_2"] > saved["full"]
@@ -103,3 +116,36 @@ def test_a_parameter_hook_does_not_keep_its_optimizer_alive():
     del reduction
     assert alive() is None
     p.sum().backward()  # the hook outlives it and does nothing
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p.startswith("offload")])
+def test_offloaded_activations_went_through_the_hooks_as_the_planner_says(measured, policy):
+    """What passed through the offload hooks (each storage once) is what the planner takes off the device's
+    activations and puts in host memory; the device kept that much less, and every offloaded block's tensors
+    were brought back ahead of its backward. Without the feature nothing passes (no hook is attached)."""
+    from hpc_train.distributed.mesh import ParallelDims
+    from hpc_train.planner import activation_bytes, estimate
+
+    _, _, saved, offloaded, cfg = measured[policy]
+    base = measured["full_every_2" if "recompute" in policy else "none"][4]  # the same without offload
+    planned = activation_bytes(base) - activation_bytes(cfg)  # one micro-batch (the batch is one here)
+    assert offloaded["bytes"] == planned > 0 and offloaded["tensors"] > 0
+    blocks = {"offload_selective": 3, "offload_full": 4, "offload_full_recompute_every_2": 2}[policy]
+    assert offloaded["prefetched"] == blocks  # each offloaded block's group, ahead of its backward
+    plan = estimate(cfg, ParallelDims())
+    assert plan.host == planned and plan.activations == activation_bytes(cfg)
+    if policy == "offload_selective":  # the last block still saves the stage's RoPE tables, so exactly
+        assert saved == measured["none"][2] - planned
+    assert measured["none"][3] is None and measured["full"][3] is None
+
+
+def test_activation_offload_refusals_name_the_fix(make_cfg):
+    """Offload inside compiled blocks is refused, and so is a layout in which it would move no block."""
+    from hpc_train.config import ConfigError
+    from hpc_train.job import check_run
+
+    with pytest.raises(ConfigError, match="model.activation_offload=full with train.compile"):
+        check_run(make_cfg("model.activation_offload=full", "train.compile=true"), 1, check_paths=False)
+    with pytest.raises(ConfigError, match="moves no block here"):
+        check_run(make_cfg("model.activation_offload=full", "model.recompute=full"), 1, check_paths=False)
+    check_run(make_cfg("model.activation_offload=selective"), 1, check_paths=False)

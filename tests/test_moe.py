@@ -18,9 +18,8 @@ from hpc_train.checkpoint.ownership import identity_differences
 from hpc_train.config import ConfigError, to_yaml
 from hpc_train.features.moe.plan import moe_param_counts
 from hpc_train.features.tensor_parallel.sharding import sharded_parameter_names
-from hpc_train.job import load_config
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import launch_local, launch_sequence
-from hpc_train.layout import check_run
 from hpc_train.models import get_spec
 from hpc_train.models.common.moe import (
     MoE,

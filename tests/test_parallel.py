@@ -97,6 +97,10 @@ OVERLAP_LAYOUTS = {
     "tp2_pp2_dp2_overlap": "tp2_pp2_dp2",
 }
 _derive(OVERLAP_LAYOUTS, ["optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05"])
+# every block's saved tensors through host memory (model.activation_offload) against the same layout keeping
+# them: the same tensors come back, so the same numbers, bit for bit (tp2 x pp2: DTensors, pipeline micro-batches)
+OFFLOAD_LAYOUTS = {"pp2_tp2_offload": "pp2_tp2"}
+_derive(OFFLOAD_LAYOUTS, ["model.activation_offload=full"])
 
 
 # train.compile=true (inductor on CPU) against the eager single-process reference, llama only (each compile
@@ -175,6 +179,19 @@ def test_zero_matches_plain_data_parallel(runs, arch, layout):
     assert max_param_diff(zero, plain) <= 1e-6
     losses = [m["loss"] for m in read_metrics(runs / layout)]
     assert losses == pytest.approx([m["loss"] for m in read_metrics(runs / ZERO_LAYOUTS[layout])], abs=1e-6)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", list(OFFLOAD_LAYOUTS))
+def test_activation_offload_trains_bit_for_bit(runs, arch, layout):
+    """The loss curve, the gradient norms and the final weights of the offloaded run are those of the run
+    that keeps its activations, exactly; every step moved its blocks' tensors through host memory."""
+    runs, base = runs[arch], OFFLOAD_LAYOUTS[layout]
+    got, kept = read_metrics(runs / layout), read_metrics(runs / base)
+    assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in kept]
+    assert max_param_diff(read_final_model(runs / layout), read_final_model(runs / base)) == 0
+    assert all(m["activation_offload"]["bytes"] > 0 and m["activation_offload"]["prefetched"] > 0 for m in got)
+    assert all("activation_offload" not in m for m in kept)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -13,9 +13,8 @@ from hpc_train.bootstrap import distributed
 from hpc_train.builder import build_run
 from hpc_train.config import ConfigError
 from hpc_train.distributed.mesh import ParallelDims
-from hpc_train.job import load_config
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import launch_sequence
-from hpc_train.layout import check_run
 from hpc_train.optim.rules import RULES, is_hidden_matrix, rule_class, target
 from hpc_train.placement import distribute_like
 from hpc_train.planner import dp_traffic_bytes, local_param_count

@@ -13,9 +13,8 @@ from hpc_train.data.indexed import IndexedDataset
 from hpc_train.distributed.grads import GradGroups, all_reduce_on, clip_grad_norm
 from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import forward_backward
-from hpc_train.job import load_config
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import launch_local, launch_sequence
-from hpc_train.layout import check_run
 from hpc_train.optim import build_optimizer
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.zero import ZeroOptimizer

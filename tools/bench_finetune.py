@@ -20,9 +20,8 @@ import torch
 from hpc_train.bootstrap import distributed, select_device
 from hpc_train.builder import build_run
 from hpc_train.data.batch import Batch
-from hpc_train.job import load_config
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import launch_local
-from hpc_train.layout import check_run
 from hpc_train.planner import estimate
 from hpc_train.train.step import StepOptions, train_step
 

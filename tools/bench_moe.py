@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.bootstrap import RankEnv
-from hpc_train.job import JobConfig, load_config
+from hpc_train.job import JobConfig, check_run, load_config
 from hpc_train.launch.local import launch_sequence
-from hpc_train.layout import check_run
 from hpc_train.models.common.moe import grouped_mm_runs, grouped_swiglu, looped_swiglu
 from hpc_train.planner import traffic
 from hpc_train.train.loop import run_training

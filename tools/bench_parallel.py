@@ -24,9 +24,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hpc_train.bootstrap import RankEnv
-from hpc_train.job import JobConfig, load_config
+from hpc_train.job import JobConfig, check_run, load_config
 from hpc_train.launch.local import launch_local
-from hpc_train.layout import check_run
 from hpc_train.planner import traffic
 from hpc_train.train.loop import run_training
 

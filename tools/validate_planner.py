@@ -17,9 +17,8 @@ import tempfile
 from pathlib import Path
 
 from hpc_train.data.prepare import prepare_data, stdlib_sources
-from hpc_train.job import JobConfig, load_config
+from hpc_train.job import JobConfig, check_run, load_config
 from hpc_train.launch.local import launch_sequence
-from hpc_train.layout import check_run
 from hpc_train.planner import activation_bytes, estimate
 from hpc_train.train.loop import run_training
 

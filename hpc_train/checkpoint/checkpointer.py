@@ -42,11 +42,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 import hpc_train
 from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader
 from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_digest
-from hpc_train.checkpoint.ownership import DirectoryLock, refuse_foreign
+from hpc_train.checkpoint.ownership import DirectoryLock, RunIdentity
 from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.state import ShardedPart, Stateful
 from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
-from hpc_train.config import JobConfig, to_yaml
+from hpc_train.config import CheckpointConfig
 from hpc_train.resilience.faults import fault_point
 
 # of the per-rank files; format 1 (hpc_train 08c1275) kept the sampler's count at top level, formats 1 and
@@ -80,27 +80,26 @@ class Checkpointer:
 
     def __init__(
         self,
-        cfg: JobConfig,
+        checkpoint: CheckpointConfig,
+        steps: int,
+        identity: RunIdentity,
         layout: dict[str, Any],
         sharded: dict[str, ShardedPart],
         shared: dict[str, Stateful],
         per_rank: dict[str, Stateful],
         report: Callable[[str], None],
-        data: dict[str, int] | None = None,
-        base_weights: str | None = None,
     ):
-        """`data`: the training data's size, and `base_weights`: the fingerprint of weights the checkpoints
-        do not hold (QLoRA's NF4 base, rebuilt from `model.init_from`), recorded in each manifest as part of
-        the run's identity."""
-        self.cfg, self.layout, self.report, self.data = cfg, layout, report, data
-        self.base_weights = base_weights
+        """`checkpoint`: the section; `steps`: the run's last step (always saved); `identity`: what makes the
+        checkpoints this run's (recorded in each manifest, checked before resuming or writing beside one)."""
+        self.options, self.steps, self.identity = checkpoint, steps, identity
+        self.layout, self.report = layout, report
         self.sharded, self.shared, self.per_rank = sharded, shared, per_rank
-        self.store = CheckpointStore(cfg.checkpoint.dir)
+        self.store = CheckpointStore(checkpoint.dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # async saves: host buffers reused across saves, and a group of their own for the background
         # writes and commits, created collectively up front
         self.stager, self.async_group = None, None
-        if cfg.checkpoint.async_save:
+        if checkpoint.async_save:
             self.stager = host_stager()
             self.async_group = dist.new_group(backend="gloo")
         self.staging: Future | None = None  # an async save's copy to host memory, until it is done
@@ -121,10 +120,10 @@ class Checkpointer:
             try:
                 if note := self.lock.acquire():
                     self.report(note)
-                fresh = not self.cfg.checkpoint.resume
+                fresh = not self.options.resume
                 newest = self.store.newest_valid(full=False, report=lambda message: None) if fresh else None
                 if newest is not None:
-                    refuse_foreign(newest.path, newest.manifest, self.cfg, self.data, self.base_weights)
+                    self.identity.refuse_foreign(newest.path, newest.manifest)
             except (CheckpointError, OSError) as err:
                 problem = [str(err)]
         dist.broadcast_object_list(problem, src=0)
@@ -143,8 +142,8 @@ class Checkpointer:
 
     # ---- save -------------------------------------------------------------------------------------
     def should_save(self, step: int, stop_requested: bool) -> bool:
-        interval = self.cfg.checkpoint.interval
-        return stop_requested or bool(interval and (step % interval == 0 or step == self.cfg.train.steps))
+        interval = self.options.interval
+        return stop_requested or bool(interval and (step % interval == 0 or step == self.steps))
 
     def save(self, step: int) -> dict[str, Any]:
         """Save this step; returns what it cost this rank: `blocked_s` (the time training waited), `state_s`
@@ -215,7 +214,7 @@ class Checkpointer:
             raise CheckpointError(next(p for p in problems if p))
         digest = new_digest()
         digest.update(rank_state)
-        writer = ChecksummedWriter(tmp, self.cfg.checkpoint.io_threads, step, self.rank)
+        writer = ChecksummedWriter(tmp, self.options.io_threads, step, self.rank)
         dcp_start = time.perf_counter()
         with io_errors_named(doing, tmp):
             dcp.save(state, storage_writer=writer, process_group=group)
@@ -253,8 +252,8 @@ class Checkpointer:
         figures = {"bytes": sum(r["size"] for r in records.values()), "write_s": write_s}
         if self.rank == 0:
             files = {name: record for part in described for name, record in part.items()}
-            manifest = {"layout": self.layout, "config": to_yaml(self.cfg), "code_version": hpc_train.__version__,
-                        "data": self.data, "base_weights": self.base_weights}  # fmt: skip
+            manifest = {"layout": self.layout, "code_version": hpc_train.__version__,
+                        **self.identity.manifest_fields()}  # fmt: skip
             if self.abandoned.is_set():
                 raise CheckpointError(f"checkpoint of step {step} abandoned: the run ended before its commit")
             self.pruned()  # the previous save's pruning, done before another commit
@@ -274,7 +273,7 @@ class Checkpointer:
         """Delete what retention no longer keeps; a failure is reported, never raised (no save depends on it)."""
         start = time.perf_counter()
         try:
-            removed = self.store.prune(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect)
+            removed = self.store.prune(self.options.keep_last, self.options.keep_every, protect)
         except OSError as err:
             self.report(f"could not remove older checkpoints in {self.store.root}: {err}")
             removed = []
@@ -293,20 +292,20 @@ class Checkpointer:
         manifests, file lists and sizes; with `checkpoint.verify=full` every rank then checksums its share
         of the files, `io_threads` at a time, and a checkpoint that fails anywhere is skipped."""
         candidates = self.store.candidates(self.report) if self.rank == 0 else iter(())
-        threads = self.cfg.checkpoint.io_threads
+        threads = self.options.io_threads
         while True:
             choice: list[Any] = [None, None, None]
             if self.rank == 0 and (info := next(candidates, None)) is not None:
                 choice = [str(info.path), info.manifest, None]
                 try:
-                    refuse_foreign(info.path, info.manifest, self.cfg, self.data, self.base_weights)
+                    self.identity.refuse_foreign(info.path, info.manifest)
                 except CheckpointError as err:
                     choice[2] = str(err)
             dist.broadcast_object_list(choice, src=0)
             path, manifest, refused = choice
             if refused:
                 raise CheckpointError(refused)
-            if path is None or self.cfg.checkpoint.verify != "full":
+            if path is None or self.options.verify != "full":
                 return path, manifest
             files = manifest["files"]
             mine = sorted(files, key=lambda name: (-files[name]["size"], name))[self.rank :: self.world]
@@ -323,7 +322,7 @@ class Checkpointer:
         if path is None:
             return None
         fault_point("resume", 0, self.rank)
-        templates = read_parts(path, manifest, self.sharded, self.cfg.checkpoint.io_threads)
+        templates = read_parts(path, manifest, self.sharded, self.options.io_threads)
         with load_errors_named(path):
             shared = upgrade_rank_state(load_rank_file(Path(path) / rank_file(0)))
         step = shared["step"]

@@ -9,7 +9,7 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,11 +20,13 @@ from hpc_train.checkpoint.hf_io import CONFIG, HFFolder, is_hf_folder
 from hpc_train.checkpoint.integrity import WRITE_ALGORITHM, file_digest, new_digest
 from hpc_train.checkpoint.state import ModelState
 from hpc_train.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore
-from hpc_train.config import ConfigError, JobConfig, ModelConfig
+from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows
 from hpc_train.features.lora.adapters import is_adapter, quantize_projections
 from hpc_train.models.common.hf import ARCH_FIELDS, import_tensor, plan_import
 from hpc_train.placement import distribute_like, local
+
+Config = TypeVar("Config")  # a job's config (hpc_train.job): whatever holds a `model` section
 
 
 def checkpoint_store(path: str | os.PathLike) -> CheckpointStore:
@@ -66,12 +68,18 @@ def with_model_fields(model: ModelConfig, fields: dict[str, Any]) -> ModelConfig
     return dataclasses.replace(model, **rest, moe=dataclasses.replace(model.moe, **moe))
 
 
-def with_source_model(cfg: JobConfig) -> JobConfig:
-    """`cfg` with the model's architecture keys taken from `model.init_from`; a key the config sets to
-    something else than both its default and the source's is an error (it would not fit the weights)."""
-    if not cfg.model.init_from:
-        return cfg
-    path = cfg.model.init_from
+def with_source_model(cfg: Config) -> Config:
+    """`cfg`, a job's config, with its model section's architecture keys from `model.init_from`."""
+    model = source_model(cfg.model)
+    return cfg if model is cfg.model else dataclasses.replace(cfg, model=model)
+
+
+def source_model(model: ModelConfig) -> ModelConfig:
+    """`model` with its architecture keys taken from `model.init_from`; a key the config sets to something
+    else than both its default and the source's is an error (it would not fit the weights)."""
+    if not model.init_from:
+        return model
+    path = model.init_from
     if not Path(path).exists():
         raise ConfigError(f"model.init_from='{path}' does not exist; give a Hugging Face model folder or an "
                           "hpc_train run or checkpoint directory")  # fmt: skip
@@ -80,19 +88,20 @@ def with_source_model(cfg: JobConfig) -> JobConfig:
     except CheckpointError as err:
         raise ConfigError(f"model.init_from: {err}") from None
     default = ModelConfig()
-    conflicts = [f"model.{key}={_model_key(cfg.model, key)!r} (it has {value!r})" for key, value in fields.items()
-                 if _model_key(cfg.model, key) not in (value, _model_key(default, key))]  # fmt: skip
+    conflicts = [f"model.{key}={_model_key(model, key)!r} (it has {value!r})" for key, value in fields.items()
+                 if _model_key(model, key) not in (value, _model_key(default, key))]  # fmt: skip
     if conflicts:
         raise ConfigError(f"model.init_from='{path}' does not fit {', '.join(conflicts)}: leave these keys out, "
                           "they come from the source")  # fmt: skip
-    return dataclasses.replace(cfg, model=with_model_fields(cfg.model, fields))
+    return with_model_fields(model, fields)
 
 
-def load_base(model: ParallelModel, cfg: JobConfig, io_threads: int = 1) -> None:
-    """The base a run starts from: `model.init_from`'s weights, if any, then for QLoRA its projections in NF4."""
-    if cfg.model.init_from:
-        load_initial_weights(model, cfg.model.init_from, io_threads)
-    if cfg.finetune.quantized_base:
+def load_base(model: ParallelModel, init_from: str | None, quantized_base: bool, io_threads: int = 1) -> None:
+    """The base a run starts from: `init_from`'s weights (model.init_from), if any, then for QLoRA
+    (`quantized_base`) its projections in NF4."""
+    if init_from:
+        load_initial_weights(model, init_from, io_threads)
+    if quantized_base:
         for chunk in model.chunks:  # QLoRA: the block projections' weights (loaded or initialized) to NF4
             model.quantized.update(chunk.canonical_name(name) for name in quantize_projections(chunk))
 
@@ -145,13 +154,12 @@ def _load_checkpoint(model: ParallelModel, path: str, io_threads: int) -> None:
     part.load(read_parts(source, manifest, {"model": part}, io_threads)["model"], 0)
 
 
-def base_fingerprint(cfg: JobConfig) -> str:
-    """What QLoRA's NF4 base is rebuilt from, by content (wherever it lies): the xxh3 of `model.init_from`'s
-    files (a Hugging Face folder's config and safetensors, a checkpoint's manifest of checksummed files), or
-    the seed of a random init."""
-    path = cfg.model.init_from
+def base_fingerprint(path: str | None, seed: int) -> str:
+    """What QLoRA's NF4 base is rebuilt from, by content (wherever it lies): the xxh3 of `path`'s files
+    (model.init_from: a Hugging Face folder's config and safetensors, a checkpoint's manifest of checksummed
+    files), or the seed of a random init (train.seed)."""
     if not path:
-        return f"random init, train.seed={cfg.train.seed}"
+        return f"random init, train.seed={seed}"
     digest = new_digest()
     if is_hf_folder(path):
         for file in sorted(Path(path).glob("*.safetensors")) + [Path(path) / CONFIG]:

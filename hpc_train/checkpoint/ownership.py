@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import yaml
 
 from hpc_train.checkpoint.safe_load import CheckpointError
 from hpc_train.checkpoint.store import CheckpointStore
+from hpc_train.config import to_yaml
 from hpc_train.job import JobConfig
 
 IDENTITY_KEYS = (
@@ -93,6 +95,23 @@ def refuse_foreign(
             "mix two runs and then prune its checkpoints. Point checkpoint.dir at a directory of this run's own "
             "(or set the keys back to the checkpoint's values to continue that run)"
         )
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What makes checkpoints this run's, as the checkpointer records it in each manifest and checks it on
+    every checkpoint it would resume or write beside: the config (whose identity keys count), the training
+    data's size, and the fingerprint of base weights the checkpoints do not hold (QLoRA's)."""
+
+    cfg: JobConfig
+    data: dict[str, int] | None = None
+    base_weights: str | None = None
+
+    def manifest_fields(self) -> dict[str, Any]:
+        return {"config": to_yaml(self.cfg), "data": self.data, "base_weights": self.base_weights}
+
+    def refuse_foreign(self, path: Path, manifest: dict) -> None:
+        refuse_foreign(path, manifest, self.cfg, self.data, self.base_weights)
 
 
 class DirectoryLock:

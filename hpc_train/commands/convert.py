@@ -88,11 +88,12 @@ def load_model(source: str, base: str | None = None) -> tuple[JobConfig, Paralle
     model = build_model(cfg, Mesh(ParallelDims(), "cpu"), torch.device("cpu"))
     qlora = cfg.finetune.quantized_base
     if info is None or qlora:  # a checkpoint holds its weights, except QLoRA's NF4 base: rebuilt as in training
-        if qlora and (fingerprint := base_fingerprint(cfg)) != info.manifest.get("base_weights"):
+        fingerprint = base_fingerprint(cfg.model.init_from, cfg.train.seed) if qlora else None
+        if qlora and fingerprint != info.manifest.get("base_weights"):
             raise CheckpointError(f"{info.path} was trained on the base weights {info.manifest.get('base_weights')}"
                                   f", but model.init_from={cfg.model.init_from} holds {fingerprint}; give where "
                                   "they are now with --base")  # fmt: skip
-        load_base(model, cfg)
+        load_base(model, cfg.model.init_from, qlora)
     if info is not None:
         part = ModelState(model)
         part.load(read_parts(str(info.path), info.manifest, {"model": part}, cfg.checkpoint.io_threads)["model"], 0)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from hpc_train.bootstrap import RankEnv, distributed, node_name, select_device
 from hpc_train.config import JobConfig
 from hpc_train.distributed.mesh import ROLES, Mesh
-from hpc_train.layout import check_run
+from hpc_train.job import check_run
 
 ITERATIONS = 5
 

@@ -228,7 +228,7 @@ def check_values(cfg: JobConfig) -> None:
 def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
     """Check choices, ranges, paths and the parallel layout; return the data-parallel size. Every problem
     is reported at once, one line each. What depends on the model family or the optimizer is checked with
-    them (`layout.check_run` runs everything)."""
+    them (`hpc_train.job.check_run` runs everything)."""
     check_values(cfg)  # the layout checks below assume sane values
     m, p, t = cfg.model, cfg.parallel, cfg.train
     dp = 1

@@ -1,6 +1,6 @@
 """The config schema: one dataclass per section, each field with its default and, beside it, the rule its
 value must follow (`choice`, `positive`, `non_negative`, `fraction`; checks.py applies them all). What
-depends on the model family, the optimizer or the layout is checked by them (`layout.check_run`)."""
+depends on the model family, the optimizer or the layout is checked by them (`hpc_train.job.check_run`)."""
 
 from __future__ import annotations
 

@@ -27,11 +27,10 @@ from typing import Any
 @dataclass(frozen=True)
 class Memory:
     """Bytes a feature adds on one rank (negative: removes), by where they sit in the planner's model of a step
-    (planner.py `estimate`): `activations`, kept for backward; `block`, alive while one block runs (an
-    exchange's buffers); `static`, alive through the step; `working`, a block backward's transient working
-    set; `host`, in host memory (not in the device total)."""
+    (planner.py `estimate`): `block`, alive while one block runs (an exchange's buffers); `static`, alive
+    through the step; `working`, a block backward's transient working set; `host`, in host memory (not in the
+    device total). What a feature changes in the activations kept for backward is its `activations`."""
 
-    activations: int = 0
     block: int = 0
     static: int = 0
     working: int = 0
@@ -74,6 +73,8 @@ class Feature:
     # (model): its part in every step, attached to the built model (distributed/hooks.py StepHooks)
     hooks: Callable[..., Any] | None = None
     memory: Callable[..., Memory] | None = None  # what it adds to the plan of one rank's memory
+    # bytes one micro-batch keeps for backward on the device that it adds (negative: moves elsewhere)
+    activations: Callable[..., int] | None = None
     traffic: Callable[..., dict[str, float]] | None = None  # bytes a rank sends per step, by process group role
     step_time: Callable[..., float] | None = None  # seconds it adds to the planner's step-time model
     describe: Callable[..., list[str]] | None = None  # lines of `hpc-train plan`'s report

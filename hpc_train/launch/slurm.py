@@ -2,7 +2,7 @@
 
 Every task runs `SlurmTask`, which bootstraps its rank from Slurm's environment (bootstrap.py)
 and calls the entry point it was given (the CLI gives the train loop's). `executor_for` turns the
-config's `slurm` section into submitit's parameters. The config is checked before (`layout.check_job`, the
+config's `slurm` section into submitit's parameters. The config is checked before (the CLI's `check_job`, the
 CLI's one check): the layout for the job's world size (`slurm_world_size`), and every slurm value sbatch
 would refuse or that would break the script (config/checks.py), such as a newline in a string, which
 would end its `#SBATCH` line and run the rest as a shell command.

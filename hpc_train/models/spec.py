@@ -60,6 +60,10 @@ class StageActivations:
     # what an MoE block keeps beyond a dense one, unless it is recomputed whole
     moe_block: int = 0
 
+    def block(self, choice: str, moe: bool = False) -> int:
+        """What one block keeps, by its recompute choice (and whether it is an MoE block)."""
+        return self.layer[choice] + self.moe_block * (moe and choice != "full")
+
 
 class StageModule(Protocol):
     """What `build_stage` returns, besides being an nn.Module whose forward maps token ids (first stage) or

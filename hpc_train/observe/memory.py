@@ -37,6 +37,12 @@ def tensor_bytes(tensors) -> int:
     return sum(dict(storage_key_and_bytes(t) for t in tensors if t is not None).values())
 
 
+def is_parameter(t: torch.Tensor, key: int, parameter_storages: set[int]) -> bool:
+    """Whether a tensor autograd saves is a parameter or a view of one (also FSDP's gathered parameters, whose
+    memory is freed and reused): not an activation. `key`: its storage's (`storage_key_and_bytes`)."""
+    return key in parameter_storages or isinstance(t._base if t._base is not None else t, torch.nn.Parameter)
+
+
 class SavedActivations:
     """Context manager counting the bytes saved for backward inside it: `bytes` in all, and `peak_bytes`,
     the most alive at once. A storage is alive from its first save until backward has used it for the
@@ -51,8 +57,7 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key, nbytes = storage_key_and_bytes(t)
-        # a parameter or a view of one (also FSDP's gathered parameters, whose memory is freed and reused)
-        if key in self.param_storages or isinstance(t._base if t._base is not None else t, torch.nn.Parameter):
+        if is_parameter(t, key, self.param_storages):
             return t
         entry = self.live.setdefault(key, [0, nbytes])
         if entry[0] == 0:

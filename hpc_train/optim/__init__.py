@@ -9,7 +9,7 @@ a new rule a module in optim/rules and a line in `RULES`, not a new branch elsew
 
 from __future__ import annotations
 
-from hpc_train.config import ConfigError, JobConfig, OptimConfig
+from hpc_train.config import ConfigError, OptimConfig, TrainConfig
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.data_parallel import DataParallelOptimizer
 from hpc_train.optim.experts import ExpertParallelOptimizer
@@ -48,6 +48,6 @@ def build_optimizer(model: ParallelModel, cfg: OptimConfig) -> Optimizer:
     return cls(model, cfg)
 
 
-def precision_policy(cfg: JobConfig) -> PrecisionPolicy:
+def precision_policy(train: TrainConfig, optim: OptimConfig) -> PrecisionPolicy:
     """Decided once, from train.precision and whether the optimizer keeps fp32 master weights."""
-    return PrecisionPolicy.decide(cfg.train.precision, optimizer_class(cfg.optim).master_weights)
+    return PrecisionPolicy.decide(train.precision, optimizer_class(optim).master_weights)
