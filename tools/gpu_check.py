@@ -205,7 +205,7 @@ def drive(args: argparse.Namespace) -> int:
                          "budget_s": 0, "rows": [], "targets": [], "notes": []} for n in group]  # fmt: skip
             continue
         if records and records[-1].get("reason") == NO_CUDA:
-            records += [{**records[-1], "name": n, "rows": [], "targets": []} for n in group]
+            records += [{**records[-1], "name": n, "rows": [], "targets": [], "budget_s": 0} for n in group]
             continue
         label = "smoke" if args.smoke else group[0]
         code, tail = run_child(child_command(args, group, results), label, budget, args.smoke)
