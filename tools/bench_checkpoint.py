@@ -78,9 +78,11 @@ def raw_read(path: Path) -> None:
             pass
 
 
-def measure(root: Path, rank_env, model: list[str], device: torch.device, threads: int) -> None:
+def training_state(root: Path, rank_env, model: list[str], device: torch.device, threads: int, extra=()):
+    """(config, run, batch, state bytes, parameters): a run of `model` after one step (AdamW's moments exist),
+    saving to root/run, its messages silenced."""
     overrides = [*model, "train.micro_batch_size=1", f"run_dir={root}/run", f"checkpoint.io_threads={threads}",
-                 f"train.device={device.type}"]  # fmt: skip
+                 f"train.device={device.type}", *extra]  # fmt: skip
     cfg = load_config(None, overrides)
     run = build_run(cfg, rank_env, device, with_data=False)
     seq = cfg.model.seq_len
@@ -89,41 +91,50 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
     for p in run.model.parameters:
         p.grad = None
     run.report = run.checkpointer.report = lambda message: None
-    state = run.checkpointer.sharded_tensors()
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    n_params = sum(count_params(chunk) for chunk in run.model.chunks)
+    nbytes = sum(t.numel() * t.element_size() for t in run.checkpointer.sharded_tensors().values())
+    return cfg, run, batch, nbytes, sum(count_params(chunk) for chunk in run.model.chunks)
 
-    t_raw_write = float("inf")
-    for _ in range(2):  # the disk's best of two: a strict reference
-        t_raw_write = min(t_raw_write, timed(lambda: raw_write(root / "raw.bin", nbytes))[0])
-    t_dcp, _ = timed(partial(dcp.save, state, checkpoint_id=root / "dcp_default"))
-    shutil.rmtree(root / "dcp_default")
-    t_save, _ = timed(partial(run.checkpointer.save, 1))
-    checkpoints = run.checkpointer.store
-    del run, state
-    gc.collect()
 
-    cfg.checkpoint.async_save = True
-    fresh = build_run(cfg, rank_env, device, with_data=False)  # as a restarted job: no optimizer state yet
-    fresh.checkpointer.report = lambda message: None
-    reads = dict.fromkeys(["raw", "verify", "load", "resume"], float("inf"))
+def write_times(root: Path, run, nbytes: int, rounds: int = 2, dcp_reference: bool = True) -> dict[str, float]:
+    """Seconds of the raw write + fsync of `nbytes` (the best of `rounds`: a strict reference; the file is
+    left at root/raw.bin for `read_times`), of DCP's defaults saving the same state (`dcp_reference`) and of
+    hpc_train's sync save (step 1)."""
+    times = {"raw_write": min(timed(lambda: raw_write(root / "raw.bin", nbytes))[0] for _ in range(rounds))}
+    if dcp_reference:
+        times["dcp"] = timed(partial(dcp.save, run.checkpointer.sharded_tensors(), checkpoint_id=root / "dcp"))[0]
+        shutil.rmtree(root / "dcp")
+    times["save"] = timed(partial(run.checkpointer.save, 1))[0]
+    return times
 
-    def cold(name: str, fn, verify: str = "full") -> None:
-        fresh.cfg.checkpoint.verify = verify
-        evict(root)
-        reads[name] = min(reads[name], timed(fn)[0])
 
-    for _ in range(3):  # interleaved, the best of three of each: the disk's speed drifts
-        cold("raw", lambda: raw_read(root / "raw.bin"))
-        cold("verify", lambda: checkpoints.verify(checkpoints.scan()[0], full=True, threads=threads))
-        cold("load", fresh.checkpointer.resume, verify="sizes")  # each load into new optimizer state
-        cold("resume", fresh.checkpointer.resume)
-    (root / "raw.bin").unlink()
-    assert checkpoints.verify(checkpoints.scan()[0], full=True, threads=threads).problem is None
-    t_raw_read, t_verify, t_load, t_resume = reads.values()
+def read_times(root: Path, fresh, threads: int, rounds: int = 3, names=("raw", "verify", "load", "resume")):
+    """Cold reads, interleaved, the best of `rounds` of each (the disk's speed drifts): the raw file, a full
+    verify of the newest checkpoint, a load (sizes checked only) and a resume (verified) into `fresh`, a new
+    run (each load allocates its optimizer state anew, as a restarted job's)."""
+    checkpoints = fresh.checkpointer.store
+    reads = dict.fromkeys(names, float("inf"))
+    actions = {
+        "raw": (lambda: raw_read(root / "raw.bin"), "full"),
+        "verify": (lambda: checkpoints.verify(checkpoints.scan()[0], full=True, threads=threads), "full"),
+        "load": (fresh.checkpointer.resume, "sizes"),
+        "resume": (fresh.checkpointer.resume, "full"),
+    }
+    for _ in range(rounds):
+        for name in names:
+            fn, verify = actions[name]
+            fresh.cfg.checkpoint.verify = verify
+            evict(root)
+            reads[name] = min(reads[name], timed(fn)[0])
+    return reads
 
-    background = fresh.checkpointer  # holds the loaded optimizer state: the same bytes as the sync save
-    background.save(2)  # the first async save allocates the host buffers; later ones reuse them
+
+def async_times(fresh, batch: list[Batch]) -> dict[str, float]:
+    """An async save of `fresh` (its optimizer state loaded) while it trains: what the training waited
+    (`blocking`, at the save and before the next update), that plus how much longer the overlapped steps
+    took than the fastest step alone (`lost`), and the save's `total` to its commit; the second of two saves
+    (the first allocates the host buffers, which later ones reuse)."""
+    background = fresh.checkpointer
+    background.save(2)
     background.wait()
 
     def step() -> None:  # waits for an async save's copy before its update, as in training
@@ -136,25 +147,40 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
     while not background.pending[1].done():
         overlapped.append(timed(step)[0])
     figures = background.wait()
-    t_async_total = time.perf_counter() - start
-    t_async_block = blocked["blocked_s"] + figures["staging_wait_s"]
-    t_async_lost = blocked["blocked_s"] + sum(max(0.0, t - t_step) for t in overlapped)
+    return {"blocking": blocked["blocked_s"] + figures["staging_wait_s"], "total": time.perf_counter() - start,
+            "lost": blocked["blocked_s"] + sum(max(0.0, t - t_step) for t in overlapped)}  # fmt: skip
+
+
+def measure(root: Path, rank_env, model: list[str], device: torch.device, threads: int) -> None:
+    cfg, run, batch, nbytes, n_params = training_state(root, rank_env, model, device, threads)
+    writes = write_times(root, run, nbytes)
+    del run
+    gc.collect()
+    cfg.checkpoint.async_save = True
+    fresh = build_run(cfg, rank_env, device, with_data=False)  # as a restarted job: no optimizer state yet
+    fresh.checkpointer.report = lambda message: None
+    reads = read_times(root, fresh, threads)
+    (root / "raw.bin").unlink()
+    checkpoints = fresh.checkpointer.store
+    assert checkpoints.verify(checkpoints.scan()[0], full=True, threads=threads).problem is None
+    saves = async_times(fresh, batch)  # fresh holds the loaded optimizer state: the same bytes as the sync save
 
     gb = nbytes / 1e9
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"GPT {n_params / 1e6:.0f}M params + AdamW state = {gb:.2f} GB, 1 process on {where}, "
           f"checkpoint.io_threads={threads}, {root}; reads: the best of 3, loads into a new run")  # fmt: skip
+    t_raw_write, t_raw_read, t_save = writes["raw_write"], reads["raw"], writes["save"]
     rows = [
         ("raw write + fsync (disk)", t_raw_write, t_raw_write),
         ("raw read, cold (disk)", t_raw_read, t_raw_read),
-        ("dcp.save, DCP defaults", t_dcp, t_raw_write),
+        ("dcp.save, DCP defaults", writes["dcp"], t_raw_write),
         ("hpc_train save (sync)", t_save, t_raw_write),
-        ("hpc_train async: blocking", t_async_block, t_save),
-        ("hpc_train async: time lost", t_async_lost, t_save),
-        ("hpc_train async: total", t_async_total, t_raw_write),
-        ("hpc_train verify, cold", t_verify, t_raw_read),
-        ("hpc_train load, cold", t_load, t_raw_read),
-        ("hpc_train resume, cold", t_resume, t_raw_read),
+        ("hpc_train async: blocking", saves["blocking"], t_save),
+        ("hpc_train async: time lost", saves["lost"], t_save),
+        ("hpc_train async: total", saves["total"], t_raw_write),
+        ("hpc_train verify, cold", reads["verify"], t_raw_read),
+        ("hpc_train load, cold", reads["load"], t_raw_read),
+        ("hpc_train resume, cold", reads["resume"], t_raw_read),
     ]
     print(f"{'':<28} {'seconds':>8} {'GB/s':>7}  share of the reference's bandwidth")
     for name, seconds, reference in rows:

@@ -105,6 +105,117 @@ def measure(step, tokens, targets, device: torch.device, warmup: int, steps: int
     return {"seconds": seconds, **peaks}
 
 
+Step = Callable[[torch.Tensor, torch.Tensor], None]
+PLAIN_COMPILED = "plain + compile"  # the row every other is compared with
+
+
+def config_keys(name: str, device: torch.device, overrides: list[str] = ()) -> list[str]:
+    """The keys of model `name` (MODELS) on `device`: bf16 and ZeRO-1 on CUDA, then `overrides`."""
+    return [*MODELS[name], *(CUDA if device.type == "cuda" else []), f"train.device={device.type}",
+            "logging.progress=none", *overrides]  # fmt: skip
+
+
+def random_batch(cfg: JobConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch of random tokens and targets (seeded: every row trains on the same one)."""
+    shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device) for _ in range(2))
+    return tokens, targets
+
+
+def row_builders(keys: list[str], device: torch.device, rank_env, fp8: bool) -> dict[str, Callable[[], Step]]:
+    """Row name -> a builder of its step (built only when the row runs: each row holds its own model)."""
+    cfg = load_config(None, keys)
+    compiled = [*keys, "train.compile=true"]
+    builders = {
+        "plain eager": lambda: plain_loop(cfg, device, compiled=False),
+        PLAIN_COMPILED: lambda: plain_loop(cfg, device, compiled=True),
+        "hpc_train eager": lambda: hpc_train_step(cfg, device, rank_env),
+        "hpc_train compile": lambda: hpc_train_step(load_config(None, compiled), device, rank_env),
+    }
+    if fp8:
+        builders.update({
+            "plain + compile fp8": lambda: plain_loop(cfg, device, compiled=True, fp8="tensorwise"),
+            "hpc_train comp. fp8": lambda: hpc_train_step(load_config(None, [*compiled, "train.fp8=tensorwise"]),
+                                                          device, rank_env),
+            "hpc_train comp. fp8r": lambda: hpc_train_step(load_config(None, [*compiled, "train.fp8=rowwise"]),
+                                                           device, rank_env),
+        })  # fmt: skip
+    return builders
+
+
+def measure_rows(
+    builders: dict[str, Callable[[], Step]],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    report: Callable[[str], None] = print,
+) -> dict[str, dict[str, float | str]]:
+    """Each row's `measure`, one after another in this process, each from a clean slate (compile caches,
+    the allocator's peaks); a row that runs out of GPU memory gets {"error": ...} and the next one runs."""
+    rows: dict[str, dict[str, float | str]] = {}
+    for row, build in builders.items():
+        torch._dynamo.reset()  # each row compiles its own graphs, with nothing cached from the last
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if device.type == "cuda" else 0  # the batch, and leftovers
+        try:
+            rows[row] = measure(build(), *batch, device, warmup, steps, before)
+        except torch.cuda.OutOfMemoryError as err:
+            rows[row] = {"error": f"out of memory ({str(err).splitlines()[0][:120]})"}
+            report(f"  {row}: out of memory")
+            continue
+        report(f"  {row}: {rows[row]['seconds'] * 1e3:.1f} ms/step")
+    return rows
+
+
+def row_figures(rows: dict[str, dict], cfg: JobConfig, device: torch.device) -> dict[str, dict[str, float | None]]:
+    """Tokens/s, MFU against the bf16 peak (6N, and with attention FLOPs) and the fp8 peak, peak memory (GB,
+    CUDA) and each row's tokens/s and allocated memory against the compiled plain loop's (None where either
+    is missing)."""
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * m.seq_len
+    flops = get_spec(m.arch).flops_per_token(m)
+    attention = 12 * m.n_layers * m.d_model * m.seq_len
+    peak, fp8_peak = device_peak_flops(device), device_peak_flops(device, "fp8")
+    base = rows.get(PLAIN_COMPILED, {})
+    out = {}
+    for row, r in rows.items():
+        if "seconds" not in r:
+            continue
+        rate = tokens / r["seconds"]
+        gb = {k: r[k] / 1e9 if k in r else None for k in ("allocated", "reserved")}
+        out[row] = {
+            "tokens_s": rate, "mfu_6n": rate * (flops - attention) / peak, "mfu_attn": rate * flops / peak,
+            "mfu_fp8_peak": rate * flops / fp8_peak, "allocated_gb": gb["allocated"], "reserved_gb": gb["reserved"],
+            "x_tokens_s": base["seconds"] / r["seconds"] if "seconds" in base else None,
+            "x_allocated": r["allocated"] / base["allocated"] if "allocated" in r and "allocated" in base else None,
+        }  # fmt: skip
+    return out
+
+
+def print_table(rows: dict[str, dict], cfg: JobConfig, device: torch.device, name: str, warmup: int, steps: int):
+    m = cfg.model
+    print(f"\n{name} ({m.n_layers} layers, d {m.d_model}, seq {m.seq_len}), batch {cfg.train.micro_batch_size} x "
+          f"{m.seq_len}, {cfg.train.precision}, zero_stage {cfg.optim.zero_stage}, {device.type}, "
+          f"{warmup} warm-up + {steps} timed steps")  # fmt: skip
+    print(f"{'':<20}{'tokens/s':>11}{'MFU 6N':>9}{'MFU+attn':>10}{'alloc GB':>10}{'reserv GB':>10}"
+          f"{'x tok/s':>9}{'x alloc':>9}{'MFU fp8pk':>10}")  # fmt: skip
+    figures = row_figures(rows, cfg, device)
+    for row, r in rows.items():
+        if row not in figures:
+            print(f"{row:<20}  {r.get('error', 'not measured')}")
+            continue
+        f = figures[row]
+        cells = [f"{f[k]:>10.1f}" if f[k] is not None else f"{'-':>10}" for k in ("allocated_gb", "reserved_gb")]
+        cells += [f"{f[k]:>9.2f}" if f[k] is not None else f"{'-':>9}" for k in ("x_tokens_s", "x_allocated")]
+        print(f"{row:<20}{f['tokens_s']:>11,.0f}{f['mfu_6n']:>9.1%}{f['mfu_attn']:>10.1%}{''.join(cells)}"
+              f"{f['mfu_fp8_peak']:>10.1%}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", default=[])
@@ -117,59 +228,12 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fp8 = args.fp8 == "on" or (args.fp8 == "auto" and fp8_supported(device))
     name = args.model or ("1.3b" if device.type == "cuda" else "tiny")
-    keys = [*MODELS[name], *(CUDA if device.type == "cuda" else []), f"train.device={device.type}",
-            "logging.progress=none", *args.overrides]  # fmt: skip
+    keys = config_keys(name, device, args.overrides)
     cfg = load_config(None, keys)
-    m = cfg.model
-    shape = (cfg.train.micro_batch_size, m.seq_len)
-    gen = torch.Generator().manual_seed(0)
-    tokens, targets = (torch.randint(0, m.vocab_size, shape, generator=gen).to(device) for _ in range(2))
-    flops = get_spec(m.arch).flops_per_token(m)
-    attention = 12 * m.n_layers * m.d_model * m.seq_len
-    peak = device_peak_flops(device)
-
-    rows: dict[str, dict[str, float]] = {}
     with single_process_group(device=device) as rank_env:
-        builders = {
-            "plain eager": lambda: plain_loop(cfg, device, compiled=False),
-            "plain + compile": lambda: plain_loop(cfg, device, compiled=True),
-            "hpc_train eager": lambda: hpc_train_step(cfg, device, rank_env),
-            "hpc_train compile": lambda: hpc_train_step(load_config(None, [*keys, "train.compile=true"]), device,
-                                                        rank_env),
-        }  # fmt: skip
-        if fp8:
-            compiled = [*keys, "train.compile=true"]
-            builders.update({
-                "plain + compile fp8": lambda: plain_loop(cfg, device, compiled=True, fp8="tensorwise"),
-                "hpc_train comp. fp8": lambda: hpc_train_step(load_config(None, [*compiled, "train.fp8=tensorwise"]),
-                                                              device, rank_env),
-                "hpc_train comp. fp8r": lambda: hpc_train_step(load_config(None, [*compiled, "train.fp8=rowwise"]),
-                                                               device, rank_env),
-            })  # fmt: skip
-        for row, build in builders.items():
-            torch._dynamo.reset()  # each row compiles its own graphs, with nothing cached from the last
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated() if device.type == "cuda" else 0  # the batch, and leftovers
-            rows[row] = measure(build(), tokens, targets, device, args.warmup, args.steps, before)
-            print(f"  {row}: {rows[row]['seconds'] * 1e3:.1f} ms/step", flush=True)
-
-    print(f"\n{name} ({m.n_layers} layers, d {m.d_model}, seq {m.seq_len}), batch {shape[0]} x {shape[1]}, "
-          f"{cfg.train.precision}, zero_stage {cfg.optim.zero_stage}, {device.type}, "
-          f"{args.warmup} warm-up + {args.steps} timed steps")  # fmt: skip
-    print(f"{'':<20}{'tokens/s':>11}{'MFU 6N':>9}{'MFU+attn':>10}{'alloc GB':>10}{'reserv GB':>10}"
-          f"{'x tok/s':>9}{'x alloc':>9}{'MFU fp8pk':>10}")  # fmt: skip
-    fp8_peak = device_peak_flops(device, "fp8")
-    base = rows["plain + compile"]
-    for row, r in rows.items():
-        rate = shape[0] * shape[1] / r["seconds"]
-        memory = "".join(f"{r[k] / 1e9:>10.1f}" if k in r else f"{'-':>10}" for k in ("allocated", "reserved"))
-        ratio = f"{base['seconds'] / r['seconds']:>9.2f}"
-        ratio += f"{r['allocated'] / base['allocated']:>9.2f}" if "allocated" in r else f"{'-':>9}"
-        print(f"{row:<20}{rate:>11,.0f}{rate * (flops - attention) / peak:>9.1%}{rate * flops / peak:>10.1%}"
-              f"{memory}{ratio}{rate * flops / fp8_peak:>10.1%}")  # fmt: skip
+        rows = measure_rows(row_builders(keys, device, rank_env, fp8), random_batch(cfg, device), device,
+                            args.warmup, args.steps)  # fmt: skip
+    print_table(rows, cfg, device, name, args.warmup, args.steps)
 
 
 def fp8_supported(device: torch.device) -> bool:

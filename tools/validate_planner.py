@@ -128,21 +128,29 @@ TOTAL_LEFT_OUT = {
 }
 
 
-def measure(corpus: str, base: Path, extra: list[str] = ()) -> dict[str, tuple[JobConfig, dict, dict]]:
-    """name -> (config, measured bytes, predicted bytes) for every layout of the grid."""
+def measure(
+    corpus: str,
+    base: Path,
+    extra: list[str] = (),
+    layouts: dict[str, tuple[int, list[str]]] | None = None,
+    model: list[str] = MODEL,
+) -> dict[str, tuple[JobConfig, dict, dict]]:
+    """name -> (config, measured bytes, predicted bytes) for every layout of the grid (or of `layouts`,
+    e.g. tools/gpu_check.py's on one GPU, with its own `model` keys)."""
     import json
 
-    cfgs = {n: load_config(None, [*MODEL, *RUN, f"data.train_path={corpus}", f"run_dir={base / n}",
-                                  f"parallel.nproc={w}", *o, *extra]) for n, (w, o) in LAYOUTS.items()}  # fmt: skip
-    for world in sorted({w for w, _ in LAYOUTS.values()}):
-        launch_sequence(run_training, world, [(cfgs[n],) for n, (w, _) in LAYOUTS.items() if w == world])
+    layouts = LAYOUTS if layouts is None else layouts
+    cfgs = {n: load_config(None, [*model, *RUN, f"data.train_path={corpus}", f"run_dir={base / n}",
+                                  f"parallel.nproc={w}", *o, *extra]) for n, (w, o) in layouts.items()}  # fmt: skip
+    for world in sorted({w for w, _ in layouts.values()}):
+        launch_sequence(run_training, world, [(cfgs[n],) for n, (w, _) in layouts.items() if w == world])
     out = {}
     for name, cfg in cfgs.items():
         record = json.loads((base / name / "metrics.jsonl").read_text().splitlines()[1])
         measured = record["memory_bytes"]
         if cfg.train.device == "cuda":  # the allocator's own peak beside the exact counts
             measured["device_max_allocated"] = int(record["memory_gb"] * 1e9)
-        dims = check_run(cfg, LAYOUTS[name][0], check_paths=False)
+        dims = check_run(cfg, layouts[name][0], check_paths=False)
         plan = estimate(cfg, dims)
         # the device's categories (what offload moves to the host is there, as the run reports it: `host`)
         predicted = {

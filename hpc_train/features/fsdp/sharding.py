@@ -17,6 +17,7 @@ expert's gradient already sums the tokens of its ep group).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -72,7 +73,8 @@ def apply_fsdp(
     for previous, block in zip(blocks, blocks[1:], strict=False):  # all-gather the next block while one runs
         previous.set_modules_to_forward_prefetch([block])
         block.set_modules_to_backward_prefetch([previous])
-    if device.type != "cuda":  # gloo has neither AVG nor PREMUL_SUM: sum, then divide
+    # gloo has neither AVG nor PREMUL_SUM: sum, then divide (on the CPU, and on CUDA with parallel.backend=gloo)
+    if dist.get_backend(dp_mesh.get_group()) == "gloo":
         # not over a group of one (edp = 1), which no collective runs on and where torch 2.13 would divide a
         # custom factor's gradients twice (once on copying them, again after the skipped sum)
         summed = experts if expert_mesh is not None and expert_mesh.size() > 1 else []

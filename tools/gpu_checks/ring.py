@@ -1,0 +1,246 @@
+"""Check 3, the ring's attention kernels: context parallelism's per-block path (on CUDA the efficient-attention
+forward and backward, each block merged into the running output by its log-sum-exp) against SDPA over the
+whole sequence, in bf16 and fp32, for cp 2 and 4 simulated on one device.
+
+Causal: the library's own ring (`_RingAttention`'s forward and backward, zig-zag shards) runs for each
+simulated rank in a thread of its own, the ring's exchange (`_Ring`) replaced by one between the threads
+(`SimulatedRing`): every block, merge and gradient hop is the library's code. Causal with packed documents:
+the ring refuses data.document_mask, so this measures what it would run: the same kernels and merge, each
+block with its slice of the document mask as an attention bias (fully masked blocks skipped). Times are
+the simulated ranks' work one after another on one device (so cp x a rank's time), forward plus backward."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from hpc_train.data.batch import SequenceShard
+from hpc_train.distributed import context_attention
+from hpc_train.distributed.context_attention import _merge, _RingAttention
+from hpc_train.models.common.decoder import document_mask, repeat_kv
+from tools.gpu_checks.common import Check, best_seconds, relative_error
+
+MASKED = -1e30  # a finite bias: a row with no visible key in a block gets a negligible weight, never NaN
+WAIT_S = 120
+
+
+class SimulatedGroup:
+    """A simulated cp rank: its place in the ring and the mailbox the ranks share."""
+
+    def __init__(self, rank: int, size: int, mailbox: Mailbox):
+        self.rank, self.size, self.mailbox = rank, size, mailbox
+
+
+class Mailbox:
+    """What each simulated rank has sent its successor, by the sender's count of shifts: every rank makes
+    the same sequence of shifts, so a rank's n-th shift receives its predecessor's n-th."""
+
+    def __init__(self, size: int):
+        self.ready = threading.Condition()
+        self.inbox: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(size)]
+        self.shifts = [0] * size
+
+
+class Arrival:
+    """The receive of one shift: waits for the predecessor's tensors and copies them in (the copy follows the
+    sender's kernels on the device's stream, as a received buffer would)."""
+
+    def __init__(self, mailbox: Mailbox, rank: int, index: int, buffers: list[torch.Tensor]):
+        self.mailbox, self.rank, self.index, self.buffers = mailbox, rank, index, buffers
+
+    def wait(self) -> None:
+        box = self.mailbox
+        with box.ready:
+            if not box.ready.wait_for(lambda: self.index in box.inbox[self.rank], timeout=WAIT_S):
+                raise TimeoutError(f"simulated rank {self.rank} got no block {self.index} from its predecessor")
+            tensors = box.inbox[self.rank].pop(self.index)
+        for buffer, tensor in zip(self.buffers, tensors, strict=True):
+            buffer.copy_(tensor)
+
+
+class SimulatedRing:
+    """Stands in for context_attention._Ring: the same `size`, `rank` and `shift`, between threads."""
+
+    def __init__(self, group: SimulatedGroup):
+        self.group, self.size, self.rank = group, group.size, group.rank
+
+    def shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Arrival]]:
+        box = self.group.mailbox
+        received = [torch.empty_like(t) for t in tensors]
+        with box.ready:
+            index = box.shifts[self.rank]
+            box.shifts[self.rank] += 1
+            box.inbox[(self.rank + 1) % self.size][index] = list(tensors)
+            box.ready.notify_all()
+        return received, [Arrival(box, self.rank, index, received)]
+
+
+@contextlib.contextmanager
+def simulated_ring() -> Iterator[None]:
+    original = context_attention._Ring
+    context_attention._Ring = SimulatedRing
+    try:
+        yield
+    finally:
+        context_attention._Ring = original
+
+
+class _Saved:
+    """The autograd context `_RingAttention`'s forward and backward are called with directly (through
+    autograd, every thread's backward would queue on the one device thread the engine keeps per GPU, and
+    the simulated ranks, each waiting on the others, would deadlock)."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+
+def ring_causal(q, k, v, dout, cp: int) -> tuple[torch.Tensor, ...]:
+    """The library's ring over `cp` simulated ranks: (out, dq, dk, dv) for the whole sequence, in order."""
+    seq, box = q.shape[2], Mailbox(cp)
+    at = [SequenceShard(cp, r, zigzag=True).positions(seq // cp, q.device) for r in range(cp)]
+    results: list[tuple | None] = [None] * cp
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            ctx, group = _Saved(), SimulatedGroup(r, cp, box)
+            with torch.no_grad():
+                shard = [t[:, :, at[r]].contiguous() for t in (q, k, v)]
+                out = _RingAttention.forward(ctx, *shard, group)
+                results[r] = (out, *_RingAttention.backward(ctx, dout[:, :, at[r]].contiguous())[:3])
+        except BaseException as err:  # noqa: BLE001 - re-raised by the caller, in its thread
+            errors.append(err)
+
+    with simulated_ring():
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
+    whole = [torch.empty_like(t) for t in (q, q, k, v)]
+    for r in range(cp):
+        for full, part in zip(whole, results[r], strict=True):
+            full[:, :, at[r]] = part
+    return tuple(whole)
+
+
+def _block_forward(q, k, v, bias, scale):
+    """One block's output and fp32 log-sum-exp with an attention bias, by the kernel the ring runs."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                              scale=scale)  # fmt: skip
+        return out, lse.float()
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False,
+                                                                             scale=scale)  # fmt: skip
+    return out, lse[..., : q.shape[2]].float()
+
+
+def _block_backward(dout, q, k, v, out, lse, bias, scale):
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
+        )
+    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, bias, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], False, scale=scale
+    )
+    return dq, dk, dv
+
+
+def ring_documents(q, k, v, dout, documents, cp: int) -> tuple[torch.Tensor, ...]:
+    """The per-block kernels with document masks, each simulated rank's blocks in ring order (no exchange:
+    nothing overlaps here): (out, dq, dk, dv) for the whole sequence."""
+    seq, heads, scale = q.shape[2], q.shape[1], q.shape[-1] ** -0.5
+    at = [SequenceShard(cp, r, zigzag=True).positions(seq // cp, q.device) for r in range(cp)]
+    allowed = document_mask(documents)  # (batch, 1, seq, seq): causal, inside a document
+    out_all, dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, q, k, v))
+    for r in range(cp):
+        qr = q[:, :, at[r]].contiguous()
+        out = torch.zeros(qr.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qr.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        blocks = []
+        for step in range(cp):
+            source = (r - step) % cp
+            visible = allowed[:, :, at[r]][:, :, :, at[source]]
+            if not visible.any():
+                continue
+            bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, MASKED)
+            bias = bias.expand(-1, heads, -1, -1)
+            bk, bv = repeat_kv(k[:, :, at[source]].contiguous(), v[:, :, at[source]].contiguous(), heads)
+            out, lse = _merge(out, lse, *_block_forward(qr, bk, bv, bias, scale))
+            blocks.append((source, bk, bv, bias))
+        out = out.to(q.dtype)
+        out_all[:, :, at[r]] = out.float()
+        for source, bk, bv, bias in blocks:
+            a, b, c = _block_backward(dout[:, :, at[r]].contiguous(), qr, bk, bv, out, lse, bias, scale)
+            dq[:, :, at[r]] += a.float()
+            group = heads // k.shape[1]  # grouped-query: a kv head's gradient sums over its q heads
+            dk[:, :, at[source]] += b.float().unflatten(1, (k.shape[1], group)).sum(2)
+            dv[:, :, at[source]] += c.float().unflatten(1, (k.shape[1], group)).sum(2)
+    return tuple(t.to(q.dtype) for t in (out_all, dq, dk, dv))
+
+
+def whole(q, k, v, dout, documents=None) -> tuple[torch.Tensor, ...]:
+    """SDPA over the whole sequence (causal, or the document mask): (out, dq, dk, dv)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    bk, bv = repeat_kv(k, v, q.shape[1])
+    mask = None if documents is None else document_mask(documents)
+    out = F.scaled_dot_product_attention(q, bk, bv, attn_mask=mask, is_causal=mask is None)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def random_documents(batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """Each token's document: packed documents of random lengths (about seq/8 on average)."""
+    starts = torch.rand(batch, seq, generator=gen) < 8 / seq
+    starts[:, 0] = True
+    return starts.long().cumsum(1) - 1
+
+
+def shape(check: Check) -> tuple[int, int, int, int, int]:
+    """(batch, q heads, kv heads, sequence, head dim): on CUDA a long sequence of the 1.3B model's heads
+    with grouped-query k, v (4 kv heads); tiny on the CPU."""
+    return (1, 4, 2, 64, 16) if check.smoke else (1, 16, 4, 16384, 128)
+
+
+def run(check: Check) -> None:
+    b, h, kv, seq, d = shape(check)
+    device, repeats = check.device, 1 if check.smoke else 3
+    kernel = "efficient attention" if check.cuda else "CPU flash attention (the CPU's path; CUDA's: efficient)"
+    check.setup(f"batch {b}, {h} q heads / {kv} kv heads, seq {seq}, head dim {d}; per-block {kernel}; "
+                f"time: forward + backward of every simulated rank, the best of {repeats}")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(b, n, seq, d, generator=gen) for n in (h, kv, kv, h)]  # q, k, v, dout
+    documents = random_documents(b, seq, gen).to(device)
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        q, k, v, dout = (t.to(device, dtype) for t in base)
+        for docs in (None, documents):
+            mask = "causal" if docs is None else "causal + documents"
+            reference = whole(*(t.float() for t in (q, k, v, dout)), docs)  # fp32: what both are held to
+            own = whole(q, k, v, dout, docs)
+            own_error = max(relative_error(a, w) for a, w in zip(own, reference, strict=True))
+            t_whole = best_seconds(lambda docs=docs, q=q, k=k, v=v, dout=dout: whole(q, k, v, dout, docs), device,
+                                   repeats)  # fmt: skip
+            for cp in (2, 4):
+                if docs is None:
+                    fn = lambda q=q, k=k, v=v, dout=dout, cp=cp: ring_causal(q, k, v, dout, cp)
+                else:
+                    fn = lambda q=q, k=k, v=v, dout=dout, cp=cp, docs=docs: ring_documents(q, k, v, dout, docs, cp)
+                got = fn()
+                errors = [relative_error(a, w) for a, w in zip(got, reference, strict=True)]
+                t_ring = best_seconds(fn, device, repeats)
+                allowed = 2 * own_error + 1e-3 if dtype == torch.bfloat16 else 2e-4
+                ok = max(errors) <= allowed
+                row = f"cp{cp} {mask} {name}"
+                check.row(row, f"{t_ring * 1e3:.2f} ms, error out {errors[0]:.1e}, grads {max(errors[1:]):.1e}",
+                          f"{t_ring / t_whole:.2f}x SDPA whole ({t_whole * 1e3:.2f} ms, error {own_error:.1e})",
+                          "ok" if ok else "failed: parity", ring_s=t_ring, whole_s=t_whole, errors=errors,
+                          whole_error=own_error, allowed=allowed)  # fmt: skip
+                if not ok:
+                    check.fail(f"{row}: error {max(errors):.1e} > {allowed:.1e} against fp32 SDPA over the sequence")
