@@ -1,5 +1,5 @@
 """One command that checks every GPU path and measures it against its reference, made for the short loans of
-a GPU (about 15 minutes, start-up included): eight checks, each in a process of its own with its own time
+a GPU (about 15 minutes, start-up included): nine checks, each in a process of its own with its own time
 budget, all within 8 minutes on one H100 or H200. It writes gpu_check.json (every check's rows, targets and
 status), gpu_check.md (the same as tables) and prints the tables, headed by the device and the torch, CUDA
 and torchao versions.
@@ -16,6 +16,7 @@ The checks (tools/gpu_checks/<name>.py say what each measures, and how):
   ring           context parallelism's per-block attention kernels against SDPA, cp 2 and 4 simulated
   moe            the routed experts' grouped GEMM against the loop, one Qwen3-30B-A3B layer
   zero3_offload  ZeRO-3 with CPU offload against without, one step at dp 2 on one GPU
+  activation_offload  model.activation_offload=full against none: loss, step time, peak against the plan
   checkpoint     save and load GB/s of the 1.3B model's training state against the raw disk, async blocking
 
 A check fails when it raises, gives a wrong result (parity) or runs out of its budget; the command then
@@ -51,6 +52,7 @@ CHECKS = {
     "ring": 25,
     "moe": 15,
     "zero3_offload": 35,
+    "activation_offload": 40,
     "checkpoint": 75,  # last: a slow disk cannot hold up the others
 }
 TOTAL_BUDGET = 470  # seconds for the whole command: under 8 minutes whatever the checks take

@@ -137,7 +137,7 @@ def torchao_problem() -> str | None:
 
 def fp8_problem(device: torch.device) -> str | None:
     """Why float8 cannot run here (torchao missing, or a GPU without float8 tensor cores), or None."""
-    from hpc_train.distributed.transforms.float8 import capability_problem
+    from hpc_train.features.float8.linears import capability_problem
 
     problem = torchao_problem()
     if problem is None and device.type == "cuda":

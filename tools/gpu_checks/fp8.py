@@ -4,7 +4,7 @@ process, so that the ratio compares like with like: inductor's cache makes its c
 
 from __future__ import annotations
 
-from hpc_train.config import load_config
+from hpc_train.job import load_config
 from hpc_train.launch.local import single_process_group
 from tools.bench_gpu import measure_rows, random_batch, row_builders, row_figures
 from tools.gpu_checks.common import Check, fp8_problem

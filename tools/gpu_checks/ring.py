@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from hpc_train.data.batch import SequenceShard
-from hpc_train.distributed import context_attention
-from hpc_train.distributed.context_attention import _merge, _RingAttention
+from hpc_train.features.context_parallel import exchange as context_attention
+from hpc_train.features.context_parallel.exchange import _merge, _RingAttention
 from hpc_train.models.common.decoder import document_mask, repeat_kv
 from tools.gpu_checks.common import Check, best_seconds, relative_error
 
