@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from hpc_train.job import load_config
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import single_process_group
-from hpc_train.job import check_run
 from hpc_train.planner import estimate
 from tools.bench_gpu import CUDA, PLAIN_COMPILED, config_keys, measure_rows, random_batch, row_builders, row_figures
 from tools.gpu_checks.common import Check, model_keys

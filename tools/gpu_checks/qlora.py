@@ -12,10 +12,9 @@ import time
 import torch
 
 from hpc_train.builder import build_run
-from hpc_train.job import load_config
 from hpc_train.data.batch import Batch
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import single_process_group
-from hpc_train.job import check_run
 from hpc_train.observe.memory import live_storage_bytes
 from hpc_train.planner import estimate
 from hpc_train.train.step import StepOptions, train_step

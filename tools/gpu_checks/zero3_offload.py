@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-from hpc_train.builder import build_run
-from hpc_train.job import load_config
-from hpc_train.data.batch import Batch
 from hpc_train.bootstrap import RankEnv, distributed
+from hpc_train.builder import build_run
+from hpc_train.data.batch import Batch
+from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import launch_local
-from hpc_train.job import check_run
 from hpc_train.placement import local
 from hpc_train.planner import estimate
 from hpc_train.train.step import StepOptions, train_step
