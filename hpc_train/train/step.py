@@ -84,11 +84,11 @@ def skip_reason(figures: dict[str, float]) -> str | None:
 
 def apply_gradients(
     model: ParallelModel, optimizer: Optimizer, lr: float, options: StepOptions, loss: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, dict[str, torch.Tensor]]]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step
-    (`before_update` first: an async checkpoint's copy must be done), then every step hook's `after_update`.
-    The update is dropped on the device, on every rank alike, when the gradients overflowed or the norm or
-    the global `loss` is not finite: no host read decides it. Returns the step's FIGURES and the hooks'."""
+    (`before_update` first: an async checkpoint's copy must be done). The update is dropped on the device,
+    on every rank alike, when the gradients overflowed or the norm or the global `loss` is not finite: no
+    host read decides it. Returns the step's FIGURES and that decision (a bool on the device)."""
     scaler, timings, device = options.scaler, options.timings, model.device
     with timed(timings, "grad_reduce", device):
         optimizer.reduce_gradients()
@@ -105,10 +105,9 @@ def apply_gradients(
         if options.before_update is not None:
             options.before_update()
         optimizer.step(lr, skip)
-        by_hook = {hook.name: hook.after_update(skip) for hook in model.hooks}
         optimizer.zero_grad()
     figures = torch.stack([t.to(device, torch.float64) for t in (loss, grad_norm, overflow, at_floor, scale, skipped)])
-    return figures, {name: figures_ for name, figures_ in by_hook.items() if figures_}
+    return figures, skip
 
 
 def train_step(
@@ -155,9 +154,10 @@ def _train_step(
         "activations_peak": saved.peak_bytes,
     }
     mean_loss = reduce_loss(model, loss)  # before the update: a non-finite loss drops it too
-    figures, by_hook = apply_gradients(model, optimizer, lr, options, mean_loss)
+    figures, skipped = apply_gradients(model, optimizer, lr, options, mean_loss)
     memory["optimizer"] = optimizer.state_bytes()
-    return StepResult(figures, by_place(memory, optimizer), by_hook)
+    by_hook = {hook.name: hook.after_update(skipped) for hook in model.hooks}  # the features' ends of the step
+    return StepResult(figures, by_place(memory, optimizer), {name: f for name, f in by_hook.items() if f})
 
 
 def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:
