@@ -18,6 +18,7 @@ from hpc_train.distributed.transforms import StagePlan
 from hpc_train.features.activation_offload.offload import OffloadedForward, StageOffload
 from hpc_train.features.activation_offload.options import ActivationOffloadOptions
 from hpc_train.features.feature import Feature, Links, Memory
+from hpc_train.features.regional_compile import CompileOptions
 from hpc_train.models.common.moe import is_moe_layer
 from hpc_train.models.spec import StageActivations, StageModule
 
@@ -34,7 +35,7 @@ def offloaded_blocks(mode: str, choices: list[str]) -> list[int]:
     return [i for i, choice in enumerate(choices) if choice == "none" and (mode == "full" or i != last)]
 
 
-def check(*, model: ActivationOffloadOptions, train, parallel: ParallelConfig,
+def check(*, model: ActivationOffloadOptions, train: CompileOptions, parallel: ParallelConfig,
           block_policy: Callable[[int], str]) -> list[str]:  # fmt: skip
     if not enabled(model=model):
         return []

@@ -7,9 +7,10 @@ import importlib.util
 
 import torch
 
-from hpc_train.config import OptimConfig, ParallelConfig, SlurmConfig, TrainConfig
+from hpc_train.config import ModelConfig, OptimConfig, ParallelConfig, SlurmConfig, TrainConfig
 from hpc_train.features.float8.linears import ALIGNMENT, capability_problem, fp8_projections, local_shapes
 from hpc_train.features.float8.options import Float8Options
+from hpc_train.features.lora.options import FinetuneConfig
 from hpc_train.models.spec import ModelSpec, projections
 
 
@@ -26,8 +27,8 @@ def runs_on_gloo(train: TrainConfig, parallel: ParallelConfig, slurm: SlurmConfi
     return backend == "gloo" or (backend == "auto" and not runs_on_cuda(train, slurm))
 
 
-def check(*, train: Float8Options, model, parallel: ParallelConfig, optim: OptimConfig, finetune, slurm: SlurmConfig,
-          spec: ModelSpec, here: bool) -> list[str]:  # fmt: skip
+def check(*, train: Float8Options, model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
+          finetune: FinetuneConfig, slurm: SlurmConfig, spec: ModelSpec, here: bool) -> list[str]:  # fmt: skip
     """`here`: the ranks start on this machine, whose GPU must have float8 tensor cores."""
     if train.fp8 == "off":
         refused = "train.fp8_all_gather is for float8 weights: set train.fp8=tensorwise, or drop it"

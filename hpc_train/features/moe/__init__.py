@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hpc_train.config import ModelConfig, ParallelConfig
 from hpc_train.features.feature import Feature
+from hpc_train.features.lora.options import FinetuneConfig
 from hpc_train.features.moe import plan
 from hpc_train.features.moe.expert_parallel import shard_experts
 from hpc_train.features.moe.stats import MoEStep
@@ -16,8 +17,9 @@ def enabled(*, model: ModelConfig, parallel: ParallelConfig) -> bool:
     return model.moe.num_experts > 0 or parallel.ep > 1
 
 
-def check(*, model: ModelConfig, parallel: ParallelConfig, train, finetune, dims) -> list[str]:
-    """Expert parallelism's layout, and what MoE layers do not run with yet: one line per problem."""
+def check(*, model: ModelConfig, parallel: ParallelConfig, train, finetune: FinetuneConfig, dims) -> list[str]:
+    """Expert parallelism's layout, and what MoE layers do not run with yet (`train`: float8's and regional
+    compile's keys): one line per problem."""
     experts, ep, dp = model.moe.num_experts, parallel.ep, dims.dp
     if ep > 1 and not experts:
         return [f"parallel.ep={ep} shards the routed experts of MoE layers, and this model is dense "
