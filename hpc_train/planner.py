@@ -57,8 +57,9 @@ class MemoryEstimate:
     loss_backward: int  # alive only while the loss's backward runs (pp=1: the first stage holds the head)
     block_backward: int  # alive only while a block's backward runs: its fresh gradients, the activations'
     # gradients, QLoRA's dequantization
-    host: int  # parameters, gradients and optimizer state offloaded to host memory (not in the device total)
+    host: int  # in host memory, not in the device total: offloaded optimizer state (parameters, gradients)...
     total: int
+    host_features: int = 0  # ... and, of `host`, what features keep there (activation offload's activations)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -354,7 +355,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     total = param_bytes + optimizer + static + max(start, end, grads + update)
     comm = static + max(block, at_end, update)
     return MemoryEstimate(param_bytes, grads, optimizer, per_micro, math.ceil(flight), activations, comm,
-                          loss_backward, fresh + working, host, total)  # fmt: skip
+                          loss_backward, fresh + working, host, total, added.host)  # fmt: skip
 
 
 def feature_memory(cfg: JobConfig, dims: ParallelDims, **given) -> Memory:
@@ -512,9 +513,11 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     lines += [line for _, describe in declared(cfg, "describe", **given) for line in describe()]
     lines.append("per rank (first pipeline stage):")
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]
-    if plan.host:
+    if plan.host > plan.host_features:
         what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state, owned gradients"
-        lines.append(f"  {f'in host memory ({what})':<44} {plan.host / GiB:10.3f} GiB")
+        lines.append(f"  {f'in host memory ({what})':<44} {(plan.host - plan.host_features) / GiB:10.3f} GiB")
+    if plan.host_features:  # each feature's line above says what
+        lines.append(f"  {'in host memory (the features above)':<44} {plan.host_features / GiB:10.3f} GiB")
     verdict = "fits" if plan.total <= gpu_mem_bytes else "DOES NOT FIT"
     lines.append(f"  {verdict} in {gpu_mem_bytes / GiB:.0f} GiB per GPU ({100 * plan.total / gpu_mem_bytes:.0f}%)")
     return "\n".join(lines)

@@ -133,7 +133,7 @@ def test_offloaded_activations_went_through_the_hooks_as_the_planner_says(measur
     blocks = {"offload_selective": 3, "offload_full": 4, "offload_full_recompute_every_2": 2}[policy]
     assert offloaded["prefetched"] == blocks  # each offloaded block's group, ahead of its backward
     plan = estimate(cfg, ParallelDims())
-    assert plan.host == planned and plan.activations == activation_bytes(cfg)
+    assert plan.host == plan.host_features == planned and plan.activations == activation_bytes(cfg)
     if policy == "offload_selective":  # the last block still saves the stage's RoPE tables, so exactly
         assert saved == measured["none"][2] - planned
     assert measured["none"][3] is None and measured["full"][3] is None
