@@ -298,9 +298,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
         grads, masters, owned = cls.planned_bytes(trainable, 1, element, o.overlap_grad_reduce)
     else:  # LoRA's frozen base in the compute dtype, QLoRA's projections in NF4
         frozen = local.total - local.trainable - local.quantized
-        frozen_bytes = (
-            precision_policy(cfg.train, cfg.optim).frozen_dtype.itemsize if cfg.finetune.adapters else element
-        )
+        frozen_bytes = policy.frozen_dtype.itemsize if cfg.finetune.adapters else element
         param_bytes = local.trainable * element + frozen * frozen_bytes + local.quantized_bytes
         trainable, matrices = local.trainable, local.trainable_matrices
         grads, masters, owned = cls.planned_bytes(trainable - local.experts, dp, element, o.overlap_grad_reduce)

@@ -27,7 +27,7 @@ def _chained_post_init(bases: tuple[type, ...]):
     return __post_init__
 
 
-def _section(name: str, core: type | None, options: list[type], job: str, module: str) -> type:
+def _section(core: type | None, options: list[type], job: str, module: str) -> type:
     """The core section `core` (None: the feature's own section) with `options` mixed in, core keys first."""
     bases = (*reversed(options), core) if core is not None else tuple(reversed(options))
     if len(bases) == 1:
@@ -52,7 +52,7 @@ def compose(options: Iterable[tuple[str, type]], module: str, name: str = "JobCo
             keys += [f.name for f in dataclasses.fields(core[section])]
         if twice := sorted({key for key in keys if keys.count(key) > 1}):
             raise TypeError(f"{section}.{', '.join(twice)} declared twice by the registered features")
-    sections = {section: _section(section, core.get(section), classes, name, module)
+    sections = {section: _section(core.get(section), classes, name, module)
                 for section, classes in by_section.items()}  # fmt: skip
     fields = [(section, cls, dataclasses.field(default_factory=cls)) for section, cls in sections.items()]
     job = dataclasses.make_dataclass(name, fields, bases=(JobConfig,))

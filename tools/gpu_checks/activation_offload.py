@@ -9,14 +9,13 @@ from __future__ import annotations
 import tempfile
 import time
 
-import torch
-
 from hpc_train.builder import build_run
 from hpc_train.data.batch import Batch
 from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import single_process_group
 from hpc_train.planner import estimate
 from hpc_train.train.step import StepOptions, train_step
+from tools.bench_gpu import random_batch
 from tools.gpu_checks.common import Check, gib, model_keys, sync
 
 SMOKE_MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=512", "model.seq_len=64"]
@@ -29,9 +28,7 @@ def measure(check: Check, keys: list[str], mode: str) -> dict:
     cfg = load_config(None, [*keys, f"model.activation_offload={mode}"])
     with single_process_group(device=device) as rank_env:
         run = build_run(cfg, rank_env, device, with_data=False)
-        gen = torch.Generator().manual_seed(0)
-        shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
-        batch = [Batch(*(torch.randint(0, cfg.model.vocab_size, shape, generator=gen).to(device) for _ in range(2)))]
+        batch = [Batch(*random_batch(cfg, device))]
         losses, seconds = [], 0.0
         for step in range(STEPS):
             options = StepOptions(cfg.optim.grad_clip, measure_peak=frozenset() if step == STEPS - 1 else None)

@@ -8,7 +8,13 @@ import importlib.util
 import torch
 
 from hpc_train.config import ModelConfig, OptimConfig, ParallelConfig, SlurmConfig, TrainConfig
-from hpc_train.features.float8.linears import ALIGNMENT, capability_problem, fp8_projections, local_shapes
+from hpc_train.features.float8.linears import (
+    ALIGNMENT,
+    all_gather_problem,
+    capability_problem,
+    fp8_projections,
+    local_shapes,
+)
 from hpc_train.features.float8.options import Float8Options
 from hpc_train.features.lora.options import FinetuneConfig
 from hpc_train.models.spec import ModelSpec, projections
@@ -46,9 +52,7 @@ def check(*, train: Float8Options, model: ModelConfig, parallel: ParallelConfig,
             problems.append(f"train.fp8_all_gather is FSDP2's (optim.zero_stage=3), not optim.zero_stage="
                             f"{optim.zero_stage}: drop it")  # fmt: skip
         elif runs_on_gloo(train, parallel, slurm):
-            problems.append(f"train.fp8_all_gather all-gathers float8 bytes, which gloo cannot send (parallel.backend="
-                            f"{parallel.backend}, train.device={train.device}): it needs NCCL; drop it to all-gather "
-                            "in the compute dtype")  # fmt: skip
+            problems.append(all_gather_problem(parallel.backend, train.device))
     if here and runs_on_cuda(train, slurm) and torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         if problem := capability_problem(torch.cuda.get_device_capability(), name):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
-from hpc_train.config import ConfigError
+from hpc_train.config import ConfigError, ParallelConfig
 from hpc_train.distributed.hooks import StepHooks
 from hpc_train.distributed.transforms import StagePlan
 from hpc_train.features.float8.options import Float8Options
@@ -28,8 +28,6 @@ from hpc_train.models.spec import ModelSpec, StageModule, projections
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and later
 ALIGNMENT = 16  # every side of a float8 matmul
-ALL_GATHER_PROBLEM = ("train.fp8_all_gather all-gathers float8 bytes, which gloo cannot send: it needs NCCL; drop it "
-                      "to all-gather in the compute dtype")  # fmt: skip
 
 
 def capability_problem(capability: tuple[int, int], device_name: str = "this GPU") -> str | None:
@@ -40,6 +38,12 @@ def capability_problem(capability: tuple[int, int], device_name: str = "this GPU
     major, minor = capability
     return (f"train.fp8 needs float8 tensor cores, compute capability 8.9 or later (L4, L40, H100, H200...); "
             f"{device_name} has {major}.{minor}: set train.fp8=off (bf16 is the fastest this GPU runs)")  # fmt: skip
+
+
+def all_gather_problem(backend: str, device: str) -> str:
+    """Why train.fp8_all_gather cannot run over gloo (parallel.backend `backend`, train.device `device`)."""
+    return (f"train.fp8_all_gather all-gathers float8 bytes, which gloo cannot send (parallel.backend={backend}, "
+            f"train.device={device}): it needs NCCL; drop it to all-gather in the compute dtype")  # fmt: skip
 
 
 def fp8_projections(chunk: nn.Module, min_dim: int) -> dict[str, nn.Linear]:
@@ -69,7 +73,7 @@ def float8_config(t: Float8Options):
     return Float8LinearConfig.from_recipe_name(t.fp8)
 
 
-def convert(stage: StageModule, plan: StagePlan, *, train: Float8Options) -> None:
+def convert(stage: StageModule, plan: StagePlan, *, train: Float8Options, parallel: ParallelConfig) -> None:
     """The transform: the chosen projections of `stage` (on the meta device) become Float8Linear. On CUDA the
     device is checked here too, where the launcher placed the ranks."""
     from torchao.float8 import convert_to_float8_training
@@ -79,7 +83,7 @@ def convert(stage: StageModule, plan: StagePlan, *, train: Float8Options) -> Non
         if problem := capability_problem(capability, torch.cuda.get_device_name(plan.device)):
             raise ConfigError(problem)
     if train.fp8_all_gather and dist.is_initialized() and dist.get_backend() == "gloo":
-        raise ConfigError(ALL_GATHER_PROBLEM)
+        raise ConfigError(all_gather_problem(parallel.backend, plan.device.type))
     chosen = set(fp8_projections(stage, train.fp8_min_dim))
     convert_to_float8_training(stage, module_filter_fn=lambda _, name: name in chosen, config=float8_config(train))
 
