@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint cluster
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench_step.py

@@ -17,7 +17,15 @@ from torch.multiprocessing.spawn import ProcessException
 
 from hpc_train.bootstrap import RankEnv, distributed
 from hpc_train.errors import HANG_EXIT, USER_ERROR_EXIT, RankFailed
-from hpc_train.resilience.restart import Attempt, announce_restart, exit_description, forwarding_stop_signals, run_rank
+from hpc_train.resilience.restart import (
+    Attempt,
+    LauncherState,
+    announce_restart,
+    exit_description,
+    forwarding_stop_signals,
+    rank_processes,
+    run_rank,
+)
 
 
 def serve_store() -> dist.TCPStore:
@@ -35,8 +43,10 @@ def local_rank_env(rank: int, nproc: int, port: int, prefix: str) -> RankEnv:
     return RankEnv(rank, nproc, rank, nproc, 0, "127.0.0.1", port, "local", store_prefix=prefix)
 
 
-def _spawned(rank: int, entry: Callable[..., Any], nproc: int, port: int, attempt: Attempt, args: tuple) -> None:
-    run_rank(local_rank_env(rank, nproc, port, f"run0-{attempt.number}"), entry, attempt, args)
+def _started(
+    rank: int, entry: Callable[..., Any], nproc: int, port: int, attempt: Attempt, args: tuple, launcher: LauncherState
+) -> None:
+    run_rank(local_rank_env(rank, nproc, port, f"run0-{attempt.number}"), entry, attempt, args, launcher)
 
 
 def _sequence(rank_env: RankEnv, runs: list[tuple]) -> None:
@@ -54,7 +64,8 @@ def launch_sequence(entry: Callable[..., Any], nproc: int, arg_lists: list[tuple
 
 def launch_local(entry: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0) -> Any:
     """Run `entry(rank_env, *args)` on `nproc` ranks. One rank without restarts runs in this process and its
-    result is returned; otherwise the ranks are spawned, and the first failing rank's error is raised here
+    result is returned; otherwise the ranks are started (forks of a server that has imported
+    torch: `rank_processes`), and the first failing rank's error is raised here
     once `max_restarts` in-job restarts are spent: a rank that dies, raises or hangs restarts every rank
     (the run resumes from its newest checkpoint); one that stopped on a UserError does not, since bad input
     stays bad. SIGTERM and SIGUSR2 sent to this launcher reach every rank, as Slurm signals every task."""
@@ -83,8 +94,9 @@ def _how(err: ProcessException) -> str:
 
 
 def _attempt(entry: Callable[..., Any], nproc: int, port: int, attempt: Attempt, args: tuple) -> None:
-    context = mp.start_processes(_spawned, args=(entry, nproc, port, attempt, args), nprocs=nproc,
-                                 start_method="spawn", join=False)  # fmt: skip
+    rank_processes()  # the fork server's imports
+    context = mp.start_processes(_started, args=(entry, nproc, port, attempt, args, LauncherState()),
+                                 nprocs=nproc, start_method="forkserver", join=False)  # fmt: skip
     with forwarding_stop_signals(context.processes):
         try:
             # once a rank has failed the others cannot finish a step: 5 s to exit, then SIGKILL (a hung rank
