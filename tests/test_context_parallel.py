@@ -1,22 +1,48 @@
 """Context parallelism's attention exchange alone, on 2 gloo ranks: ring (zig-zag shards) and Ulysses
 (contiguous shards) give each rank exactly its rows of one process's causal attention and of its
 gradients, with grouped-query k, v: one kv head (Ulysses sends it repeated: it does not split over cp) and
-two (sent as they are). The whole-model parity of every cp layout is tests/test_parallel.py's."""
+two (sent as they are). The differentiable all-to-all under Ulysses and expert parallelism is
+torch.distributed.nn.functional.all_to_all_single's, also with uneven splits, and that one is deprecated.
+The whole-model parity of every cp layout is tests/test_parallel.py's."""
+
+import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_autograd
 
 from hpc_train.bootstrap import RankEnv, distributed
 from hpc_train.data.batch import SequenceShard
 from hpc_train.features.context_parallel.exchange import ring_attention, ulysses_attention
 from hpc_train.launch.local import launch_local
+from hpc_train.models.common.all_to_all import all_to_all
 
 TOL = 1e-5
+
+
+def _all_to_all_is_torchs_deprecated_one(rank: int, world: int) -> None:
+    """Uneven splits (rank i sends 1 + i + 2 j rows to rank j): the same rows and the same gradients as torch's
+    differentiable all_to_all_single, which warns on each call that it is deprecated."""
+    sent = [[1 + i + 2 * j for j in range(world)] for i in range(world)]
+    send, recv = sent[rank], [sent[i][rank] for i in range(world)]
+    gen = torch.Generator().manual_seed(rank)
+    rows, weights = torch.randn(sum(send), 3, generator=gen), torch.randn(sum(recv), 3, generator=gen)
+    ours_in, theirs_in = rows.clone().requires_grad_(), rows.clone().requires_grad_()
+    ours = all_to_all(ours_in, recv, send, dist.group.WORLD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        theirs = dist_autograd.all_to_all_single(rows.new_empty(sum(recv), 3), theirs_in, recv, send)
+    assert any(w.category is FutureWarning and "deprecated" in str(w.message) for w in caught), caught
+    assert torch.equal(ours, theirs)
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    assert torch.equal(ours_in.grad, theirs_in.grad)
 
 
 def _check(rank_env: RankEnv) -> None:
     with distributed(rank_env, torch.device("cpu"), "gloo", 60):
         cp, rank = dist.get_world_size(), dist.get_rank()
+        _all_to_all_is_torchs_deprecated_one(rank, cp)
         for kv_heads in (1, 2):
             gen = torch.Generator().manual_seed(kv_heads)
             q, dout = torch.randn(2, 4, 32, 8, generator=gen), torch.randn(2, 4, 32, 8, generator=gen)

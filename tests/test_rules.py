@@ -1,23 +1,32 @@
 """Update rules apart from the data-parallel strategies: one process updates exactly as torch's own
-optimizers do, and the planner counts each rule's state."""
+optimizers do, Muon's own Newton-Schulz is torch's, the planner counts each rule's state, and a resume
+under another rule is refused unless the state is reset."""
 
+import ast
 import copy
+import inspect
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import hpc_train
 from hpc_train.bootstrap import distributed
 from hpc_train.builder import build_run
+from hpc_train.checkpoint.ownership import check_checkpoint_dir
+from hpc_train.checkpoint.safe_load import CheckpointError
 from hpc_train.config import ConfigError
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.job import check_run, load_config
-from hpc_train.launch.local import launch_sequence
+from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.optim.rules import RULES, is_hidden_matrix, rule_class, target
-from hpc_train.placement import distribute_like
+from hpc_train.optim.rules.muon import NS_COEFFICIENTS, NS_EPS, adjusted_lr, orthogonalize
+from hpc_train.placement import distribute_like, local
 from hpc_train.planner import dp_traffic_bytes, local_param_count
+from hpc_train.train.loop import run_training
 
 
 class Tiny(nn.Module):
@@ -82,6 +91,43 @@ def test_muon_rule_matches_torch_muon_and_adamw():
     assert rule.state(weights["norm.weight"]).keys() == {"exp_avg", "exp_avg_sq"}
     matrix_elements = sum(p.numel() for p in matrices)
     assert rule.state_bytes() == 4 * matrix_elements + 8 * sum(p.numel() for p in others)
+
+
+def test_no_module_imports_a_private_torch_optim_module():
+    """torch.optim's private modules (torch.optim._muon) may change in any torch release; the rules own the
+    few lines they would take from one."""
+    private = []
+    for path in sorted(Path(hpc_train.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            private += [f"{path.name}:{node.lineno}: {n}" for n in names if n.startswith("torch.optim._")]
+    assert not private, private
+
+
+def test_muons_newton_schulz_and_lr_adjustment_are_torchs():
+    """hpc_train's own Newton-Schulz and learning-rate adjustment against torch's private functions, bit for
+    bit, and its coefficients against torch.optim.Muon's public defaults, where this torch has them."""
+    if hasattr(torch.optim, "Muon"):
+        defaults = inspect.signature(torch.optim.Muon).parameters
+        assert defaults["ns_coefficients"].default == NS_COEFFICIENTS and defaults["eps"].default == NS_EPS
+    try:
+        from torch.optim import _muon
+    except ImportError:
+        pytest.skip("this torch has no torch.optim._muon to compare with")
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((8, 12), (12, 8), (16, 16)):
+        matrix = torch.randn(shape, generator=gen)
+        for steps in (1, 5):
+            theirs = _muon._zeropower_via_newtonschulz(matrix.clone(), NS_COEFFICIENTS, steps, NS_EPS)
+            assert torch.equal(orthogonalize(matrix, steps), theirs), (shape, steps)
+        for how in ("match_rms_adamw", "original"):
+            assert adjusted_lr(0.02, how, torch.Size(shape)) == _muon._adjust_lr(0.02, how, torch.Size(shape))
+    assert orthogonalize(torch.zeros(4, 6), 5).eq(0).all()  # the norm's floor: no division by zero
 
 
 def test_rule_state_round_trip_and_fresh_start():
@@ -195,3 +241,51 @@ def test_planner_counts_muons_matrix_gather_where_state_is_sharded():
         )
         assert difference == (4 * local.trainable_matrices * 3 / 4 if extra else 0)
         assert 0 < local.trainable_matrices < local.trainable
+
+
+def _resumed_optimizer_state(rank_env, cfgs):
+    """Per config, resumed from its checkpoint without a step: ZeRO's masters and the rule's state, by parameter."""
+    cpu = torch.device("cpu")
+    resumed = []
+    with distributed(rank_env, cpu, "gloo", 60):
+        for cfg in cfgs:
+            run = build_run(cfg, rank_env, cpu, with_data=False)
+            run.checkpointer.resume()
+            states = run.optimizer.param_states()
+            masters = [local(s["master"]).clone() for s in states]
+            rule = [local(t).clone() for s in states for k, t in s.items() if k != "master"]
+            resumed.append((masters, rule))
+    return resumed
+
+
+def test_another_rule_on_resume_is_refused_unless_the_state_is_reset(make_cfg, capsys):
+    """An adamw checkpoint resumed under muon: refused before any process starts (the CLI's check) and by
+    the run, before it reads or writes a checkpoint, naming both rules and the fix. With
+    optim.reset_state=true the weights and ZeRO's fp32 masters are resumed, every rule's state starts at
+    zero, the log says so, and the run trains on."""
+    common = ["optim.zero_stage=1", "train.precision=bf16", "checkpoint.interval=2", "train.micro_batch_size=2"]
+    launch_local(run_training, 1, make_cfg(*common, "train.steps=2"))
+    switched = make_cfg(*common, "train.steps=3", "optim.name=muon")
+    checkpoints = Path(switched.checkpoint.dir)
+
+    def written() -> dict[str, int]:  # the run's claim on the directory (.lock) aside
+        return {str(p): p.stat().st_mtime_ns for p in checkpoints.rglob("*") if p.name != ".lock"}
+
+    before = written()
+    refusal = r"trained with optim.name=adamw, and this run asks for optim.name=muon: .* optim.reset_state=true to"
+    with pytest.raises(CheckpointError, match=refusal):
+        check_checkpoint_dir(switched, probe_lock=False)
+    with pytest.raises(CheckpointError, match=refusal):
+        launch_local(run_training, 1, switched)
+    assert written() == before
+    reset = make_cfg(*common, "train.steps=3", "optim.name=muon", "optim.reset_state=true")
+    check_checkpoint_dir(reset, probe_lock=False)
+    capsys.readouterr()
+    (masters, kept), (reset_masters, zeros) = launch_local(
+        _resumed_optimizer_state, 1, [make_cfg(*common, "train.steps=3"), reset]
+    )
+    assert "optimizer state reset (optim.reset_state=true)" in capsys.readouterr().out
+    assert all(torch.equal(a, b) for a, b in zip(masters, reset_masters, strict=True))
+    assert any(t.any() for t in kept) and zeros and not any(t.any() for t in zeros)
+    assert len(launch_local(run_training, 1, reset).losses) == 1
+    assert "optimizer state reset" in capsys.readouterr().out

@@ -287,42 +287,47 @@ class Checkpointer:
         return None if pruning is None else pruning.result()
 
     # ---- resume -----------------------------------------------------------------------------------
-    def _choose(self) -> tuple[str | None, dict | None]:
-        """The newest checkpoint that verifies (its path and manifest), agreed by every rank. Rank 0 checks
-        manifests, file lists and sizes; with `checkpoint.verify=full` every rank then checksums its share
-        of the files, `io_threads` at a time, and a checkpoint that fails anywhere is skipped."""
+    def _choose(self) -> tuple[str | None, dict | None, str | None]:
+        """The newest checkpoint that verifies (its path and manifest), agreed by every rank, and the note of
+        a change of update rule it allows (`RunIdentity.rule_change`). Rank 0 checks manifests, file lists
+        and sizes; with `checkpoint.verify=full` every rank then checksums its share of the files,
+        `io_threads` at a time, and a checkpoint that fails anywhere is skipped."""
         candidates = self.store.candidates(self.report) if self.rank == 0 else iter(())
         threads = self.options.io_threads
         while True:
-            choice: list[Any] = [None, None, None]
+            choice: list[Any] = [None, None, None, None]
             if self.rank == 0 and (info := next(candidates, None)) is not None:
-                choice = [str(info.path), info.manifest, None]
+                choice = [str(info.path), info.manifest, None, None]
                 try:
                     self.identity.refuse_foreign(info.path, info.manifest)
+                    choice[3] = self.identity.rule_change(info.path, info.manifest)
                 except CheckpointError as err:
                     choice[2] = str(err)
             dist.broadcast_object_list(choice, src=0)
-            path, manifest, refused = choice
+            path, manifest, refused, reset = choice
             if refused:
                 raise CheckpointError(refused)
             if path is None or self.options.verify != "full":
-                return path, manifest
+                return path, manifest, reset
             files = manifest["files"]
             mine = sorted(files, key=lambda name: (-files[name]["size"], name))[self.rank :: self.world]
             problems = [None] * self.world
             dist.all_gather_object(problems, first_mismatch(Path(path), files, mine, threads))
             if not any(problems):
-                return path, manifest
+                return path, manifest, reset
             if self.rank == 0:
                 self.report(f"checkpoint {path} skipped: {next(p for p in problems if p)}")
 
     def resume(self) -> Resumed | None:
-        """Load the newest checkpoint that verifies into every registered part; None when there is none."""
-        path, manifest = self._choose()
+        """Load the newest checkpoint that verifies into every registered part; None when there is none. Under
+        a change of update rule (optim.reset_state=true) the rule's saved state is not loaded."""
+        path, manifest, reset = self._choose()
         if path is None:
             return None
         fault_point("resume", 0, self.rank)
-        templates = read_parts(path, manifest, self.sharded, self.options.io_threads)
+        if reset:
+            self.report(reset)
+        templates = read_parts(path, manifest, self.sharded, self.options.io_threads, rule_state=not reset)
         with load_errors_named(path):
             shared = upgrade_rank_state(load_rank_file(Path(path) / rank_file(0)))
         step = shared["step"]
@@ -341,16 +346,21 @@ class Checkpointer:
         return Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime)
 
 
-def read_parts(path: str, manifest: dict, parts: dict[str, ShardedPart], io_threads: int) -> dict[str, dict]:
+def read_parts(
+    path: str, manifest: dict, parts: dict[str, ShardedPart], io_threads: int, rule_state: bool = True
+) -> dict[str, dict]:
     """DCP-load every part's tensors that the checkpoint at `path` holds into its templates (a `strict` part's
-    must all be there, in their shapes), collectively; returns the templates, by part."""
+    must all be there, in their shapes), collectively; returns the templates, by part. Without `rule_state`,
+    a part that holds an update rule's state (`without_rule_state`) loads everything else."""
     with load_errors_named(path):
         metadata = read_dcp_metadata(Path(path), set(manifest["files"])).state_dict_metadata
         check_shapes(path, parts, {key: tuple(md.size) for key, md in metadata.items()})
-        templates = {
-            name: part.template({k.removeprefix(f"{name}.") for k in metadata if k.startswith(f"{name}.")})
-            for name, part in parts.items()
-        }
+        templates = {}
+        for name, part in parts.items():
+            stored = {k.removeprefix(f"{name}.") for k in metadata if k.startswith(f"{name}.")}
+            if not rule_state and hasattr(part, "without_rule_state"):
+                stored = part.without_rule_state(stored)
+            templates[name] = part.template(stored)
         state = {f"{name}.{k}": t for name, ts in templates.items() for k, t in ts.items()}
         dcp.load(state, storage_reader=ParallelReader(path, io_threads))
     return templates

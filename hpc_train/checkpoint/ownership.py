@@ -4,9 +4,11 @@ a second live run from writing into it.
 The identity is read from the config every manifest already records (so checkpoints of earlier
 versions have one too): the run's name and the model's shape; manifests also record the size of the
 training data (tokens, documents), so that a moved dataset is the same data and another one is not. Resuming with a
-different one is refused with the differences named. The lock is an `flock` on `<dir>/.lock`, held by
-global rank 0 for as long as it trains; the kernel drops it when that process dies however it dies, so a
-lock left by a dead run is simply taken over (the file names the last holder, for the messages).
+different one is refused with the differences named. So is resuming under another update rule (`optim.name`),
+unless `optim.reset_state=true` asks for the optimizer state to start afresh. The lock is an `flock` on
+`<dir>/.lock`, held by global rank 0 for as long as it trains; the kernel drops it when that process dies
+however it dies, so a lock left by a dead run is simply taken over (the file names the last holder, for the
+messages).
 """
 
 from __future__ import annotations
@@ -97,6 +99,28 @@ def refuse_foreign(
         )
 
 
+def rule_change(path: Path, manifest: dict, cfg: JobConfig) -> str | None:
+    """A resume under another update rule than the checkpoint's (`optim.name`; older manifests record it too):
+    refused with a CheckpointError, since the new rule's state would start at zero unnoticed, unless
+    `optim.reset_state=true` asks for that; then the line the log gets. None: the same rule."""
+    saved = yaml.safe_load(manifest["config"])
+    try:
+        old = _lookup(saved, "optim.name") if isinstance(saved, dict) else None
+    except AttributeError:
+        old = None
+    old, new = old or JobConfig().optim.name, cfg.optim.name
+    if old == new:
+        return None
+    if not cfg.optim.reset_state:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with optim.name={old}, and this run asks for optim.name={new}: {old}'s "
+            f"optimizer state would be dropped and {new}'s would start at zero. Set optim.name={old} to continue "
+            f"the run as it was, or optim.reset_state=true to resume its weights with the optimizer state reset"
+        )
+    return (f"optimizer state reset (optim.reset_state=true): checkpoint {path} was trained with optim.name={old}; "
+            f"{new}'s state starts at zero for every parameter")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RunIdentity:
     """What makes checkpoints this run's, as the checkpointer records it in each manifest and checks it on
@@ -112,6 +136,9 @@ class RunIdentity:
 
     def refuse_foreign(self, path: Path, manifest: dict) -> None:
         refuse_foreign(path, manifest, self.cfg, self.data, self.base_weights)
+
+    def rule_change(self, path: Path, manifest: dict) -> str | None:
+        return rule_change(path, manifest, self.cfg)
 
 
 class DirectoryLock:
@@ -176,11 +203,14 @@ def _describe(raw: bytes) -> str:
 
 
 def check_checkpoint_dir(cfg: JobConfig, probe_lock: bool) -> None:
-    """Before any process starts: the newest checkpoint in checkpoint.dir is this run's and (`probe_lock`,
-    for a run about to start here) no live run holds the directory."""
+    """Before any process starts: the newest checkpoint in checkpoint.dir is this run's (and, to be resumed,
+    of its update rule or optim.reset_state=true) and (`probe_lock`, for a run about to start here) no live
+    run holds the directory."""
     store = CheckpointStore(cfg.checkpoint.dir)
     newest = store.newest_valid(full=False, report=lambda message: None)
     if newest is not None:
         refuse_foreign(newest.path, newest.manifest, cfg)
+        if cfg.checkpoint.resume:
+            rule_change(newest.path, newest.manifest, cfg)
     if probe_lock:
         DirectoryLock(store.root).check_free()

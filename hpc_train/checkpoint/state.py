@@ -21,6 +21,7 @@ import torch
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows, unpadded
 from hpc_train.features.lora.adapters import is_adapter
 from hpc_train.optim.protocol import Optimizer
+from hpc_train.optim.rules import RULES
 from hpc_train.placement import distribute_like, local
 
 
@@ -107,6 +108,12 @@ class OptimizerState:
         vocab, states = self.model.model_cfg.vocab_size, self.optimizer.param_states()
         return {f"{name}.{key}": unpadded(self.model.spec, name, t, vocab)
                 for name, state in zip(self.names, states, strict=True) for key, t in state.items()}  # fmt: skip
+
+    def without_rule_state(self, stored: set[str]) -> set[str]:
+        """`stored` less the update rule's state: what a resume under another rule loads (optim.reset_state).
+        ZeRO's fp32 master weights stay: they are the weights, which the bf16 or fp16 model only rounds."""
+        rule_keys = {key for rule in RULES.values() for key in rule.state_keys}
+        return {key for key in stored if key.rpartition(".")[2] not in rule_keys}
 
     def template(self, stored: set[str]) -> dict[str, torch.Tensor]:
         out = {}

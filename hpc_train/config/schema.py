@@ -110,6 +110,9 @@ class TrainConfig:
 class OptimConfig:
     # the update rule (optim/rules): adamw, or muon (hidden-layer matrices by Muon, everything else by AdamW)
     name: str = "adamw"
+    # resume a checkpoint of another update rule: its state is dropped and this rule's starts at zero (ZeRO's
+    # fp32 master weights are kept). Without it such a resume is refused; with the same rule it does nothing
+    reset_state: bool = False
     lr: float = non_negative(3e-4)
     min_lr: float = non_negative(3e-5)
     warmup_steps: int = non_negative(10)

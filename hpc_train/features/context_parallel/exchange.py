@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpc_train.models.common.all_to_all import all_to_all
 from hpc_train.models.common.decoder import repeat_kv
 
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -30,12 +31,11 @@ Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(batch, heads, seq/cp, d) on each rank -> (batch, heads/cp, seq, d): rank r gets head group r of every
-    rank's shard, in rank (= sequence) order."""
+    rank's shard, in rank (= sequence) order. Differentiable: its gradient is `_heads_to_seq`'s exchange."""
     cp = dist.get_world_size(group)
     b, h, s, d = x.shape
-    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # (cp, b, h/cp, s, d)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # (cp, b, h/cp, s, d): one head group per rank
+    recv = all_to_all(send, [1] * cp, [1] * cp, group)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
 
 
@@ -43,24 +43,9 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The inverse of `_seq_to_heads`."""
     cp = dist.get_world_size(group)
     b, h, s, d = x.shape
-    send = x.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # (cp, b, h/cp, s/cp, d)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    send = x.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4)  # (cp, b, h/cp, s/cp, d)
+    recv = all_to_all(send, [1] * cp, [1] * cp, group)
     return recv.transpose(0, 1).reshape(b, cp * h, s // cp, d)
-
-
-class _Exchange(torch.autograd.Function):
-    """One Ulysses all-to-all (`to_heads`: sequence shards to head shards, else back); its gradient is the
-    other one."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, to_heads: bool) -> torch.Tensor:
-        ctx.group, ctx.to_heads = group, to_heads
-        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.group), None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -68,10 +53,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     cp = dist.get_world_size(group)
     if k.shape[1] % cp:  # too few kv heads to split: share them out repeated
         k, v = repeat_kv(k, v, q.shape[1])
-    q, k, v = (_Exchange.apply(t, group, True) for t in (q, k, v))
+    q, k, v = (_seq_to_heads(t, group) for t in (q, k, v))
     k, v = repeat_kv(k, v, q.shape[1])
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return _Exchange.apply(out, group, False)
+    return _heads_to_seq(out, group)
 
 
 # ---------------------------------------------------------------------------------------------------- ring

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc_train.config import ConfigError, ModelConfig
+from hpc_train.models.common.all_to_all import all_to_all
 from hpc_train.placement import local
 
 STATS = ("load_max_mean", "aux_loss", "dropped")  # per layer and step, in the metrics record
@@ -122,27 +123,6 @@ def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: t
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
-class AllToAll(torch.autograd.Function):
-    """`all_to_all_single` with uneven splits (rows of `x`), differentiable: backward sends the gradients
-    back the way the rows came (gloo runs it; ENGINES.md)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup):
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        return exchange(x, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        output_splits, input_splits = ctx.splits
-        return exchange(grad, input_splits, output_splits, ctx.group), None, None, None
-
-
-def exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup):
-    out = x.new_empty(sum(output_splits), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-    return out
-
-
 def dispatch_to_experts(experts: Experts, rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup):
     """Expert parallelism: `rows` (sorted by global expert, `counts` rows each) sent to the ep ranks holding
     their experts (rank j holds the j-th 1/ep of them), run there grouped by expert, and the results sent
@@ -155,11 +135,11 @@ def dispatch_to_experts(experts: Experts, rows: torch.Tensor, counts: torch.Tens
     dist.all_to_all_single(received, counts, group=group)  # (source rank, held expert): rows sent here
     received = received.view(ep, held)
     send, recv = counts.view(ep, held).sum(1).tolist(), received.sum(1).tolist()
-    arrived = AllToAll.apply(rows, recv, send, group)  # by source rank, then expert: regrouped by expert
+    arrived = all_to_all(rows, recv, send, group)  # by source rank, then expert: regrouped by expert
     expert_of = torch.arange(held, device=rows.device).repeat(ep).repeat_interleave(received.flatten())
     order = torch.argsort(expert_of, stable=True)
     out = experts(arrived[order], received.sum(0))
-    return AllToAll.apply(out[torch.argsort(order)], send, recv, group)
+    return all_to_all(out[torch.argsort(order)], send, recv, group)
 
 
 class Experts(nn.Module):

@@ -3,11 +3,15 @@
 Muon's momentum and Nesterov step are elementwise, so they run on whatever part of a matrix a rank holds;
 its Newton-Schulz orthogonalization needs the whole matrix, so that one step runs on the matrix gathered by
 the strategy's `WholeMatrices` (over tp, and over dp under ZeRO/FSDP) and each rank keeps its part of the
-result. The iteration and the learning-rate adjustment are torch's own functions, so one process updates
-exactly as `torch.optim.Muon` does (tests/test_rules.py).
+result. The iteration and the learning-rate adjustment are written here: torch has them only as private
+functions (torch.optim._muon), which a torch release may change or drop. They do torch's arithmetic in
+torch's order, so one process updates exactly as `torch.optim.Muon` does (tests/test_rules.py compares both
+functions with torch's where it has them).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,13 +20,34 @@ from hpc_train.optim.rules.adamw import MOMENTS, AdamW
 from hpc_train.optim.rules.protocol import Target, WholeMatrices, local_matrices
 from hpc_train.placement import local
 
-try:  # torch >= 2.9
-    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
-except ImportError:  # pragma: no cover - older torch
-    _zeropower_via_newtonschulz = None
-
 MOMENTUM = "momentum_buffer"
-MAX_NS_STEPS = 99  # torch's Newton-Schulz refuses 100 and more
+MAX_NS_STEPS = 99  # torch.optim.Muon's limit too: more iterations only cost time
+# Keller Jordan's quintic (a, b, c), tuned for a steep rise at zero rather than convergence, and the floor
+# of the norm the matrix is divided by first; torch.optim.Muon's defaults as well
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+NS_EPS = 1e-7
+
+
+def orthogonalize(matrix: torch.Tensor, steps: int) -> torch.Tensor:
+    """Newton-Schulz iterations towards U V^T of the matrix's SVD U S V^T, in bf16: its singular values end
+    up roughly in (0.5, 1.5) rather than at 1, which costs Muon nothing and saves iterations. The Gram matrix
+    is taken on the shorter side (a tall matrix is worked on transposed)."""
+    a, b, c = NS_COEFFICIENTS
+    tall = matrix.size(0) > matrix.size(1)
+    x = matrix.bfloat16().T if tall else matrix.bfloat16()
+    x = x / x.norm().clamp(min=NS_EPS)  # Frobenius norm 1 bounds the spectral norm by 1: the iteration's range
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, how: str, shape: torch.Size) -> float:
+    """The learning rate for a (rows, cols) matrix (optim.muon_adjust_lr): `match_rms_adamw` makes the
+    update's RMS AdamW's typical one (Moonlight), `original` is Keller Jordan's sqrt(max(1, rows / cols))."""
+    rows, cols = shape[:2]
+    ratio = 0.2 * math.sqrt(max(rows, cols)) if how == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
+    return lr * ratio
 
 
 class Muon:
@@ -41,9 +66,6 @@ class Muon:
 
     @staticmethod
     def check(cfg: OptimConfig) -> None:
-        if _zeropower_via_newtonschulz is None:
-            raise ConfigError(f"optim.name=muon needs torch>=2.9 (torch.optim.Muon); this is torch "
-                              f"{torch.__version__}: upgrade torch or use optim.name=adamw")  # fmt: skip
         if cfg.ns_steps > MAX_NS_STEPS:
             raise ConfigError(f"optim.ns_steps={cfg.ns_steps} must be at most {MAX_NS_STEPS} (5 is Muon's usual)")
 
@@ -55,7 +77,7 @@ class Muon:
         return (MOMENTUM,) if matrix else MOMENTS
 
     def _orthogonalize(self, update: torch.Tensor) -> torch.Tensor:
-        return _zeropower_via_newtonschulz(update, (DEFAULT_A, DEFAULT_B, DEFAULT_C), self.cfg.ns_steps, EPS)
+        return orthogonalize(update, self.cfg.ns_steps)
 
     @torch.no_grad()
     def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
@@ -77,7 +99,7 @@ class Muon:
         for target, update in zip(targets, self.whole(self._orthogonalize, targets, updates), strict=True):
             weight = local(target.tensor)
             scaled = weight * (1 - lr * cfg.weight_decay)
-            stepped = scaled.add_(local(update), alpha=-_adjust_lr(lr, cfg.muon_adjust_lr, target.matrix_shape))
+            stepped = scaled.add_(local(update), alpha=-adjusted_lr(lr, cfg.muon_adjust_lr, target.matrix_shape))
             _kept_unless(keep, weight, stepped)
 
     def zero_grad(self) -> None:
