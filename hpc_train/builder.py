@@ -122,6 +122,8 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     layout = {**dims.as_dict(), "ep": cfg.parallel.ep, "world_size": dims.world_size,
               "zero_stage": cfg.optim.zero_stage, "precision": t.precision}  # fmt: skip
     shared = {"sampler": sampler, "loss_scaler": scaler, "metrics": metrics}
+    for note in train_set.identity_notes() if train_set else []:
+        report(note)
     identity = RunIdentity(
         cfg,
         train_set.identity() if train_set else None,

@@ -3,12 +3,14 @@ a second live run from writing into it.
 
 The identity is read from the config every manifest already records (so checkpoints of earlier
 versions have one too): the run's name and the model's shape; manifests also record the size of the
-training data (tokens, documents), so that a moved dataset is the same data and another one is not. Resuming with a
-different one is refused with the differences named. So is resuming under another update rule (`optim.name`),
-unless `optim.reset_state=true` asks for the optimizer state to start afresh. The lock is an `flock` on
-`<dir>/.lock`, held by global rank 0 for as long as it trains; the kernel drops it when that process dies
-however it dies, so a lock left by a dead run is simply taken over (the file names the last holder, for the
-messages).
+training data (tokens, documents) and its content fingerprint (from the dataset's header), so that a moved
+dataset is the same data and another one, even one of the same size, is not; a side without a fingerprint
+(a checkpoint or a dataset from before them, a Megatron-LM corpus) is compared by its size only. Resuming
+with a different one is refused with the differences named. So is resuming under another update rule
+(`optim.name`), unless `optim.reset_state=true` asks for the optimizer state to start afresh. The lock is an
+`flock` on `<dir>/.lock`, held by global rank 0 for as long as it trains; the kernel drops it when that
+process dies however it dies, so a lock left by a dead run is simply taken over (the file names the last
+holder, for the messages).
 """
 
 from __future__ import annotations
@@ -68,15 +70,34 @@ def identity_differences(saved_config: str, cfg: JobConfig) -> list[str]:
     return out
 
 
-def data_differences(saved: dict, here: dict) -> list[str]:
-    """The training data of a checkpoint against this run's: one dataset's size must match; a blend's sources
-    present on both sides must match by name (a source added or left out is a new phase of the mix)."""
+def dataset_difference(saved: dict, here: dict, what: str) -> str | None:
+    """How one dataset's identity differs from the checkpoint's (`what` names it), or None: its counts, then
+    its content fingerprint where both sides record one."""
+    counts = lambda identity: {key: value for key, value in identity.items() if key != "fingerprint"}
+    if counts(saved) != counts(here):
+        return f"{what}: {saved} in the checkpoint, {here} here"
+    fingerprints = saved.get("fingerprint"), here.get("fingerprint")
+    if None not in fingerprints and fingerprints[0] != fingerprints[1]:
+        return (f"{what}: the same {here['tokens']} tokens and {here['documents']} document(s) but other content "
+                f"(fingerprint {saved['fingerprint']} in the checkpoint, {here['fingerprint']} here): prepared again "
+                "or edited since")  # fmt: skip
+    return None
+
+
+def data_differences(saved: dict, here: dict, train_path: str | None = None) -> list[str]:
+    """The training data of a checkpoint against this run's: one dataset (data.train_path, `train_path`
+    names it) must be the same; a blend's sources present on both sides must be the same by name (a source
+    added or left out is a new phase of the mix)."""
     if "sources" in saved and "sources" in here:
-        common = saved["sources"].keys() & here["sources"].keys()
-        return [f"training data source {name!r}: {saved['sources'][name]} in the checkpoint, {here['sources'][name]} "
-                "here (give a changed source another name)" for name in sorted(common)
-                if saved["sources"][name] != here["sources"][name]]  # fmt: skip
-    return [] if saved == here else [f"training data: {saved} in the checkpoint, {here} here"]
+        common = sorted(saved["sources"].keys() & here["sources"].keys())
+        found = [dataset_difference(saved["sources"][name], here["sources"][name], f"training data source {name!r}")
+                 for name in common]  # fmt: skip
+        return [f"{difference} (give a changed source another name)" for difference in found if difference]
+    if "sources" in saved or "sources" in here:
+        return [f"training data: {saved} in the checkpoint, {here} here"]
+    difference = dataset_difference(saved, here, "training data")
+    where = "" if train_path is None else f" (data.train_path={train_path})"
+    return [difference + where] if difference else []
 
 
 def refuse_foreign(
@@ -87,7 +108,7 @@ def refuse_foreign(
     it does not hold (QLoRA's)."""
     differences = identity_differences(manifest["config"], cfg)
     if data is not None and manifest.get("data") is not None:
-        differences += data_differences(manifest["data"], data)
+        differences += data_differences(manifest["data"], data, cfg.data.train_path)
     if base_weights is not None and manifest.get("base_weights") != base_weights:
         differences.append(f"base weights (model.init_from): {manifest.get('base_weights')} in the checkpoint, "
                            f"{base_weights} here")  # fmt: skip
@@ -125,10 +146,10 @@ def rule_change(path: Path, manifest: dict, cfg: JobConfig) -> str | None:
 class RunIdentity:
     """What makes checkpoints this run's, as the checkpointer records it in each manifest and checks it on
     every checkpoint it would resume or write beside: the config (whose identity keys count), the training
-    data's size, and the fingerprint of base weights the checkpoints do not hold (QLoRA's)."""
+    data's size and content fingerprint, and the fingerprint of base weights the checkpoints do not hold (QLoRA's)."""
 
     cfg: JobConfig
-    data: dict[str, int] | None = None
+    data: dict | None = None  # the training data's identity (IndexedDataset.identity)
     base_weights: str | None = None
 
     def manifest_fields(self) -> dict[str, Any]:

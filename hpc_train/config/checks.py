@@ -309,5 +309,6 @@ def check_data_path(key: str, prefix: str | None) -> None:
         if not Path(prefix + suffix).is_file():
             raise ConfigError(
                 f"{key}={prefix!r}: '{prefix}{suffix}' does not exist; give the prefix of a dataset made by "
-                f"`hpc-train prepare-data`, or {key}={BUILTIN_DATA} for the embedded corpus"
+                f"`hpc-train prepare-data` (or Megatron-LM's preprocess_data.py), or {key}={BUILTIN_DATA} for the "
+                "embedded corpus"
             )

@@ -1,6 +1,6 @@
 """Loading a config: the schema's defaults, then a YAML file (or the config a checkpoint recorded), then
-`key=value` overrides, merged and type-checked by omegaconf; every merge error becomes a ConfigError that
-names the key, the value and the fix."""
+`key=value` overrides, merged and type-checked by omegaconf (`data.sources` may be Megatron-LM's blend
+string: blend_string.py); every merge error becomes a ConfigError that names the key, the value and the fix."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from hpc_train.config.blend_string import expand_blend_strings
 from hpc_train.config.fields import ConfigError
 from hpc_train.config.schema import JobConfig
 
@@ -115,6 +116,7 @@ def load_config(
     layers.append(("command line", parse_overrides(overrides or [])))
     for source, layer in layers:
         _check_sections(layer, source, schema)
+        expand_blend_strings(layer, source)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:

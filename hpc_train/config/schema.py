@@ -158,10 +158,13 @@ class DataSource:
 
 @dataclass
 class DataConfig:
-    train_path: str = BUILTIN_DATA  # prefix of a .bin/.idx pair, or "stdlib" for the embedded corpus
+    # prefix of a .bin/.idx pair (prepare-data's, or Megatron-LM's read as it is), or "stdlib" for the embedded
+    # corpus
+    train_path: str = BUILTIN_DATA
     valid_path: str | None = None  # None with "stdlib" = its held-out split; None otherwise = no eval
     # a weighted blend of datasets instead of train_path; weights are normalised; changing them (or adding a
-    # source) on resume starts a new phase that continues each source where it stopped
+    # source) on resume starts a new phase that continues each source where it stopped. Megatron-LM's blend
+    # string ('0.3 /data/a 0.7 /data/b') is read as this list (config/blend_string.py)
     sources: list[DataSource] = field(default_factory=list)
     valid_sources: list[DataSource] = field(default_factory=list)  # each evaluated alone: eval_loss/<name>
     cache_dir: str = "${oc.env:HPC_TRAIN_CACHE,'~/.cache/hpc_train'}"  # where the embedded corpus is built

@@ -28,8 +28,12 @@ class Source(Protocol):
         """`sample` of each index (one call per batch: a blend looks its sources up at once)."""
         ...
 
-    def identity(self) -> dict[str, int]:
+    def identity(self) -> dict:
         """What the checkpoint manifest records so that a resume on other data is refused."""
+        ...
+
+    def identity_notes(self) -> list[str]:
+        """Log lines for the run's start: what the identity cannot tell apart (no content fingerprint)."""
         ...
 
     def documents(self, indices: np.ndarray) -> np.ndarray:

@@ -67,7 +67,8 @@ class BlendedSource:  # a data.batch.Source
         self.num_samples = sum(len(d) for d in self.datasets)
         self._sample = [d.sample for d in self.datasets]
         self.prefix = "blend of " + ", ".join(f"{n} ({d.prefix})" for n, d in datasets.items())
-        self.vocab_size = max(d.vocab_size for d in self.datasets)
+        # None when every source is a Megatron-LM corpus (which records none: the model's is used)
+        self.vocab_size = max((d.vocab_size for d in self.datasets if d.vocab_size is not None), default=None)
         # a mask for every sample when any source has one (the others count every label)
         self.loss_mask = True if any(d.loss_mask is not None for d in self.datasets) else None
         self.seq_len = self.datasets[0].seq_len
@@ -93,9 +94,12 @@ class BlendedSource:  # a data.batch.Source
         shift, local = SOURCE_SHIFT, LOCAL_MASK
         return np.concatenate([self.datasets[i >> shift].documents(np.array([i & local])) for i in indices.tolist()])
 
-    def identity(self) -> dict[str, dict[str, dict[str, int]]]:
+    def identity(self) -> dict[str, dict[str, dict[str, int | str]]]:
         """Each source's identity, by name: a resume refuses a source whose data changed under its name."""
         return {"sources": {n: d.identity() for n, d in zip(self.names, self.datasets, strict=True)}}
+
+    def identity_notes(self) -> list[str]:
+        return [note for d in self.datasets for note in d.identity_notes()]
 
     def batch(self, indices: np.ndarray) -> Batch:
         return collate(self, indices)

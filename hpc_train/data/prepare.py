@@ -149,7 +149,7 @@ def check_datasets(cfg: DataConfig, model: ModelConfig) -> None:
             raise ConfigError(f"{key}={prefix!r}: {err}") from None
         check_vocabulary(dataset, model)
         try:
-            check_token_ids(dataset, dataset.vocab_size)
+            check_token_ids(dataset, model.vocab_size if dataset.vocab_size is None else dataset.vocab_size)
         except ValueError as err:
             raise ConfigError(f"{key}={prefix!r}: {err}") from None
         seen[key] = dataset
@@ -157,7 +157,9 @@ def check_datasets(cfg: DataConfig, model: ModelConfig) -> None:
 
 
 def check_same_tokenizer(datasets: dict[str, IndexedDataset]) -> None:
-    """Datasets read by one run hold the same vocabulary size and token dtype (one tokenizer's)."""
+    """Datasets read by one run hold the same vocabulary size and token dtype (one tokenizer's). Megatron-LM
+    corpora record no vocabulary and are left out (their token ids are checked against model.vocab_size)."""
+    datasets = {key: ds for key, ds in datasets.items() if ds.vocab_size is not None}
     described = {key: (ds.vocab_size, ds.header["dtype"]) for key, ds in datasets.items()}
     if len(set(described.values())) > 1:
         listed = "; ".join(f"{key}: vocabulary {v} ({datasets[key].header.get('tokenizer')}), {d} tokens"
@@ -166,8 +168,8 @@ def check_same_tokenizer(datasets: dict[str, IndexedDataset]) -> None:
                           "prepared with one tokenizer; re-run prepare-data with the same --tokenizer")  # fmt: skip
 
 
-def check_vocabulary(dataset: IndexedDataset, model: ModelConfig) -> None:
-    if dataset.vocab_size > model.vocab_size:
+def check_vocabulary(dataset: IndexedDataset | BlendedSource, model: ModelConfig) -> None:
+    if dataset.vocab_size is not None and dataset.vocab_size > model.vocab_size:
         raise ConfigError(
             f"dataset {dataset.prefix} has vocabulary size {dataset.vocab_size} but model.vocab_size="
             f"{model.vocab_size}; set model.vocab_size={dataset.vocab_size}"
