@@ -232,3 +232,25 @@ def test_a_source_changed_under_its_name_is_refused():
         "'documents': 3} here (give a changed source another name)"
     ]
     assert data_differences(web, saved) and data_differences(web, web) == []
+
+
+def test_bench_data_blends_distinct_files_and_reads_them_cold(tmp_path):
+    """tools/bench_data.py's blend is three datasets of their own files (the corpus's files dealt among them,
+    none left out), none of them the single source's; its cold runs drop those pages first and say how many
+    stayed (it once blended one file three times, from a warm page cache)."""
+    import os
+
+    from tools.bench_data import SOURCES, deal, run_loader
+
+    files = [tmp_path / f"part{i}.txt" for i in range(7)]
+    for i, path in enumerate(files):
+        path.write_text(f"document {i} " * 2000)
+    dealt = deal(files, list(SOURCES))
+    assert sorted(f for part in dealt.values() for f in part) == sorted(files) and all(dealt.values())
+    prepared = lambda name, part: prepare_data(part, str(tmp_path / name), "byte", progress=False)["train"]
+    single, prefixes = prepared("single", files), [prepared(name, part) for name, part in dealt.items()]
+    r = run_loader(single, prefixes, 32, 2, 1, True)
+    read = {side: [os.stat(f).st_ino for f in paths] for side, paths in r["files"].items()}
+    assert len(read["blended"]) == 2 * len(SOURCES) and len(set(read["blended"])) == len(read["blended"])
+    assert not set(read["blended"]) & set(read["single"])
+    assert r["single"] > 0 and r["blended"] > 0 and r["resident_after_drop"] is not None

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -347,6 +348,44 @@ def test_keep_last_and_keep_every(saved_run, tmp_path, small_corpus):
     )
     kept = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept == ["step_0000004", "step_0000008", "step_0000010", "step_0000012"]
+
+
+class _Weights:  # a ShardedPart of one tensor
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w": torch.arange(4.0)}
+
+
+def test_older_checkpoints_are_pruned_off_the_training_thread(tmp_path, monkeypatch):
+    """keep_last=1, one process: a save returns once its checkpoint is committed, while the deletion of the
+    one before (held here until the save has returned) is still going on, on another thread; waiting for it
+    then finds the older checkpoint gone. A deletion on the training thread would wait out the hold and fail."""
+    from hpc_train.checkpoint.checkpointer import Checkpointer
+    from hpc_train.checkpoint.ownership import RunIdentity
+    from hpc_train.launch.local import single_process_group
+
+    trainer, release, seen = threading.current_thread(), threading.Event(), []
+    prune = CheckpointStore.prune
+
+    def held(store, *args):
+        seen.append((threading.current_thread() is trainer, release.wait(timeout=10)))
+        return prune(store, *args)
+
+    monkeypatch.setattr(CheckpointStore, "prune", held)
+    cfg = load_config(None, [*TINY_MODEL, f"run_dir={tmp_path}", "checkpoint.keep_last=1"])
+    first = Path(cfg.checkpoint.dir) / "step_0000001"
+    with single_process_group():
+        checkpointer = Checkpointer(cfg.checkpoint, 2, RunIdentity(cfg), {}, {"weights": _Weights()}, {}, {},
+                                    report=lambda message: None)  # fmt: skip
+        checkpointer.claim()
+        removed = []
+        for step in (1, 2):
+            release.clear()
+            checkpointer.save(step)
+            assert first.is_dir()  # committed, and (step 2) not yet deleted when the save returns
+            release.set()
+            removed.append(checkpointer.pruned()["removed"])
+        checkpointer.release()
+    assert seen == [(False, True), (False, True)] and removed == [[], ["step_0000001"]] and not first.exists()
 
 
 def wait_for_step(run_dir, step, proc=None, timeout=120):

@@ -162,7 +162,8 @@ def _host_gradient_checks(rank_env, device_type):
     """dp=2, gradients in host memory (where FSDP2's CPU offload leaves them), some on `device_type`'s device
     too: the norm, the clip, the fp16 check and the staged all-reduce give the numbers computed here by hand,
     leave each gradient on its device, and hand every collective only tensors on the compute device (NCCL
-    takes no host tensor). On a CPU-only machine both are the host: the numbers are what this checks there."""
+    takes no host tensor). On a CPU-only machine both are the host: the numbers are what this checks there,
+    and the placements are the next test's."""
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     with distributed(rank_env, device, "gloo", 60):
         rank, mesh = dist.get_rank(), Mesh(ParallelDims(dp=2), device.type)
@@ -208,6 +209,39 @@ def _host_gradient_checks(rank_env, device_type):
 )
 def test_host_gradients_meet_collectives_on_the_compute_device(device_type):
     launch_local(_host_gradient_checks, 2, device_type)
+
+
+class _DataParallelMesh:
+    """What clip_grad_norm asks a dp=2 mesh, without a process group (its collectives are recorded only)."""
+
+    ep = 1
+
+    def size(self, role: str) -> int:
+        return 2 if role == "dp_cp" else 1
+
+    def group(self, role: str) -> None:
+        return None
+
+
+def test_host_gradients_meet_collectives_on_a_gpu_without_one(monkeypatch):
+    """The placements of the test above where no GPU is needed to tell the host from the device: under
+    FakeTensorMode a CUDA tensor is a shape and a device, no data. Gradients in host memory and one on the
+    GPU: clip_grad_norm, the fp16 check and all_reduce_on hand every collective a GPU tensor, leave each
+    gradient where it is, give the norm and the flag on the GPU, and bring a staged host tensor back."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    received = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: received.append(tensor.device))
+    gpu, host = torch.device("cuda", 0), torch.device("cpu")
+    with FakeTensorMode():
+        grads = [torch.empty(5), torch.empty(3, 2), torch.empty(4, device=gpu)]
+        norm = clip_grad_norm(GradGroups.of([(g, False, True) for g in grads], True), 1.0, _DataParallelMesh(), gpu)
+        overflow = LossScaler(scale=4.0, device=gpu).unscale_and_check(grads)
+        staged = torch.empty(3)
+        all_reduce_on(gpu, staged)
+    assert received == [gpu, gpu, gpu]  # the norm's sum over dp, the overflow flag's, the staged tensor's
+    assert [g.device for g in grads] == [host, host, gpu] and (norm.device, overflow.device) == (gpu, gpu)
+    assert staged.device == host
 
 
 def test_zero3_offload_is_accepted_on_cuda(make_cfg):
@@ -263,7 +297,7 @@ def test_overlapped_reduction_launches_from_backward(make_cfg):
     launch_local(_overlap_checks, 2, cfg)
 
 
-def _zero2_accumulation_checks(rank_env, cfg):
+def _zero2_accumulation_checks(rank_env, cfg, tied_cfg):
     """dp=2, bf16 weights, 4 micro-batches, no overlap: ZeRO-2 takes each micro-batch's gradients from the
     parameters in backward (every bucket launched and completed, nothing left on a parameter) and
     accumulates them in fp32, as ZeRO-1's fp32 buffers do; summing them in the bf16 gradients (as it did)
@@ -289,12 +323,36 @@ def _zero2_accumulation_checks(rank_env, cfg):
             optimizer.zero_grad()
         error = (grads[2] - grads[1]).norm() / grads[1].norm()
         assert error < 1e-6, error.item()
+        _tied_bucket_checks(rank_env, tied_cfg)
+
+
+def _tied_bucket_checks(rank_env, cfg):
+    """pp=2, gpt2 (its embedding tied to the head across the two stages), the same bf16 ZeRO-2 step: every
+    bucket is taken once per micro-batch but the tied copy's, whose gradients add up in bf16 on its parameters
+    and are taken once, at the step's end (summing the copies talks to the other stage, never from inside a
+    pipeline's backward)."""
+    run = build_run(cfg, rank_env, torch.device("cpu"), with_data=False)
+    model, optimizer = run.model, run.optimizer
+    data = IndexedDataset(cfg.data.train_path, cfg.model.seq_len)
+    tied = [any(p is model.tied_copy for p in b.params) for b in optimizer.buckets]
+    assert model.tied_copy is not None and tied.count(True) == 1 and len(tied) > 1
+    optimizer.begin_step(4)
+    forward_backward(model, [data.batch(np.arange(i, i + 1)) for i in range(4)])
+    assert optimizer.reduction.launches == [0 if t else 4 for t in tied]
+    for bucket, deferred in zip(optimizer.buckets, tied, strict=True):
+        held = [p.grad.dtype if p.grad is not None else None for p in bucket.params]
+        assert held == [torch.bfloat16 if deferred else None] * len(held)
+    optimizer.reduce_gradients()
+    assert all(p.grad is None for p in optimizer.params)
 
 
 def test_zero2_accumulates_micro_batches_in_fp32_without_overlap(make_cfg):
-    cfg = make_cfg("optim.zero_stage=1", "train.precision=bf16", "optim.bucket_mb=0.05", "train.grad_accum=4",
-                   "train.micro_batch_size=1", "parallel.nproc=2")  # fmt: skip
-    launch_local(_zero2_accumulation_checks, 2, cfg)
+    """In fp32 but for a tied embedding's bucket across pipeline stages (README's one exception)."""
+    bf16 = ["train.precision=bf16", "optim.bucket_mb=0.05", "train.grad_accum=4", "train.micro_batch_size=1",
+            "parallel.nproc=2"]  # fmt: skip
+    cfg = make_cfg("optim.zero_stage=1", *bf16)
+    tied = make_cfg("model.arch=gpt2", "parallel.pp=2", "optim.zero_stage=2", *bf16, run="tied")
+    launch_local(_zero2_accumulation_checks, 2, cfg, tied)
 
 
 # name -> (zero stage, precision, steps, overrides). The low-precision runs take the first 25 steps of the same
