@@ -54,3 +54,36 @@ def test_rank_env_torchrun_batch_script_and_alone():
     batch_script = {k: v for k, v in SRUN_ENV.items() if k != "SLURM_STEP_ID"}
     assert detect_rank_env(batch_script) is None  # the batch shell is not a rank: it launches them
     assert detect_rank_env({}) is None
+
+
+def _where_and_what(rank_env, out_dir):
+    """What a local rank was started from and with: its parent, whether torch was imported before it started
+    (it was, by the fork server), the launcher's variable; and a line on its stdout."""
+    import os
+    import sys
+
+    print(f"rank {rank_env.rank} writes here", flush=True)
+    preloaded = "torch.distributed.tensor" in sys.modules and "hpc_train.train.loop" in sys.modules
+    (out_dir / f"{rank_env.rank}.txt").write_text(f"{os.getppid()} {preloaded} {os.environ.get('HPC_TRAIN_PROBE')}")
+
+
+def test_local_ranks_fork_from_one_server_with_the_launchers_environment_and_streams(tmp_path, monkeypatch, capfd):
+    """Two launches of 2 ranks: every rank is a fork of the same server (not a child of the launcher, which
+    spawn would make it), which had imported the training code; each launch's ranks see the environment
+    and write to the stdout the launcher has at that launch, not the server's from its start."""
+    import os
+
+    from hpc_train.launch.local import launch_local
+
+    parents = set()
+    for launch in ("first", "second"):
+        monkeypatch.setenv("HPC_TRAIN_PROBE", launch)
+        out = tmp_path / launch
+        out.mkdir()
+        launch_local(_where_and_what, 2, out)
+        for rank in range(2):
+            parent, preloaded, seen = (out / f"{rank}.txt").read_text().split()
+            parents.add(int(parent))
+            assert (preloaded, seen) == ("True", launch)
+        assert capfd.readouterr().out.count("writes here") == 2
+    assert len(parents) == 1 and os.getpid() not in parents
