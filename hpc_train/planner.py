@@ -5,9 +5,11 @@ meta device, what its tensor-parallel plan shards is divided by tp, the data-par
 it keeps per trainable element and the update rule what state it holds (optim/). Activations use the
 family's formula (models/common/costs.py `decoder_activations`, with the family's norm and MLP), derived
 from the block's saved-tensor trace, per block and recompute choice, times the micro-batches the pipeline
-schedule keeps in flight on the first stage: pp with 1F1B, (v-1)pp + 2(pp-1) + 1 chunks with interleaved
-1F1B (torch's warmup; measured 2.00 and 2.50 micro-batches for pp=2, v=2). The total is the peak over
-the moments of a step where it can lie (`estimate`), with the buffers each moment holds. Validated
+schedule keeps in flight on a pipeline rank r: pp - r with 1F1B, (v-1)pp + 2(pp-1-r) + 1 chunks with
+interleaved 1F1B (torch's warmup; measured 2.00 and 2.50 micro-batches for pp=2, v=2). The total is the
+peak over the moments of a step where it can lie (`stage_estimate`), with the buffers each moment holds;
+every pipeline rank is estimated and the worst reported (`estimate`): the first holds the most
+micro-batches, a middle one two receive buffers per micro-batch, the last the head and the loss. Validated
 against exact CPU measurement in tests/test_planner.py: every category within 5%, and the total within
 5% of the step's measured peak of live tensor bytes. On CUDA the caching allocator adds fragmentation on
 top, which is not modelled, and norms may keep fp32 copies CPU autocast does not.
@@ -45,7 +47,7 @@ LONG_SEQUENCE = 8192  # `plan --search` tries context parallelism from this mode
 
 @dataclass
 class MemoryEstimate:
-    """Bytes on one rank (the first pipeline stage: it holds the most micro-batches in flight)."""
+    """Bytes on one rank: the rank of pipeline rank `stage` (of `stages`), the one that needs the most."""
 
     params: int
     grads: int
@@ -54,12 +56,14 @@ class MemoryEstimate:
     microbatches_in_flight: int
     activations: int
     comm_buffers: int
-    loss_backward: int  # alive only while the loss's backward runs (pp=1: the first stage holds the head)
+    loss_backward: int  # alive only while the loss's backward runs (on the last pipeline rank: it holds the head)
     block_backward: int  # alive only while a block's backward runs: its fresh gradients, the activations'
     # gradients, QLoRA's dequantization
     host: int  # in host memory, not in the device total: offloaded optimizer state (parameters, gradients)...
     total: int
     host_features: int = 0  # ... and, of `host`, what features keep there (activation offload's activations)
+    stage: int = 0  # the pipeline rank these bytes are of
+    stages: int = 1  # pp
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -120,8 +124,7 @@ def _param_count(
     sizes = []
     units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
     for stage in stage_ids(pp_rank, pp, virtual_stages):
-        with torch.device("meta"):
-            chunk = spec.build_stage(model_cfg, stage, pp * virtual_stages, tp)
+        chunk = _meta_stage(model, stage, pp * virtual_stages, tp)
         plan = spec.tp_plan(chunk, False) if tp > 1 else {}
         sharded = sharded_parameter_names(chunk, plan)
         elements = {name: p.numel() // tp if name in sharded else p.numel() for name, p in chunk.named_parameters()}
@@ -168,6 +171,22 @@ def _param_count(
                        quantized, quantized_bytes, largest_projection, tuple(sizes), full_grad, experts)  # fmt: skip
 
 
+@functools.lru_cache(maxsize=256)
+def _meta_stage(model: tuple, stage: int, num_stages: int, tp: int) -> torch.nn.Module:
+    """Pipeline stage `stage` built on the meta device (nothing allocated), and kept: building is most of a
+    plan's time, and the counts of one layout's ranks and of --search's layouts share their stages."""
+    model_cfg = ModelConfig(**dict(model))
+    with torch.device("meta"):
+        return get_spec(model_cfg.arch).build_stage(model_cfg, stage, num_stages, tp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest_bucket(sizes: tuple[int, ...], element: int, limit: int) -> int:
+    """`largest_bucket` of tensors of `sizes` elements of `element` bytes; kept, as --search asks for the
+    buckets of the same ranks many times."""
+    return largest_bucket([n * element for n in sizes], limit)
+
+
 def nf4_bytes(elements: int) -> int:
     """torchao's NF4 tensor of `elements` weights: 4-bit codes, an int8 scale per block, a bf16 factor per
     group of scales, a bf16 mean and its 16-entry bf16 table."""
@@ -201,11 +220,12 @@ def activation_parts(cfg: JobConfig) -> StageActivations:
     return get_spec(m.arch).activations(m, shape)
 
 
-def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
+def activation_bytes(cfg: JobConfig, pp_rank: int = 0, parts: StageActivations | None = None) -> int:
     """Bytes saved for backward by one micro-batch on a rank of pipeline rank `pp_rank`, on its device: what
-    the family's formula says its blocks and stage parts keep, and what features move off the device."""
+    the family's formula (`parts`: `activation_parts`, when the caller has it) says its blocks and stage
+    parts keep, and what features move off the device."""
     m, p = cfg.model, cfg.parallel
-    parts = activation_parts(cfg)
+    parts = parts or activation_parts(cfg)
     policy = block_policy(cfg)
     num_stages = p.pp * p.virtual_stages
     total = 0
@@ -219,14 +239,15 @@ def activation_bytes(cfg: JobConfig, pp_rank: int = 0) -> int:
     return total + sum(moved() for _, moved in declared(cfg, "activations", **given))
 
 
-def in_flight(cfg: JobConfig) -> int:
-    """Micro-batch chunks the first pipeline stage holds at its peak."""
+def in_flight(cfg: JobConfig, pp_rank: int = 0) -> float:
+    """Micro-batches (of all its chunks) pipeline rank `pp_rank` holds at its peak: torch's warmup forwards
+    and the first steady-state one, fewer the later the rank (the last runs each backward at once)."""
     p, micro = cfg.parallel, cfg.train.grad_accum
     if p.pp == 1:
         return 1
     if p.virtual_stages == 1:
-        return min(p.pp, micro)
-    chunks = (p.virtual_stages - 1) * p.pp + 2 * (p.pp - 1) + 1
+        return min(p.pp - pp_rank, micro)
+    chunks = (p.virtual_stages - 1) * p.pp + 2 * (p.pp - 1 - pp_rank) + 1
     return min(chunks, micro * p.virtual_stages) / p.virtual_stages  # activation_bytes sums all local chunks
 
 
@@ -237,20 +258,56 @@ def rule_state_bytes(rule: type[UpdateRule], owned: int, trainable: int, matrice
     return rule.planned_state_bytes(True) * owned_matrices + rule.planned_state_bytes(False) * (owned - owned_matrices)
 
 
-def pipeline_buffers(cfg: JobConfig, parts: StageActivations) -> int:
-    """Bytes of the receive buffers torch's pipeline stages on the first pipeline rank keep for the whole
+def pipeline_buffers(cfg: JobConfig, parts: StageActivations, pp_rank: int = 0) -> int:
+    """Bytes of the receive buffers torch's pipeline stages on pipeline rank `pp_rank` keep for the whole
     run: per micro-batch, one for the activations a stage receives (not the first stage) and one for the
-    gradient of its output (not the last), each the size of a block's input."""
+    gradient of its output (not the last), each the size of a block's input: a middle stage holds two."""
     p, micro = cfg.parallel, cfg.train.grad_accum
     if p.pp == 1:
         return 0
     num_stages = p.pp * p.virtual_stages
-    buffers = sum((stage > 0) + (stage < num_stages - 1) for stage in stage_ids(0, p.pp, p.virtual_stages))
+    stages = stage_ids(pp_rank, p.pp, p.virtual_stages)
+    buffers = sum((stage > 0) + (stage < num_stages - 1) for stage in stages)
     return buffers * micro * parts.layer["full"]
 
 
 def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
-    """Bytes per rank by category, and the total at the peak. Stages 1-2 shard the optimizer state (and
+    """Bytes per rank of the pipeline rank that needs the most (`stage_estimate` of each that can differ;
+    the first when they tie): what a layout must fit, and the rank to look at."""
+    parts = activation_parts(cfg)
+    stages = [stage_estimate(cfg, dims, pp_rank, parts) for pp_rank in distinct_ranks(cfg)]
+    return max(stages, key=lambda plan: plan.total)
+
+
+def distinct_ranks(cfg: JobConfig) -> list[int]:
+    """The pipeline ranks whose memory can differ, the first of each kind. Ranks whose stages hold the same
+    kinds of parts (the first or last stage's, MoE or dense blocks) differ only in the micro-batches they
+    keep in flight, fewer the later the rank, and in whether gradients of an earlier backward are held by
+    then; frozen parameters are chosen by name, so with train.freeze every rank is of its own kind. Why:
+    counting a rank's parameters builds its stages on the meta device, most of a plan's time, and --search
+    plans thousands of layouts."""
+    p, m = cfg.parallel, cfg.model
+    num_stages = p.pp * p.virtual_stages
+    per_stage = m.n_layers // num_stages
+    kinds, ranks = set(), []
+    for pp_rank in range(p.pp):
+        parts = tuple((stage == 0, stage == num_stages - 1,
+                       tuple(is_moe_layer(m, stage * per_stage + i) for i in range(per_stage)))
+                      for stage in stage_ids(pp_rank, p.pp, p.virtual_stages))  # fmt: skip
+        kind = (parts, in_flight(cfg, pp_rank) < cfg.train.grad_accum, pp_rank if cfg.train.freeze else None)
+        if kind not in kinds:
+            kinds.add(kind)
+            ranks.append(pp_rank)
+    return ranks
+
+
+def stage_estimate(
+    cfg: JobConfig, dims: ParallelDims, pp_rank: int = 0, parts: StageActivations | None = None
+) -> MemoryEstimate:
+    """Bytes on a rank of pipeline rank `pp_rank` by category, and the total at the peak (`parts`: the
+    family's activation formula, `activation_parts`, when the caller has it). Its stages' layers and
+    parameters (embeddings on the first, final norm, head and loss on the last), the micro-batches it keeps
+    in flight and its receive buffers. ZeRO stages 1-2 shard the optimizer state (and
     stage 2 the gradients) in the optimizer; stage 3 shards the parameters too (FSDP2), so it counts its
     dim-0 shards exactly. Every category is device memory: offload moves the sharded optimizer state
     (stages 1-2: with a host copy of the owned gradients; stage 3: also the parameter and gradient shards)
@@ -260,8 +317,9 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     tensor bytes on CPU, tools/validate_planner.py):
       backward's start  every activation kept and the gradients held from a backward before (an earlier
                         micro-batch's, the pipeline's warmup ending with the first backward; stage 2's
-                        owned slices from begin_step), then the larger of the loss's backward (pp=1) and
-                        what the last blocks' backward adds once the head's activations are gone: the first
+                        owned slices from begin_step), then the larger of the loss's backward (on the
+                        last pipeline rank) and what the last blocks' backward adds once the head's
+                        activations are gone: the first
                         gradient buffer (stage 0: the head's gradients, stage 1: a whole fp32 bucket), the
                         fresh gradients of a block (stage 1: of a tensor) before they join those held, the
                         buckets stage 2 reduce-scatters from backward (two in flight with
@@ -283,13 +341,14 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     float8 projection's or QLoRA's backward, activations moved to host memory."""
     o, dp = cfg.optim, dims.dp * dims.cp  # gradients are averaged, and ZeRO shards, over dp x cp
     cls = optimizer_class(o)
-    local = local_param_count(cfg, dp=dp if cls.shards_params else 1)
+    local = local_param_count(cfg, pp_rank, dp=dp if cls.shards_params else 1)
+    last = pp_rank == dims.pp - 1  # holds the final norm, the head and the loss
     policy = precision_policy(cfg.train, cfg.optim)
     element, compute = policy.param_bytes, compute_bytes(cfg)
-    parts = activation_parts(cfg)
-    flight = in_flight(cfg)
-    added = feature_memory(cfg, dims, local=local, parts=parts, compute=compute, in_flight=flight)
-    static = pipeline_buffers(cfg, parts) + added.static  # communication buffers alive through the step
+    parts = parts or activation_parts(cfg)
+    flight = in_flight(cfg, pp_rank)
+    added = feature_memory(cfg, dims, local=local, parts=parts, compute=compute, in_flight=flight, pp_rank=pp_rank)
+    static = pipeline_buffers(cfg, parts, pp_rank) + added.static  # communication buffers alive through the step
     block = added.block  # what the features' exchanges and gathers hold while a block runs
     first = at_end = update = 0  # buffers alive at one of the moments only
     if cls.shards_params:  # the fp32 shards are the master weights (FSDP2's gathers: its feature's memory)
@@ -307,13 +366,13 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
             grads, masters, owned = (a + b for a, b in zip((grads, masters, owned), planned, strict=True))
         limit = int(o.bucket_mb * 2**20)
         if not cls.shards_state:  # stage 0: the gradients themselves, then a flat copy of a bucket per all-reduce
-            first = grads * local.root // local.total if dims.pp == 1 else 0  # the head's, on the last stage
+            first = grads * local.root // local.total if last else 0  # the head's, on the last stage
             if dp > 1 and o.overlap_grad_reduce:  # every bucket's flat copy stays in flight to the end
                 at_end = element * trainable
             elif dp > 1:
-                update = largest_bucket([n * element for n in local.trainable_sizes], limit)
+                update = _largest_bucket(local.trainable_sizes, element, limit)
         else:  # stages 1-2: fp32 buckets; the update gathers each bucket's weights (and its owned slice)
-            bucket = largest_bucket([4 * n for n in local.trainable_sizes], limit)
+            bucket = _largest_bucket(local.trainable_sizes, 4, limit)
             if dp > 1 or o.offload == "cpu":
                 update = bucket * element // 4 * (dp + 1) // dp
                 if rule_class(o).gathers_matrices:  # whole matrices for the rule: the same in fp32
@@ -339,10 +398,10 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
             host, param_bytes, grads = host + param_bytes + grads, 0, 0
         else:  # stages 1-2: the owned fp32 gradients' host copy the update reads
             host += 4 * owned
-    per_micro = activation_bytes(cfg)
+    per_micro = activation_bytes(cfg, pp_rank, parts)
     activations = int(per_micro * flight)
-    loss_backward = parts.loss_backward if dims.pp == 1 else 0
-    head = parts.last_stage if dims.pp == 1 else 0  # freed once the loss's and the head's backward are done
+    loss_backward = parts.loss_backward if last else 0
+    head = parts.last_stage if last else 0  # freed once the loss's and the head's backward are done
     # gradients are held at the activation peak from a backward before it: an earlier micro-batch's (the
     # pipeline's warmup ends with the first backward), or stage 2's owned slices from begin_step
     chunks, p = flight * cfg.parallel.virtual_stages, cfg.parallel
@@ -353,7 +412,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
     total = param_bytes + optimizer + static + max(start, end, grads + update)
     comm = static + max(block, at_end, update)
     return MemoryEstimate(param_bytes, grads, optimizer, per_micro, math.ceil(flight), activations, comm,
-                          loss_backward, fresh + working, host, total, added.host)  # fmt: skip
+                          loss_backward, fresh + working, host, total, added.host, pp_rank, dims.pp)  # fmt: skip
 
 
 def feature_memory(cfg: JobConfig, dims: ParallelDims, **given) -> Memory:
@@ -368,7 +427,7 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
     """Every layout of `world` ranks (tp within a node of slurm.gpus_per_node or 8, pp, virtual stages,
     micro-batch size at a fixed global batch, recompute, zero stage, offload) that passes validation,
     with its memory and estimated step time; those that fit first, fastest first."""
-    from copy import deepcopy
+    from copy import copy
 
     from hpc_train.optim import OPTIMIZERS
 
@@ -393,7 +452,8 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         if world % (tp * pp * cp) or (vp > 1 and pp == 1) or global_batch % (mbs * (world // (tp * pp * cp))):
             continue
         dp = world // (tp * pp * cp)
-        c = deepcopy(cfg)
+        c = copy(cfg)  # the sections a layout sets, copied (the checks and the plan only read)
+        c.parallel, c.train, c.model, c.optim = copy(cfg.parallel), copy(cfg.train), copy(cfg.model), copy(cfg.optim)
         c.parallel.tp, c.parallel.pp, c.parallel.dp, c.parallel.virtual_stages = tp, pp, None, vp
         c.parallel.cp, c.parallel.cp_mode = cp, cp_mode
         c.parallel.schedule = "interleaved_1f1b" if vp > 1 else "1f1b"
@@ -509,7 +569,8 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     given = {"dims": dims, "local": local_param_count(cfg), "block_policy": block_policy(cfg),
              "parts": activation_parts(cfg)}  # fmt: skip
     lines += [line for _, describe in declared(cfg, "describe", **given) for line in describe()]
-    lines.append("per rank (first pipeline stage):")
+    stage = f" (worst stage: {plan.stage} of {plan.stages}, pipeline ranks from 0)" if plan.stages > 1 else ""
+    lines.append(f"per rank{stage}:")
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]
     if plan.host > plan.host_features:
         what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state, owned gradients"

@@ -517,7 +517,8 @@ def test_frozen_parameters_survive_save_and_resume_bit_exact(cfg_for):
 def _zero_async_save_checks(rank_env, cfg):
     """dp=2, ZeRO-1, async save: each parameter's state is sent to one dp rank, which writes it, so a rank
     holds about half the state for a save, not all of it; the save leaves its copy to the next step (not
-    copied at the save), and what it commits is the state of its step although that next step changed it."""
+    copied at the save), and what it commits is the state of its step although that next step changed it.
+    A resume loads a rank's owned half only, not every parameter's whole state."""
     cpu = torch.device("cpu")
     with distributed(rank_env, cpu, "gloo", 120):
         run = build_run(cfg, rank_env, cpu)
@@ -538,11 +539,48 @@ def _zero_async_save_checks(rank_env, cfg):
         train_step(run.model, run.optimizer, batch(), 1e-3, StepOptions(before_update=run.checkpointer.staged))
         run.checkpointer.wait()
         fresh = build_run(cfg, rank_env, cpu)
+        part, loaded_into = fresh.checkpointer.sharded["optim"], []
+        template = part.template
+        part.template = lambda stored: loaded_into.append(template(stored)) or loaded_into[-1]
         assert fresh.checkpointer.resume().step == 1
+        held = sum(getattr(t, "values", t).numel() for t in loaded_into[0].values())
+        assert held == 3 * fresh.optimizer.master.numel()  # the owned masters and moments, no more
         loaded = fresh.optimizer.param_states()
         for i in written:
             assert all(torch.equal(loaded[i][k], states[i][k]) for k in states[i]), i
         dist.barrier()
+
+
+def test_a_flat_range_of_a_stored_tensor_is_read_alone(tmp_path, monkeypatch):
+    """What ZeRO-1/2 resume of a parameter's state on a rank: its owned range of the flattened elements (a
+    partial row, whole rows, a partial row), straight from the file into one buffer, and no other byte of
+    it; at a tp shard's offsets, with the vocabulary's padding rows (never stored) left zero."""
+    import torch.distributed.checkpoint as dcp
+
+    from hpc_train.checkpoint import dcp_io
+    from hpc_train.checkpoint.slices import SliceLoadPlanner, flat_boxes, flat_slice
+
+    stored = torch.arange(6 * 5 * 4, dtype=torch.float32).view(6, 5, 4)
+    dcp.save({"w": stored, "b": torch.ones(3)}, checkpoint_id=tmp_path, no_dist=True)
+    read, read_exactly = [], dcp_io._read_exactly
+
+    def counted(f, view, name):
+        read.append(len(view))
+        read_exactly(f, view, name)
+
+    monkeypatch.setattr(dcp_io, "_read_exactly", counted)
+    assert [sizes for _, sizes, _ in flat_boxes(stored.shape, 13, 70)] == [(1, 1, 3), (1, 1, 4), (3, 5, 4), (1, 1, 3)]
+    owned = flat_slice(stored.shape, 13, 70, (0, 0, 0), None)
+    sharded = flat_slice((4, 5, 4), 30, 50, (4, 0, 0), 6)  # rows 4-7 of 8, the last two padding
+    dcp.load(
+        {}, storage_reader=dcp_io.ParallelReader(tmp_path, 2), planner=SliceLoadPlanner({"w": owned}), no_dist=True
+    )
+    assert torch.equal(owned.values, stored.reshape(-1)[13:83]) and sum(read) == 70 * 4
+    read.clear()
+    dcp.load(
+        {}, storage_reader=dcp_io.ParallelReader(tmp_path, 2), planner=SliceLoadPlanner({"w": sharded}), no_dist=True
+    )
+    assert torch.equal(sharded.values, torch.cat([stored.reshape(-1)[110:], torch.zeros(40)])) and sum(read) == 40
 
 
 def test_zero_async_save_sends_each_state_to_one_writer_and_overlaps_its_copy(cfg_for):

@@ -66,6 +66,33 @@ def test_plan_cli_and_submit_refuses_a_layout_that_does_not_fit(capsys):
     assert "#SBATCH --gpus-per-node=8" in capsys.readouterr().out
 
 
+def test_plan_reports_the_worst_pipeline_stage_and_names_it(capsys):
+    """Every pipeline rank is estimated and the one that needs the most reported: at 130B tp4 pp8 over 512
+    micro-batches, rank 1 (one micro-batch fewer in flight than rank 0 and no embedding, but two receive
+    buffers per micro-batch where rank 0 has one)."""
+    import json
+
+    from hpc_train.cli import main
+    from hpc_train.job import check_run, load_config
+    from hpc_train.planner import activation_parts, estimate, pipeline_buffers, stage_estimate
+
+    cfg = load_config("configs/gpt_130b.yaml", ["data.train_path=stdlib", "data.valid_path=null"])
+    dims = check_run(cfg, 64, check_paths=False)
+    stages = [stage_estimate(cfg, dims, rank) for rank in range(dims.pp)]
+    first, second, last = stages[0], stages[1], stages[-1]
+    assert [s.microbatches_in_flight for s in stages] == list(range(8, 0, -1))
+    buffer = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.d_model * 2 // cfg.parallel.tp  # bf16, SP
+    received = [pipeline_buffers(cfg, activation_parts(cfg), rank) for rank in (0, 1, 7)]
+    assert received == [512 * buffer, 2 * 512 * buffer, 512 * buffer]
+    assert first.params > second.params < last.params  # the embedding; the head and final norm
+    assert estimate(cfg, dims) == second and second.total == max(s.total for s in stages) > first.total
+    main(["plan", "configs/gpt_130b.yaml", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["stage"], plan["stages"], plan["total"]) == (1, 8, second.total)
+    main(["plan", "configs/gpt_130b.yaml"])
+    assert "per rank (worst stage: 1 of 8, pipeline ranks from 0):" in capsys.readouterr().out
+
+
 def test_plan_counts_context_parallelism():
     """cp divides a rank's activations by cp (its sequence shard) and `plan --search` tries cp, in both
     modes, for long sequences only."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.job import JobConfig, check_run, load_config
 from hpc_train.launch.local import launch_sequence
-from hpc_train.planner import activation_bytes, estimate
+from hpc_train.planner import activation_bytes, stage_estimate
 from hpc_train.train.loop import run_training
 
 SP = "parallel.sequence_parallel=true"
@@ -45,6 +45,7 @@ LAYOUTS = {  # name -> (world size, overrides)
         ["parallel.tp=2", SP, *ZERO1_BF16, "optim.overlap_grad_reduce=true", "optim.bucket_mb=0.05"],
     ),  # fmt: skip
     "pp2_1f1b": (2, ["parallel.pp=2", "train.grad_accum=4"]),
+    "pp4_1f1b": (4, ["parallel.pp=4", "train.grad_accum=8"]),  # rank 0: 4 of 8 micro-batches, 8 gradient buffers
     "pp2_interleaved": (
         2,
         ["parallel.pp=2", "train.grad_accum=4", "parallel.virtual_stages=2", "parallel.schedule=interleaved_1f1b"],
@@ -151,7 +152,7 @@ def measure(
         if cfg.train.device == "cuda":  # the allocator's own peak beside the exact counts
             measured["device_max_allocated"] = int(record["memory_gb"] * 1e9)
         dims = check_run(cfg, layouts[name][0], check_paths=False)
-        plan = estimate(cfg, dims)
+        plan = stage_estimate(cfg, dims, 0)  # rank 0's: the rank measured
         # the device's categories (what offload moves to the host is there, as the run reports it: `host`)
         predicted = {
             "params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer,

@@ -44,6 +44,7 @@ from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader
 from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_digest
 from hpc_train.checkpoint.ownership import DirectoryLock, RunIdentity
 from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
+from hpc_train.checkpoint.slices import FlatSlice, SliceLoadPlanner
 from hpc_train.checkpoint.state import ShardedPart, Stateful
 from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from hpc_train.config import CheckpointConfig
@@ -362,7 +363,9 @@ def read_parts(
                 stored = part.without_rule_state(stored)
             templates[name] = part.template(stored)
         state = {f"{name}.{k}": t for name, ts in templates.items() for k, t in ts.items()}
-        dcp.load(state, storage_reader=ParallelReader(path, io_threads))
+        slices = {key: t for key, t in state.items() if isinstance(t, FlatSlice)}  # a range of the stored tensor
+        tensors = {key: t for key, t in state.items() if key not in slices}
+        dcp.load(tensors, storage_reader=ParallelReader(path, io_threads), planner=SliceLoadPlanner(slices))
     return templates
 
 

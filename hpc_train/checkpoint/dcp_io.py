@@ -148,10 +148,12 @@ class ChecksummedWriter(FileSystemWriter):
 
 
 class ParallelReader(SafeFileSystemReader):
-    """DCP's reader (with the restricted metadata unpickler), reading its files `threads` at a time. A
-    tensor stored whole, in the dtype and shape of the tensor it loads into, is read straight from the file
-    into that tensor's memory (no intermediate copy or allocation); anything else (a reshard's slice, a
-    dtype change, a GPU tensor) goes through torch.load as in DCP's own reader."""
+    """DCP's reader (with the restricted metadata unpickler), reading its files `threads` at a time. What a
+    read asks of a stored tensor in its own dtype, when those elements lie in one stretch of it (the whole
+    tensor, whole rows, part of a row: a reshard's slice, ZeRO's owned range), is read straight from the
+    file, only those bytes, into the tensor it loads into (or, where that is not contiguous host memory,
+    a buffer of their size); anything else (a dtype change, a box across rows) goes through torch.load of
+    the stored tensor, as in DCP's own reader."""
 
     def __init__(self, path: str | os.PathLike, threads: int):
         super().__init__(path)
@@ -169,7 +171,12 @@ class ParallelReader(SafeFileSystemReader):
                 for item in items:
                     target = planner.resolve_tensor(item).detach()
                     stored_dtype = planner.metadata.state_dict_metadata[item.storage_index.fqn].properties.dtype
-                    if not _read_in_place(f, self.storage_data[item.storage_index], item, target, stored_dtype):
+                    direct = target.device.type == "cpu" and target.is_contiguous()
+                    staged = target if direct else torch.empty(target.shape, dtype=target.dtype)
+                    if _read_in_place(f, self.storage_data[item.storage_index], item, staged, stored_dtype):
+                        if not direct:
+                            target.copy_(staged)
+                    else:
                         target.copy_(self._load_slice(f, relative_path, item, target))
                     planner.commit_tensor(item, target)
 
@@ -219,33 +226,48 @@ class _RecordView(io.RawIOBase):
         return n
 
 
+def _contiguous_start(shape: tuple[int, ...], offsets: list[int], lengths: list[int]) -> int | None:
+    """Where the box at `offsets` of `lengths` starts in a row-major tensor of `shape`, when its elements are
+    one stretch of it (every dimension after the first one longer than 1 whole); None when not."""
+    if len(offsets) != len(shape):
+        return None
+    first = next((d for d, n in enumerate(lengths) if n != 1), len(shape))
+    if any(offsets[d] or lengths[d] != shape[d] for d in range(first + 1, len(shape))):
+        return None
+    return sum(o * math.prod(shape[d + 1 :]) for d, o in enumerate(offsets))
+
+
 def _read_in_place(f: Any, info: Any, item: Any, target: torch.Tensor, stored_dtype: torch.dtype) -> bool:
-    """Read a whole stored tensor straight into `target` when their bytes are the same (dtype, shape, row-major
-    layout, contiguous host memory); False when not, nothing read. A DCP record is a torch.save zip: the
-    tensor's layout is in the member `<archive>/data.pkl`, its bytes uncompressed in `<archive>/data/0`
-    (torch's per-member CRC is not checked: the file's checksum is)."""
+    """Read the stored elements `item` asks for straight into `target` when their bytes are the same (dtype,
+    row-major layout, one stretch of the stored tensor, contiguous host memory), and only those; False when
+    not, nothing read. A DCP record is a torch.save zip: the tensor's layout is in the member
+    `<archive>/data.pkl`, its bytes uncompressed in `<archive>/data/0` (torch's per-member CRC is not
+    checked: the file's checksum is)."""
     nbytes = target.numel() * target.element_size()
     if target.device.type != "cpu" or not target.is_contiguous() or target.dtype != stored_dtype or nbytes == 0:
         return False
-    if sys.byteorder != "little":
-        return False
-    if any(item.storage_offsets):
+    if sys.byteorder != "little" or math.prod(item.lengths) != target.numel():
         return False
     with zipfile.ZipFile(_RecordView(f, info.offset, info.length)) as record:
         members = {m.filename.split("/", 1)[-1]: m for m in record.infolist()}  # without the archive's name
     data, pickled, byteorder = members.get("data/0"), members.get("data.pkl"), members.get("byteorder")
-    if data is None or pickled is None or byteorder is None or data.file_size != nbytes:
+    if data is None or pickled is None or byteorder is None:
         return False
     if {data.compress_type, pickled.compress_type, byteorder.compress_type} != {zipfile.ZIP_STORED}:
         return False
     f.seek(_member_data_at(f, info.offset + byteorder.header_offset))
     if f.read(byteorder.file_size) != b"little":
         return False
-    row_major = tuple(math.prod(target.shape[d + 1 :]) for d in range(target.dim()))
     f.seek(_member_data_at(f, info.offset + pickled.header_offset))
-    if _stored_layout(f.read(pickled.file_size)) != (0, tuple(target.shape), row_major, False):
+    layout = _stored_layout(f.read(pickled.file_size))
+    if not isinstance(layout, tuple) or len(layout) != 4 or layout[0] != 0 or layout[3]:
         return False
-    data_at = _member_data_at(f, info.offset + data.header_offset)
+    shape = layout[1]
+    row_major = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+    start = _contiguous_start(shape, item.storage_offsets, item.lengths)
+    if layout[2] != row_major or start is None or data.file_size != math.prod(shape) * target.element_size():
+        return False
+    data_at = _member_data_at(f, info.offset + data.header_offset) + start * target.element_size()
     if data_at + nbytes > info.offset + info.length:
         return False
     f.seek(data_at)

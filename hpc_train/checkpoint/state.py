@@ -4,8 +4,8 @@ Sharded through DCP, under `<part>.<key>`: the model (every parameter, frozen or
 persistent buffer; DTensor shards under tp, and dp under ZeRO-3) and the optimizer state *per
 parameter* (the update rule's: AdamW's exp_avg, exp_avg_sq, Muon's momentum_buffer; with ZeRO-1 and -2
 also the fp32 master weights; ZeRO-3's parameters are fp32 themselves) in its parameter's placement, so
-DCP reshards both on load. Vocabulary-padded tensors are stored unpadded and whole: their padding
-depends on tp.
+DCP reshards both on load (ZeRO-1 and -2 read each rank's owned range only: checkpoint/slices.py).
+Vocabulary-padded tensors are stored unpadded and whole: their padding depends on tp.
 Everything else is a small `state_dict` per part in each rank's own file (sampler, loss scaler, metrics
 position, RNG).
 """
@@ -17,7 +17,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from hpc_train.checkpoint.slices import FlatSlice, flat_slice
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows, unpadded
 from hpc_train.features.lora.adapters import is_adapter
 from hpc_train.optim.protocol import Optimizer
@@ -96,8 +99,16 @@ class ModelState:
                 local(t).copy_(local(_repad_like(t, loaded[name])))
 
 
+def _origin(t: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's part of `t` starts in the whole (DCP stores a DTensor's shards at these offsets)."""
+    if not isinstance(t, DTensor):
+        return (0,) * t.dim()
+    return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
+
+
 class OptimizerState:
-    """The optimizer's state per trainable parameter: `<name>.<key>` (e.g. `layers.0.attn.wq.weight.exp_avg`)."""
+    """The optimizer's state per trainable parameter: `<name>.<key>` (e.g. `layers.0.attn.wq.weight.exp_avg`).
+    A rank that keeps the state of a range of a parameter's elements (ZeRO-1 and -2) loads that range only."""
 
     def __init__(self, model: ParallelModel, optimizer: Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -115,21 +126,31 @@ class OptimizerState:
         rule_keys = {key for rule in RULES.values() for key in rule.state_keys}
         return {key for key in stored if key.rpartition(".")[2] not in rule_keys}
 
-    def template(self, stored: set[str]) -> dict[str, torch.Tensor]:
+    def template(self, stored: set[str]) -> dict[str, torch.Tensor | FlatSlice]:
         out = {}
-        for name, p in zip(self.names, self.optimizer.params, strict=True):
+        vocab = self.model.model_cfg.vocab_size
+        for name, p, owned in zip(self.names, self.optimizer.params, self.optimizer.owned_ranges(), strict=True):
+            if owned is not None and owned[1] == 0:
+                continue  # no state of it here
             for key in self.optimizer.state_keys:
-                if f"{name}.{key}" in stored:
+                if f"{name}.{key}" not in stored:
+                    continue
+                if owned is None:
                     out[f"{name}.{key}"] = _template_like(self.model, name, p, torch.float32)
+                else:  # stored unpadded: the vocabulary's padding rows are left out of the read
+                    rows = vocab if name in self.model.spec.vocab_params else None
+                    out[f"{name}.{key}"] = flat_slice(local(p).shape, *owned, _origin(p), rows)
         return out
 
-    def load(self, loaded: dict[str, torch.Tensor], step: int) -> None:
+    def load(self, loaded: dict[str, torch.Tensor | FlatSlice], step: int) -> None:
         states = []
         for name, p in zip(self.names, self.optimizer.params, strict=True):
             state = {}
             for key in self.optimizer.state_keys:
                 value = loaded.get(f"{name}.{key}")
-                if value is not None:
+                if isinstance(value, FlatSlice):  # the owned range, as the optimizer asked
+                    state[key] = value.values
+                elif value is not None:
                     state[key] = _repad_like(p, value) if name in self.model.spec.vocab_params else value
             states.append(state)
         self.optimizer.load_param_states(states, step)  # always: ZeRO's masters follow the loaded weights

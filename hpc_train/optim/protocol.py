@@ -62,6 +62,12 @@ class Optimizer(Protocol):
         """Per trainable parameter, in the parameter's own shape and placement (checkpoints reshard it)."""
         ...
 
+    def owned_ranges(self) -> list[tuple[int, int] | None]:
+        """Per trainable parameter, the (offset, count) of its flattened local elements whose state this rank
+        keeps ((0, 0): none), or None for all of them: what a checkpoint's load needs to read of it."""
+        ...
+
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
-        """The inverse of `param_states` (an empty dict: no saved state for that parameter). The tensors
-        are the caller's to give away: the optimizer may keep them as its state."""
+        """The inverse of `param_states` (an empty dict: no saved state for that parameter), except that a
+        parameter with an owned range gets that range's elements only, flattened. The tensors are the
+        caller's to give away: the optimizer may keep them as its state."""

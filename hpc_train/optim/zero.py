@@ -400,19 +400,25 @@ class ZeroOptimizer:
     def _rule_keys(self, p: nn.Parameter) -> tuple[str, ...]:
         return self.rule.keys(id(p) in self.matrices)
 
+    def owned_ranges(self) -> list[tuple[int, int] | None]:
+        """A parameter's span of the owned slice (a bucket's owned slice is contiguous, and so is a parameter in
+        its bucket: at most one span each)."""
+        spans = {id(s.param): (s.param_offset, s.numel) for b in self.buckets for s in b.spans}
+        return [spans.get(id(p), (0, 0)) for p in self.params]
+
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
-        """Take each rank's owned slices of per-parameter states, after the model's weights were loaded. A
-        master not in the checkpoint (zero_stage 0 saved it, or the parameter was frozen) is taken from the
-        loaded weights; missing rule state starts as the rule starts it (AdamW: zeros, step 0), so that
-        every master has state again and the next save holds all of it."""
+        """Take each rank's owned slices of per-parameter states (`owned_ranges`: a load reads just those),
+        after the model's weights were loaded. A master not in the checkpoint (zero_stage 0 saved it, or the
+        parameter was frozen) is taken from the loaded weights; missing rule state starts as the rule starts
+        it (AdamW: zeros, step 0), so that every master has state again and the next save holds all of it."""
         by_param = {id(p): s for p, s in zip(self.params, states, strict=True)}
         for bucket in self.buckets:
             for span in bucket.spans:
-                state, offset = by_param[id(span.param)], span.param_offset
-                span.master.copy_(_flat_slice(state.get("master", span.param), offset, span.numel))
-                saved = {k: _flat_slice(state[k], offset, span.numel).to(self.state_device).clone()
-                         for k in self._rule_keys(span.param) if k in state}  # fmt: skip
+                state = by_param[id(span.param)]
+                master = state.get("master")
+                span.master.copy_(_flat_slice(span.param, span.param_offset, span.numel) if master is None else master)
+                saved = {k: state[k].to(self.state_device) for k in self._rule_keys(span.param) if k in state}
                 self.rule.load_state(span.master, saved, step)
 
     def state_bytes(self) -> int:

@@ -101,9 +101,9 @@ def activations(*, model: ActivationOffloadOptions, parallel: ParallelConfig, pa
 
 
 def memory(*, model: ActivationOffloadOptions, parallel: ParallelConfig, parts: StageActivations,
-           block_policy: Callable[[int], str], in_flight: float) -> Memory:  # fmt: skip
-    """The host holds them, for every micro-batch in flight (the first pipeline stage's)."""
-    return Memory(host=int(offloaded_bytes(model, parallel, parts, block_policy, 0) * in_flight))
+           block_policy: Callable[[int], str], in_flight: float, pp_rank: int) -> Memory:  # fmt: skip
+    """The host holds them, for every micro-batch the pipeline rank keeps in flight."""
+    return Memory(host=int(offloaded_bytes(model, parallel, parts, block_policy, pp_rank) * in_flight))
 
 
 def step_time(*, model: ActivationOffloadOptions, parallel: ParallelConfig, train: TrainConfig,
