@@ -87,3 +87,29 @@ def test_local_ranks_fork_from_one_server_with_the_launchers_environment_and_str
             assert (preloaded, seen) == ("True", launch)
         assert capfd.readouterr().out.count("writes here") == 2
     assert len(parents) == 1 and os.getpid() not in parents
+
+
+CUDA_PROBE = """
+import torch
+asked = []
+for name in ("is_available", "device_count", "get_device_capability", "get_device_properties", "_lazy_init",
+             "current_device", "init", "set_device"):
+    setattr(torch.cuda, name, lambda *a, _name=name, **k: asked.append(_name))
+from hpc_train.resilience.restart import RANK_IMPORTS
+for module in RANK_IMPORTS:
+    __import__(module)
+print(asked)
+"""
+
+
+def test_the_fork_servers_imports_ask_nothing_of_cuda():
+    """The fork server imports RANK_IMPORTS and its ranks are forks of it: a CUDA query there (a device count,
+    a capability) would initialise the driver in the server, and CUDA does not survive a fork. Every torch.cuda
+    entry point a module could call on import is replaced by a recorder before the imports."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", CUDA_PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
