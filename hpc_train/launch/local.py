@@ -94,9 +94,9 @@ def _how(err: ProcessException) -> str:
 
 
 def _attempt(entry: Callable[..., Any], nproc: int, port: int, attempt: Attempt, args: tuple) -> None:
-    rank_processes()  # the fork server's imports
+    method = rank_processes().get_start_method()  # the fork server, with its imports
     context = mp.start_processes(_started, args=(entry, nproc, port, attempt, args, LauncherState()),
-                                 nprocs=nproc, start_method="forkserver", join=False)  # fmt: skip
+                                 nprocs=nproc, start_method=method, join=False)  # fmt: skip
     with forwarding_stop_signals(context.processes):
         try:
             # once a rank has failed the others cannot finish a step: 5 s to exit, then SIGKILL (a hung rank
