@@ -130,6 +130,15 @@ def select_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def bound_device(device: torch.device, backend: str) -> torch.device | None:
+    """The device NCCL binds its communicator to, with its index (torch refuses a bare "cuda"); none for
+    gloo, even with CUDA tensors: a bound gloo group makes DeviceMesh split it, and gloo's options cannot be
+    copied for the split (torch 2.11, seen on an H200)."""
+    if backend != "nccl" or device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 @contextmanager
 def distributed(
     rank_env: RankEnv, device: torch.device, backend: str, timeout_s: int, rendezvous_timeout_s: int = 300
@@ -145,7 +154,7 @@ def distributed(
     store.set_timeout(timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend=backend, rank=rank_env.rank, world_size=rank_env.world_size, timeout=timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None, store=store,
+        device_id=bound_device(device, backend), store=store,
     )  # fmt: skip
     try:
         yield
