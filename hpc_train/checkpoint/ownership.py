@@ -16,6 +16,7 @@ holder, for the messages).
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -152,8 +153,13 @@ class RunIdentity:
     data: dict | None = None  # the training data's identity (IndexedDataset.identity)
     base_weights: str | None = None
 
+    @functools.cached_property
+    def config_yaml(self) -> str:
+        """The config as every manifest records it: rendered once (OmegaConf takes tens of ms per rendering)."""
+        return to_yaml(self.cfg)
+
     def manifest_fields(self) -> dict[str, Any]:
-        return {"config": to_yaml(self.cfg), "data": self.data, "base_weights": self.base_weights}
+        return {"config": self.config_yaml, "data": self.data, "base_weights": self.base_weights}
 
     def refuse_foreign(self, path: Path, manifest: dict) -> None:
         refuse_foreign(path, manifest, self.cfg, self.data, self.base_weights)
