@@ -32,8 +32,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two workers (pytest-xdist): while one waits on a Slurm job, a hang timeout or a subprocess, the other
+# computes; tests sharing a module fixture stay on one worker (tests/conftest.py). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: lint cluster
-	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench_step.py

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import gc
+import io
 import json
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,6 +31,21 @@ TINY_MODEL = [
     "logging.progress=none",
     "optim.warmup_steps=2",
 ]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (`make test`: -n 2 --dist loadgroup) a module's tests that share a module-scoped
+    fixture (a launch of many layouts, say) run on one worker, which builds it once; the Slurm jobs run on
+    one worker too (the local cluster has three nodes). Every other test goes to whichever worker is free."""
+    for item in items:
+        definitions = getattr(item, "_fixtureinfo", None)
+        shared = definitions is not None and any(
+            defs[-1].scope == "module" for defs in definitions.name2fixturedefs.values() if defs
+        )
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm_cluster"))
+        elif shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 def pytest_collection_finish(session) -> None:
@@ -69,3 +92,74 @@ def read_final_model(run_dir: str | Path) -> dict[str, torch.Tensor]:
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@dataclass
+class CliResult:
+    """What `run_cli` gives back, as subprocess.run(capture_output=True, text=True) would."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str, env: dict[str, str | None] | None = None) -> CliResult:
+    """`hpc-train ARGS` run by the CLI's own `main` in this process, from the repository root, with `env`'s
+    variables set (None: unset) for the call: its ranks are forks of this session's fork server, as they
+    would be of the command's own, so only a new interpreter's imports are left out (about 8 s of CPU a
+    command: the command's, then its fork server's). Its stdout and stderr, the ranks' included, are
+    captured at the file descriptors. Not for a command a test signals or kills (its launcher would be
+    this process), nor a run of one rank with a fault to meet (that rank is this process too)."""
+    from hpc_train.cli import main
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        with ExitStack() as stack:
+            stack.callback(_set_env, {key: os.environ.get(key) for key in env or {}})
+            _set_env(env or {})
+            stack.callback(os.chdir, os.getcwd())
+            os.chdir(ROOT)
+            stack.enter_context(_streams_to(out.fileno(), err.fileno()))
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as stop:  # argparse's and main's exits, as the interpreter ends on them
+                code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+                if isinstance(stop.code, str):
+                    print(stop.code, file=sys.stderr)
+            except Exception:  # uncaught: its traceback, and the interpreter's status 1
+                traceback.print_exc()
+                code = 1
+        return CliResult(code, _read(out), _read(err))
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _read(file) -> str:
+    file.seek(0)
+    return file.read().decode(errors="replace")
+
+
+@contextmanager
+def _streams_to(out: int, err: int) -> Iterator[None]:
+    """fds 1 and 2, and sys.stdout and sys.stderr over them, onto `out` and `err` for the block."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds, saved_streams = [os.dup(fd) for fd in (1, 2)], (sys.stdout, sys.stderr)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    sys.stdout, sys.stderr = (io.TextIOWrapper(open(os.dup(fd), "wb", 0), write_through=True) for fd in (1, 2))
+    try:
+        yield
+    finally:
+        sys.stdout.close()
+        sys.stderr.close()
+        sys.stdout, sys.stderr = saved_streams
+        for fd, saved in zip((1, 2), saved_fds, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)

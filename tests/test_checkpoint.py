@@ -29,7 +29,7 @@ from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.placement import local
 from hpc_train.train.loop import run_training
 from hpc_train.train.step import StepOptions, train_step
-from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
+from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics, run_cli
 
 COMMON = [*TINY_MODEL, "model.n_layers=4", "checkpoint.interval=2"]
 SP = "parallel.sequence_parallel=true"
@@ -169,11 +169,8 @@ def train_args(run_dir, corpus, steps, extra=()) -> list[str]:
 
 
 def hpc_train_train(run_dir, corpus, steps, fault=None, extra=()):
-    env = {k: v for k, v in os.environ.items() if k != "HPC_TRAIN_FAULT"}
-    if fault:
-        env["HPC_TRAIN_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "hpc_train.cli", "train", *train_args(run_dir, corpus, steps, extra)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    """`hpc-train train` of 2 ranks (in this process: conftest.run_cli), meeting `fault` if given."""
+    return run_cli("train", *train_args(run_dir, corpus, steps, extra), env={"HPC_TRAIN_FAULT": fault})
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from hpc_train.cli import main
 from hpc_train.config import ConfigError, validate
 from hpc_train.job import check_run, load_config
 from hpc_train.launch import local, slurm
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 
 def check(overrides: list[str], world_size: int = 1, path: str | None = None) -> None:
@@ -108,20 +108,10 @@ def test_config_show_cli():
     )
     assert "steps: 3" in out.stdout and "run_dir: runs/tiny" in out.stdout
     assert "valid for world size 2: pp=1 dp=2 cp=1 tp=1" in out.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "hpc_train.cli", "train", "configs/tiny.yaml", "train.stpes=3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    bad = run_cli("train", "configs/tiny.yaml", "train.stpes=3")  # the same main, in this process
     assert bad.returncode == 2
     assert "did you mean 'train.steps'" in bad.stderr and "Traceback" not in bad.stderr
-    layout = subprocess.run(
-        [sys.executable, "-m", "hpc_train.cli", "train", "configs/tiny.yaml", "parallel.tp=4"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    layout = run_cli("train", "configs/tiny.yaml", "parallel.tp=4")
     assert layout.returncode == 2 and "world size 2 is not divisible by tp x pp x cp = 4 x 1 x 1" in layout.stderr
     assert "hpc_train:" not in layout.stdout  # refused before any rank or process group started
 

@@ -8,7 +8,7 @@ import pytest
 from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter
 from hpc_train.data.prepare import builtin_corpus
 from hpc_train.data.sampler import ResumableSampler
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 
 def test_indexed_roundtrip_and_dtypes(tmp_path):
@@ -80,17 +80,15 @@ def test_prepare_data_cli_byte_and_hf(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train([str(p) for p in tmp_path.glob("doc*.txt")], trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))
     tok.save(str(tmp_path / "tokenizer.json"))
-    run(str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "tokenizer.json"))
+    # the same command as `hpc-train prepare-data`, in this process (conftest.run_cli)
+    hf = run_cli("prepare-data", str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "hf"), "--tokenizer",
+                 str(tmp_path / "tokenizer.json"))  # fmt: skip
+    assert hf.returncode == 0, hf.stderr
     hf = IndexedDataset(tmp_path / "hf", 4)
     assert hf.vocab_size == tok.get_vocab_size() and hf.header["num_docs"] == 6
     assert hf.tokens[hf.doc_offsets[1] - 1] == tok.token_to_id("</s>")
     assert tok.decode(np.asarray(hf.tokens[:4]).tolist()) == "hello world number 0"
-    bad = subprocess.run(
-        [sys.executable, "tools/prepare_data.py", str(tmp_path / "*.nothing"), "--output", "x"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    bad = run_cli("prepare-data", str(tmp_path / "*.nothing"), "--output", "x")
     assert bad.returncode == 2 and "matches no file" in bad.stderr
 
 

@@ -16,7 +16,7 @@ from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.resilience.stragglers import find_stragglers
 from hpc_train.train.loop import run_training
-from tests.conftest import ROOT, TINY_MODEL, read_metrics
+from tests.conftest import ROOT, TINY_MODEL, read_metrics, run_cli
 
 
 def test_a_rank_is_compared_with_its_peers_not_itself():
@@ -55,13 +55,9 @@ def test_stopped_rank_is_located_with_every_stack(tmp_path, small_corpus):
     """Rank 1 freezes (SIGSTOP) in step 3: within hang_timeout_s the run ends, every rank has a file in
     run_dir/hang (rank 0's Python stack, rank 1's state) and the summary names rank 1 and where rank 0 waits."""
     run = tmp_path / "run"
-    env = {**os.environ, "HPC_TRAIN_FAULT": "mid_step@3@1@stop"}
     start = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "hpc_train.cli", "train", *TINY_MODEL, f"data.train_path={small_corpus}",
-         f"run_dir={run}", "parallel.nproc=2", "train.steps=6", "parallel.hang_timeout_s=5"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    overrides = [*TINY_MODEL, f"data.train_path={small_corpus}", f"run_dir={run}", "parallel.nproc=2", "train.steps=6"]
+    out = run_cli("train", *overrides, "parallel.hang_timeout_s=5", env={"HPC_TRAIN_FAULT": "mid_step@3@1@stop"})
     assert time.monotonic() - start < 5 + 60
     assert out.returncode == 2 and "rank 0 stopped a hung run" in out.stderr, out.stderr
     summary = (run / "hang/summary.txt").read_text()
@@ -80,13 +76,9 @@ def test_hung_rank_is_located_and_the_run_restarts(tmp_path, small_corpus):
     summary names where each one waits, and with parallel.max_restarts=1 the run restarts from step 2 and
     completes."""
     run = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "hpc_train.cli", "train", *TINY_MODEL, f"data.train_path={small_corpus}",
-         f"run_dir={run}", "parallel.nproc=2", "train.steps=4", "checkpoint.interval=2", "parallel.hang_timeout_s=5",
-         "parallel.max_restarts=1"],
-        cwd=ROOT, env={**os.environ, "HPC_TRAIN_FAULT": "mid_step@3@1@hang"}, capture_output=True, text=True,
-        timeout=180,
-    )  # fmt: skip
+    out = run_cli("train", *TINY_MODEL, f"data.train_path={small_corpus}", f"run_dir={run}", "parallel.nproc=2",
+                  "train.steps=4", "checkpoint.interval=2", "parallel.hang_timeout_s=5", "parallel.max_restarts=1",
+                  env={"HPC_TRAIN_FAULT": "mid_step@3@1@hang"})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "rank 0 exited with status 3" in out.stderr or "rank 1 exited with status 3" in out.stderr
     assert "(in-job restart 1 of parallel.max_restarts=1)" in out.stderr
@@ -117,13 +109,10 @@ def test_a_hang_outside_a_steady_step_is_located(tmp_path, small_corpus, fault, 
     run = tmp_path / "run"
     overrides = [*TINY_MODEL, f"data.train_path={small_corpus}", f"run_dir={run}", "parallel.nproc=2",
                  "checkpoint.interval=2", "parallel.hang_timeout_s=3"]  # fmt: skip
-    cmd = [sys.executable, "-m", "hpc_train.cli", "train", *overrides]
     if fault.startswith("resume"):  # a checkpoint of step 2 to resume from (launched from this process)
         launch_local(run_training, 2, load_config(None, [*overrides, "train.steps=2"]))
-    env = {**os.environ, "HPC_TRAIN_FAULT": fault}
     tp = ["parallel.tp=2"] if fault.startswith("consolidate") else []
-    out = subprocess.run([*cmd, *tp, f"train.steps={steps}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=180)  # fmt: skip
+    out = run_cli("train", *overrides, *tp, f"train.steps={steps}", env={"HPC_TRAIN_FAULT": fault})
     assert out.returncode == 2 and re.search(r"rank \d stopped a hung run", out.stderr), out.stderr
     summary = (run / "hang/summary.txt").read_text()
     assert f"hang: {doing}" in summary, summary
@@ -135,11 +124,7 @@ def test_a_hang_outside_a_steady_step_is_located(tmp_path, small_corpus, fault, 
 
 
 def test_doctor_reports_every_rank_and_every_group(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "hpc_train.cli", "doctor", "configs/tiny.yaml", "parallel.nproc=4", "parallel.tp=2",
-         f"run_dir={tmp_path}", "--local"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    out = run_cli("doctor", "configs/tiny.yaml", "parallel.nproc=4", "parallel.tp=2", f"run_dir={tmp_path}", "--local")
     assert out.returncode == 0, out.stderr
     assert "doctor: 4 ranks (pp 1, dp 2, cp 1, tp 2) joined through 127.0.0.1:" in out.stdout
     assert all(f"    {r}  " in out.stdout for r in range(4))

@@ -18,7 +18,7 @@ from hpc_train.job import load_config
 from hpc_train.launch import slurm
 from hpc_train.launch.local import launch_local
 from hpc_train.train.loop import run_training
-from tests.conftest import ROOT, TINY_MODEL, read_metrics
+from tests.conftest import ROOT, TINY_MODEL, read_metrics, run_cli
 
 
 def cluster_nodes_idle() -> bool:
@@ -53,11 +53,6 @@ def job_count() -> int:
             pytest.fail(message)
         pytest.skip(message)
     return len(out.stdout.split())
-
-
-def hpc_train(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpc_train.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
 
 
 TWO_BY_TWO = ["slurm.nodes=2", "slurm.tasks_per_node=2"]
@@ -198,11 +193,8 @@ def test_dry_run_needs_no_slurm(tmp_path):
     empty_bin.mkdir()
     assert shutil.which("srun", path=str(empty_bin)) is None and shutil.which("sbatch", path=str(empty_bin)) is None
     run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "hpc_train.cli", "submit", "configs/tiny.yaml", *TWO_BY_TWO, f"run_dir={run_dir}",
-         "--dry-run"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180, env={**os.environ, "PATH": str(empty_bin)},
-    )  # fmt: skip
+    out = run_cli("submit", "configs/tiny.yaml", *TWO_BY_TWO, f"run_dir={run_dir}", "--dry-run",
+                  env={"PATH": str(empty_bin)})  # fmt: skip
     assert out.returncode == 0, out.stderr
     cfg = load_config(ROOT / "configs/tiny.yaml", [*TWO_BY_TWO, f"run_dir={run_dir}"])
     assert f"# ---- sbatch script ----\n{slurm.sbatch_script(cfg)}\n" in out.stdout
@@ -231,7 +223,7 @@ def test_two_node_job_matches_local_launcher(make_cfg, tmp_path):
     local = make_cfg("train.steps=3", "train.micro_batch_size=2", "parallel.nproc=4", run="local")
     launch_local(run_training, 4, local)
     start = time.monotonic()
-    job = hpc_train("submit", *common, *TWO_BY_TWO, f"run_dir={tmp_path / 'slurm'}", "logging.progress=lines", "--wait")
+    job = run_cli("submit", *common, *TWO_BY_TWO, f"run_dir={tmp_path / 'slurm'}", "logging.progress=lines", "--wait")
     assert job.returncode == 0, job.stdout + job.stderr
     assert "finished: COMPLETED" in job.stdout and "step 3 | loss" in job.stdout  # rank 0's progress, streamed
     losses = [m["loss"] for m in read_metrics(tmp_path / "slurm")]
@@ -251,7 +243,7 @@ def test_crashing_job_is_reported_failed_with_the_rank_error(make_cfg, tmp_path,
     """A failure only on the node (every input checked fine at submission): rank 0 raises inside step 2."""
     monkeypatch.setenv("HPC_TRAIN_FAULT", "mid_step@2@0@oom")  # sbatch passes the environment to the job
     start = time.monotonic()
-    job = hpc_train("submit", *TINY_MODEL, *TWO_BY_TWO, f"data.train_path={make_cfg().data.train_path}",
+    job = run_cli("submit", *TINY_MODEL, *TWO_BY_TWO, f"data.train_path={make_cfg().data.train_path}",
                     f"run_dir={tmp_path / 'run'}", "train.steps=3", "--wait", timeout=120)  # fmt: skip
     elapsed = time.monotonic() - start
     assert job.returncode == 1
@@ -288,7 +280,7 @@ def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
     corpus = make_cfg().data.train_path
     common = [*TINY_MODEL, f"data.train_path={corpus}", "train.steps=150", "train.micro_batch_size=4"]
     run_dir = tmp_path / "preempted"
-    submitted = hpc_train("submit", *common, "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.time=00:30:00",
+    submitted = run_cli("submit", *common, "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.time=00:30:00",
                           f"run_dir={run_dir}")  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.split("submitted job ")[1].split(":")[0]
@@ -322,9 +314,9 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
     corpus = make_cfg().data.train_path
     steps = ["train.steps=8", "train.micro_batch_size=4"]
     run_dir = tmp_path / "restarted"
-    out = hpc_train("submit", *TINY_MODEL, f"data.train_path={corpus}", *steps, "checkpoint.interval=2",
+    out = run_cli("submit", *TINY_MODEL, f"data.train_path={corpus}", *steps, "checkpoint.interval=2",
                     "slurm.nodes=2", "slurm.tasks_per_node=1", "parallel.max_restarts=1", f"run_dir={run_dir}",
-                    "--wait", timeout=240)  # fmt: skip
+                    "--wait")  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     job_id = out.stdout.split("submitted job ")[1].split(":")[0]
     assert sacct_state(job_id) == "COMPLETED"
@@ -343,9 +335,9 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
     blamed = f"blamed in {run_dir}/bad_nodes.json: n2 (rank 1 was killed by SIGKILL, job {job_id})"
     resubmit = [*TINY_MODEL, f"data.train_path={corpus}", "train.steps=10", "train.micro_batch_size=4",
                 "checkpoint.interval=2", "slurm.tasks_per_node=1", f"run_dir={run_dir}"]  # fmt: skip
-    three = hpc_train("submit", *resubmit, "slurm.nodes=3", "--dry-run")  # it would leave too few nodes
+    three = run_cli("submit", *resubmit, "slurm.nodes=3", "--dry-run")  # it would leave too few nodes
     assert f"# not excluding the node(s) {blamed}; the job needs 3 node(s) and only 2 would remain" in three.stdout
-    again = hpc_train("submit", *resubmit, "slurm.nodes=2", "--wait", timeout=240)
+    again = run_cli("submit", *resubmit, "slurm.nodes=2", "--wait")
     assert again.returncode == 0 and f"excluding node(s) {blamed}" in again.stdout, again.stdout + again.stderr
     second = again.stdout.split("submitted job ")[1].split(":")[0]
     assert "#SBATCH --exclude=n2\n" in (run_dir / "slurm" / f"{second}_submission.sh").read_text()
@@ -356,7 +348,7 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
 
 @pytest.mark.usefixtures("cluster")
 def test_doctor_job_tests_the_allocation(tmp_path):
-    out = hpc_train("doctor", "configs/tiny.yaml", "slurm.nodes=2", "slurm.tasks_per_node=1", f"run_dir={tmp_path}")
+    out = run_cli("doctor", "configs/tiny.yaml", "slurm.nodes=2", "slurm.tasks_per_node=1", f"run_dir={tmp_path}")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "doctor: 2 ranks (pp 1, dp 2, cp 1, tp 1) joined through n1:" in out.stdout
     assert "    0  n1 " in out.stdout and "    1  n2 " in out.stdout

@@ -16,7 +16,7 @@ from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.models import get_spec
 from hpc_train.resilience import watchdog
 from hpc_train.train.loop import run_training
-from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
+from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics, run_cli
 
 STEPS = 5
 TOL = 1e-5
@@ -129,23 +129,8 @@ def test_mixed_precision_tracks_fp32(make_cfg):
 def test_tiny_config_learns_on_the_embedded_corpus(tmp_path):
     """The README's demo: configs/tiny.yaml, 2 processes, the standard-library corpus.
     Measured: loss 5.57 at step 1, eval loss 2.03 at step 100. Threshold: eval loss < 2.4 by step 100."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpc_train.cli",
-            "train",
-            "configs/tiny.yaml",
-            "train.steps=100",
-            f"run_dir={tmp_path}",
-            "logging.progress=lines",
-            "logging.log_interval=50",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_cli("train", "configs/tiny.yaml", "train.steps=100", f"run_dir={tmp_path}", "logging.progress=lines",
+                  "logging.log_interval=50")  # `hpc-train train`'s main, in this process  # fmt: skip
     assert out.returncode == 0, out.stderr
     metrics = read_metrics(tmp_path)
     assert len(metrics) == 100 and metrics[0]["loss"] > 5.0
