@@ -34,9 +34,11 @@ TINY_MODEL = [
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (`make test`: -n 2 --dist loadgroup) a module's tests that share a module-scoped
-    fixture (a launch of many layouts, say) run on one worker, which builds it once; the Slurm jobs run on
-    one worker too (the local cluster has three nodes). Every other test goes to whichever worker is free."""
+    """Under pytest-xdist (`make test`: -n 2 --dist loadgroup) the tests that share a module-scoped fixture
+    (each builds it once, from launches of many layouts) run on one worker, one module after another: two
+    such launches at once (8 + 4 ranks on 2 cores) took 2.3x their serial time. The Slurm jobs run on one
+    worker too (the local cluster has three nodes). Every other test goes to whichever worker is free, where
+    it overlaps waits (Slurm's, hang timeouts', subprocesses') with the fixtures' computing."""
     for item in items:
         definitions = getattr(item, "_fixtureinfo", None)
         shared = definitions is not None and any(
@@ -45,7 +47,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("slurm_cluster"))
         elif shared:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            item.add_marker(pytest.mark.xdist_group("module_fixtures"))
 
 
 def pytest_collection_finish(session) -> None:

@@ -244,7 +244,7 @@ def test_crashing_job_is_reported_failed_with_the_rank_error(make_cfg, tmp_path,
     monkeypatch.setenv("HPC_TRAIN_FAULT", "mid_step@2@0@oom")  # sbatch passes the environment to the job
     start = time.monotonic()
     job = run_cli("submit", *TINY_MODEL, *TWO_BY_TWO, f"data.train_path={make_cfg().data.train_path}",
-                    f"run_dir={tmp_path / 'run'}", "train.steps=3", "--wait", timeout=120)  # fmt: skip
+                    f"run_dir={tmp_path / 'run'}", "train.steps=3", "--wait")  # fmt: skip
     elapsed = time.monotonic() - start
     assert job.returncode == 1
     assert "finished: FAILED" in job.stdout

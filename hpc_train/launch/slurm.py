@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import submitit
 
@@ -150,8 +150,10 @@ def final_state(job) -> str | None:
     return state.split()[0] if state.startswith(TERMINAL_STATES) else None
 
 
-def follow(job, poll_s: float = 1.0, out=sys.stdout) -> str:
-    """Stream rank 0's stdout until the job ends; return its final Slurm state."""
+def follow(job, poll_s: float = 1.0, out: TextIO | None = None) -> str:
+    """Stream rank 0's stdout (to `out`, or sys.stdout as it is at the call) until the job ends; return its
+    final Slurm state."""
+    out = sys.stdout if out is None else out
     stdout = task_logs(job, 0)[0]
     offset = 0
     while True:
