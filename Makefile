@@ -32,11 +32,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Two workers (pytest-xdist): while one waits on a Slurm job, a hang timeout or a subprocess, the other
-# computes; tests sharing a module fixture stay on one worker (tests/conftest.py). TEST_WORKERS=0: serial.
+# Two workers (pytest-xdist), a test file each at a time (a file's module fixtures are built once, the
+# Slurm jobs stay on one worker): while one waits on a Slurm job or a hang timeout, the other computes.
+# TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: lint cluster
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench_step.py

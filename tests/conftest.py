@@ -33,23 +33,6 @@ TINY_MODEL = [
 ]
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (`make test`: -n 2 --dist loadgroup) the tests that share a module-scoped fixture
-    (each builds it once, from launches of many layouts) run on one worker, one module after another: two
-    such launches at once (8 + 4 ranks on 2 cores) took 2.3x their serial time. The Slurm jobs run on one
-    worker too (the local cluster has three nodes). Every other test goes to whichever worker is free, where
-    it overlaps waits (Slurm's, hang timeouts', subprocesses') with the fixtures' computing."""
-    for item in items:
-        definitions = getattr(item, "_fixtureinfo", None)
-        shared = definitions is not None and any(
-            defs[-1].scope == "module" for defs in definitions.name2fixturedefs.values() if defs
-        )
-        if "cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("slurm_cluster"))
-        elif shared:
-            item.add_marker(pytest.mark.xdist_group("module_fixtures"))
-
-
 def pytest_collection_finish(session) -> None:
     """What collection imported (torch, the code under test) is never garbage: frozen, the collection each
     in-process run makes at its end (bootstrap.distributed) skips it, as in the launcher's rank processes."""

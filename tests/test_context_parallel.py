@@ -5,15 +5,20 @@ two (sent as they are). The differentiable all-to-all under Ulysses and expert p
 torch.distributed.nn.functional.all_to_all_single's, also with uneven splits, and that one is deprecated.
 The whole-model parity of every cp layout is tests/test_parallel.py's."""
 
+import types
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 
 from hpc_train.bootstrap import RankEnv, distributed
 from hpc_train.data.batch import SequenceShard
+from hpc_train.errors import UserError
+from hpc_train.features.context_parallel.attention import split_attention
 from hpc_train.features.context_parallel.exchange import ring_attention, ulysses_attention
+from hpc_train.features.context_parallel.options import ContextParallelOptions
 from hpc_train.launch.local import launch_local
 from hpc_train.models.common.all_to_all import all_to_all
 
@@ -71,3 +76,12 @@ def test_zigzag_shards_cover_the_sequence_once_with_equal_causal_work():
     shards = [SequenceShard(4, r, zigzag=True).positions(8) for r in range(4)]
     assert sorted(torch.cat(shards).tolist()) == list(range(32))
     assert len({int((s + 1).sum()) for s in shards}) == 1  # keys attended under the causal mask, per rank
+
+
+def test_the_ring_is_refused_on_cuda_until_its_gpu_check_passes():
+    """The ring's CUDA backward failed its parity check on the one GPU run: a cp layout with
+    parallel.cp_mode=ring on a CUDA device stops at the transform, naming Ulysses (the CPU's ring is
+    tests/test_parallel.py's)."""
+    ring = ContextParallelOptions(cp_mode="ring")
+    with pytest.raises(UserError, match="parallel.cp_mode=ring on CUDA.*use parallel.cp_mode=ulysses"):
+        split_attention(None, types.SimpleNamespace(device=torch.device("cuda")), parallel=ring)
