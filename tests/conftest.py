@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import io
 import json
+import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_train.bootstrap import STOP_SIGNALS
 from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.job import JobConfig, load_config
 
@@ -88,22 +91,28 @@ class CliResult:
     stderr: str
 
 
-def run_cli(*args: str, env: dict[str, str | None] | None = None) -> CliResult:
+def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout_s: float = 300) -> CliResult:
     """`hpc-train ARGS` run by the CLI's own `main` in this process, from the repository root, with `env`'s
     variables set (None: unset) for the call: its ranks are forks of this session's fork server, as they
     would be of the command's own, so only a new interpreter's imports are left out (about 8 s of CPU a
     command: the command's, then its fork server's). Its stdout and stderr, the ranks' included, are
-    captured at the file descriptors. Not for a command a test signals or kills (its launcher would be
-    this process), nor a run of one rank with a fault to meet (that rank is this process too)."""
+    captured at the file descriptors; the environment, the working directory and the stop signals'
+    handlers are as they were afterwards. Past `timeout_s` (what subprocess.run's timeout was) it raises
+    TimeoutError, its ranks killed. Not for a command a test signals or kills (its launcher would be this
+    process), nor a run of one rank with a fault to meet (that rank is this process too)."""
     from hpc_train.cli import main
 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         with ExitStack() as stack:
-            stack.callback(_set_env, {key: os.environ.get(key) for key in env or {}})
-            _set_env(env or {})
+            saved_env, saved_handlers = dict(os.environ), {s: signal.getsignal(s) for s in STOP_SIGNALS}
+            stack.callback(_restore, saved_env, saved_handlers)
+            os.environ.update({key: value for key, value in (env or {}).items() if value is not None})
+            for key in [key for key, value in (env or {}).items() if value is None]:
+                os.environ.pop(key, None)
             stack.callback(os.chdir, os.getcwd())
             os.chdir(ROOT)
             stack.enter_context(_streams_to(out.fileno(), err.fileno()))
+            stack.enter_context(_deadline(timeout_s, f"hpc-train {' '.join(args[:1])}"))
             try:
                 main(list(args))
                 code = 0
@@ -111,18 +120,38 @@ def run_cli(*args: str, env: dict[str, str | None] | None = None) -> CliResult:
                 code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
                 if isinstance(stop.code, str):
                     print(stop.code, file=sys.stderr)
+            except TimeoutError:
+                raise
             except Exception:  # uncaught: its traceback, and the interpreter's status 1
                 traceback.print_exc()
                 code = 1
         return CliResult(code, _read(out), _read(err))
 
 
-def _set_env(values: dict[str, str | None]) -> None:
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+def _restore(environ: dict[str, str], handlers: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    for number, handler in handlers.items():
+        signal.signal(number, handler)
+
+
+@contextmanager
+def _deadline(seconds: float, what: str) -> Iterator[None]:
+    """TimeoutError in this (the main) thread after `seconds`, the rank processes this process started
+    killed: a hang the command should have detected ends the test, not the session."""
+
+    def expire(*_) -> None:
+        for process in multiprocessing.active_children():
+            process.kill()
+        raise TimeoutError(f"{what} still running after {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _read(file) -> str:

@@ -169,7 +169,7 @@ def train_args(run_dir, corpus, steps, extra=()) -> list[str]:
 
 
 def hpc_train_train(run_dir, corpus, steps, fault=None, extra=()):
-    """`hpc-train train` of 2 ranks (in this process: conftest.run_cli), meeting `fault` if given."""
+    """`hpc-train train` of 2 ranks, meeting `fault` if given."""
     return run_cli("train", *train_args(run_dir, corpus, steps, extra), env={"HPC_TRAIN_FAULT": fault})
 
 

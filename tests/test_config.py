@@ -108,7 +108,7 @@ def test_config_show_cli():
     )
     assert "steps: 3" in out.stdout and "run_dir: runs/tiny" in out.stdout
     assert "valid for world size 2: pp=1 dp=2 cp=1 tp=1" in out.stderr
-    bad = run_cli("train", "configs/tiny.yaml", "train.stpes=3")  # the same main, in this process
+    bad = run_cli("train", "configs/tiny.yaml", "train.stpes=3")
     assert bad.returncode == 2
     assert "did you mean 'train.steps'" in bad.stderr and "Traceback" not in bad.stderr
     layout = run_cli("train", "configs/tiny.yaml", "parallel.tp=4")

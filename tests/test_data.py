@@ -65,6 +65,7 @@ def test_sampler_resume_and_dp_invariance():
 def test_prepare_data_cli_byte_and_hf(tmp_path):
     for i in range(6):
         (tmp_path / f"doc{i}.txt").write_text(f"hello world number {i}\n" * 20)
+    # the script itself once (its only test); then `hpc-train prepare-data`, the same main, in this process
     run = lambda *a: subprocess.run(
         [sys.executable, "tools/prepare_data.py", *a], cwd=ROOT, check=True, capture_output=True, text=True
     )
@@ -80,10 +81,9 @@ def test_prepare_data_cli_byte_and_hf(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train([str(p) for p in tmp_path.glob("doc*.txt")], trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))
     tok.save(str(tmp_path / "tokenizer.json"))
-    # the same command as `hpc-train prepare-data`, in this process (conftest.run_cli)
-    hf = run_cli("prepare-data", str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "hf"), "--tokenizer",
-                 str(tmp_path / "tokenizer.json"))  # fmt: skip
-    assert hf.returncode == 0, hf.stderr
+    prepared = run_cli("prepare-data", str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "hf"),
+                       "--tokenizer", str(tmp_path / "tokenizer.json"))  # fmt: skip
+    assert prepared.returncode == 0, prepared.stderr
     hf = IndexedDataset(tmp_path / "hf", 4)
     assert hf.vocab_size == tok.get_vocab_size() and hf.header["num_docs"] == 6
     assert hf.tokens[hf.doc_offsets[1] - 1] == tok.token_to_id("</s>")

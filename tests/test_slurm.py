@@ -244,7 +244,7 @@ def test_crashing_job_is_reported_failed_with_the_rank_error(make_cfg, tmp_path,
     monkeypatch.setenv("HPC_TRAIN_FAULT", "mid_step@2@0@oom")  # sbatch passes the environment to the job
     start = time.monotonic()
     job = run_cli("submit", *TINY_MODEL, *TWO_BY_TWO, f"data.train_path={make_cfg().data.train_path}",
-                    f"run_dir={tmp_path / 'run'}", "train.steps=3", "--wait")  # fmt: skip
+                  f"run_dir={tmp_path / 'run'}", "train.steps=3", "--wait")  # fmt: skip
     elapsed = time.monotonic() - start
     assert job.returncode == 1
     assert "finished: FAILED" in job.stdout
@@ -281,7 +281,7 @@ def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
     common = [*TINY_MODEL, f"data.train_path={corpus}", "train.steps=150", "train.micro_batch_size=4"]
     run_dir = tmp_path / "preempted"
     submitted = run_cli("submit", *common, "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.time=00:30:00",
-                          f"run_dir={run_dir}")  # fmt: skip
+                        f"run_dir={run_dir}")  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.split("submitted job ")[1].split(":")[0]
     deadline = time.monotonic() + 120
@@ -315,8 +315,8 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
     steps = ["train.steps=8", "train.micro_batch_size=4"]
     run_dir = tmp_path / "restarted"
     out = run_cli("submit", *TINY_MODEL, f"data.train_path={corpus}", *steps, "checkpoint.interval=2",
-                    "slurm.nodes=2", "slurm.tasks_per_node=1", "parallel.max_restarts=1", f"run_dir={run_dir}",
-                    "--wait")  # fmt: skip
+                  "slurm.nodes=2", "slurm.tasks_per_node=1", "parallel.max_restarts=1", f"run_dir={run_dir}",
+                  "--wait")  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     job_id = out.stdout.split("submitted job ")[1].split(":")[0]
     assert sacct_state(job_id) == "COMPLETED"

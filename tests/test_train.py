@@ -130,7 +130,7 @@ def test_tiny_config_learns_on_the_embedded_corpus(tmp_path):
     """The README's demo: configs/tiny.yaml, 2 processes, the standard-library corpus.
     Measured: loss 5.57 at step 1, eval loss 2.03 at step 100. Threshold: eval loss < 2.4 by step 100."""
     out = run_cli("train", "configs/tiny.yaml", "train.steps=100", f"run_dir={tmp_path}", "logging.progress=lines",
-                  "logging.log_interval=50")  # `hpc-train train`'s main, in this process  # fmt: skip
+                  "logging.log_interval=50")  # fmt: skip
     assert out.returncode == 0, out.stderr
     metrics = read_metrics(tmp_path)
     assert len(metrics) == 100 and metrics[0]["loss"] > 5.0

@@ -52,7 +52,8 @@ def _started(
 def _sequence(rank_env: RankEnv, runs: list[tuple]) -> None:
     for index, (entry, args) in enumerate(runs):
         if "torch._dynamo" in sys.modules:  # each run compiles afresh, as in a process of its own (inductor
-            torch._dynamo.reset()  # can fail recompiling a block for another tensor-parallel layout)
+            torch._dynamo.reset()  # can fail recompiling a block for another tensor-parallel layout); the
+            # fork server's ranks have it imported, so they always reset (cheap: it clears caches)
         entry(dataclasses.replace(rank_env, store_prefix=f"run{index}"), *args)
 
 
