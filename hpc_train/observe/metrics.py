@@ -34,8 +34,8 @@ PEAKS = {"bf16": GPU_PEAK_BF16, "fp8": GPU_PEAK_FP8}
 
 @functools.lru_cache(maxsize=1)
 def measured_cpu_peak_flops(size: int = 512, repeats: int = 5) -> float:
-    """A CPU has no data-sheet figure here: the best fp32 matmul rate of this process's threads (512: the
-    same rate as 1024 to 1% on this 2-core VM, in 0.03 s of CPU instead of 0.25, paid by every rank process)."""
+    """A CPU has no data-sheet figure here: the best fp32 matmul rate of this process's threads (512: on a
+    2-core VM as high a rate as 1024's, in 0.03 s of CPU instead of 0.25, paid by every rank process)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b  # warm-up
     best = float("inf")
