@@ -106,12 +106,14 @@ def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout_s: flo
         with ExitStack() as stack:
             saved_env, saved_handlers = dict(os.environ), {s: signal.getsignal(s) for s in STOP_SIGNALS}
             stack.callback(_restore, saved_env, saved_handlers)
-            os.environ.update({key: value for key, value in (env or {}).items() if value is not None})
-            for key in [key for key, value in (env or {}).items() if value is None]:
-                os.environ.pop(key, None)
+            for key, value in (env or {}).items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             stack.callback(os.chdir, os.getcwd())
             os.chdir(ROOT)
-            stack.enter_context(_streams_to(out.fileno(), err.fileno()))
+            stack.enter_context(streams_to(out.fileno(), err.fileno()))
             stack.enter_context(_deadline(timeout_s, f"hpc-train {' '.join(args[:1])}"))
             try:
                 main(list(args))
@@ -160,20 +162,22 @@ def _read(file) -> str:
 
 
 @contextmanager
-def _streams_to(out: int, err: int) -> Iterator[None]:
-    """fds 1 and 2, and sys.stdout and sys.stderr over them, onto `out` and `err` for the block."""
+def streams_to(out: int, err: int | None = None) -> Iterator[None]:
+    """fd 1 (and fd 2, given `err`), which the launcher's rank processes inherit, and sys.stdout (sys.stderr)
+    over them, onto `out` (`err`) for the block."""
+    targets = {1: out} if err is None else {1: out, 2: err}
+    streams = {1: "stdout", 2: "stderr"}
     sys.stdout.flush()
     sys.stderr.flush()
-    saved_fds, saved_streams = [os.dup(fd) for fd in (1, 2)], (sys.stdout, sys.stderr)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    sys.stdout, sys.stderr = (io.TextIOWrapper(open(os.dup(fd), "wb", 0), write_through=True) for fd in (1, 2))
+    saved = {fd: (os.dup(fd), getattr(sys, streams[fd])) for fd in targets}
+    for fd, target in targets.items():
+        os.dup2(target, fd)
+        setattr(sys, streams[fd], io.TextIOWrapper(open(os.dup(fd), "wb", 0), write_through=True))
     try:
         yield
     finally:
-        sys.stdout.close()
-        sys.stderr.close()
-        sys.stdout, sys.stderr = saved_streams
-        for fd, saved in zip((1, 2), saved_fds, strict=True):
-            os.dup2(saved, fd)
-            os.close(saved)
+        for fd, (saved_fd, stream) in saved.items():
+            getattr(sys, streams[fd]).close()
+            setattr(sys, streams[fd], stream)
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)

@@ -3,7 +3,6 @@ point of the commit protocol, corrupted checkpoints, and resharding to another l
 
 import dataclasses
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -29,7 +28,7 @@ from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.placement import local
 from hpc_train.train.loop import run_training
 from hpc_train.train.step import StepOptions, train_step
-from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics, run_cli
+from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics, run_cli, streams_to
 
 COMMON = [*TINY_MODEL, "model.n_layers=4", "checkpoint.interval=2"]
 SP = "parallel.sequence_parallel=true"
@@ -196,17 +195,9 @@ KILL_ROWS = [  # fault, extra, resumes from, latest after the kill, left behind 
 
 @contextmanager
 def stdout_into(path: Path) -> Iterator[None]:
-    """File descriptor 1 (which the launcher's rank processes inherit) into `path` for the block."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(path, "w") as f:
-        os.dup2(f.fileno(), 1)
-    try:
+    """The launcher's stdout, which its rank processes inherit, into `path` for the block."""
+    with open(path, "w") as f, streams_to(f.fileno()):
         yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 @pytest.fixture(scope="module")
