@@ -272,11 +272,15 @@ def pipeline_buffers(cfg: JobConfig, parts: StageActivations, pp_rank: int = 0) 
 
 
 def estimate(cfg: JobConfig, dims: ParallelDims) -> MemoryEstimate:
-    """Bytes per rank of the pipeline rank that needs the most (`stage_estimate` of each that can differ;
-    the first when they tie): what a layout must fit, and the rank to look at."""
+    """Bytes per rank of the pipeline rank that needs the most (of `stage_estimates`; the first when they
+    tie): what a layout must fit, and the rank to look at."""
+    return max(stage_estimates(cfg, dims), key=lambda plan: plan.total)
+
+
+def stage_estimates(cfg: JobConfig, dims: ParallelDims) -> list[MemoryEstimate]:
+    """`stage_estimate` of each pipeline rank whose memory can differ (`distinct_ranks`: rank 0 first)."""
     parts = activation_parts(cfg)
-    stages = [stage_estimate(cfg, dims, pp_rank, parts) for pp_rank in distinct_ranks(cfg)]
-    return max(stages, key=lambda plan: plan.total)
+    return [stage_estimate(cfg, dims, pp_rank, parts) for pp_rank in distinct_ranks(cfg)]
 
 
 def distinct_ranks(cfg: JobConfig) -> list[int]:

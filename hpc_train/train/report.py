@@ -19,7 +19,7 @@ from hpc_train.distributed.parallelize import full_state_dict
 from hpc_train.distributed.pipeline import bubble_fraction
 from hpc_train.models.common.decoder import count_params
 from hpc_train.observe.metrics import StepMeter, device_peak_flops
-from hpc_train.planner import estimate, stage_estimate
+from hpc_train.planner import stage_estimates
 from hpc_train.resilience.faults import fault_point
 
 FINAL_MODEL = "model_final.pt"
@@ -51,8 +51,9 @@ def announce(run: Run, start_step: int) -> StepMeter:
             f"global batch {global_batch} x {cfg.model.seq_len} "
             f"tokens | {run.train_set.prefix} ({len(run.train_set):,} samples)"
         )
-    worst = estimate(cfg, dims)
-    predicted = stage_estimate(cfg, dims, 0)  # rank 0's, as its measured memory_bytes beside it
+    stages = stage_estimates(cfg, dims)
+    predicted = stages[0]  # rank 0's, as its measured memory_bytes beside it
+    worst = max(stages, key=lambda plan: plan.total)
     most = f"; {worst.total / 2**30:.3f} GiB on pipeline rank {worst.stage}, the most" if worst.stage else ""
     run.report(
         f"planner: {predicted.total / 2**30:.3f} GiB on rank 0 (params {predicted.params / 2**30:.3f}, grads "
