@@ -1,6 +1,7 @@
 import pytest
+import torch
 
-from hpc_train.bootstrap import detect_rank_env, expand_nodelist, slurm_master_port
+from hpc_train.bootstrap import bound_device, detect_rank_env, expand_nodelist, slurm_master_port
 
 
 @pytest.mark.parametrize(
@@ -113,3 +114,13 @@ def test_the_fork_servers_imports_ask_nothing_of_cuda():
 
     out = subprocess.run([sys.executable, "-c", CUDA_PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_only_nccl_is_bound_to_a_device_and_with_its_index():
+    """init_process_group's device_id: an indexed CUDA device for NCCL (torch 2.11 refuses a bare "cuda"),
+    none for gloo even with CUDA tensors (a bound gloo group breaks DeviceMesh's split on an H200), none on
+    the CPU. (A bare "cuda" under NCCL takes the current device: that needs a GPU.)"""
+    assert bound_device(torch.device("cuda", 1), "nccl") == torch.device("cuda", 1)
+    assert bound_device(torch.device("cuda", 1), "gloo") is None
+    assert bound_device(torch.device("cuda"), "gloo") is None
+    assert bound_device(torch.device("cpu"), "gloo") is None
