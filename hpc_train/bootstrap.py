@@ -139,6 +139,21 @@ def bound_device(device: torch.device, backend: str) -> torch.device | None:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def cpu_threads(rank_env: RankEnv, env: Mapping[str, str] | None = None) -> int:
+    """Intra-op threads for a CPU rank: OMP_NUM_THREADS where it is set (the launcher's or the user's choice, as
+    under torchrun), else this node's cores shared between its ranks. The node's cores are the ones this
+    process may run on, bounded inside a Slurm job by the CPUs it was allocated on the node
+    (SLURM_CPUS_ON_NODE): with TaskPlugin=task/none the affinity mask still holds every core, and ranks that
+    each take every core oversubscribe the node (tiny steps ran 4x slower so on a loaded 2-core machine)."""
+    env = os.environ if env is None else env
+    if (explicit := env.get("OMP_NUM_THREADS", "")).isdigit() and int(explicit) > 0:
+        return int(explicit)
+    cores = len(os.sched_getaffinity(0))
+    if env.get("SLURM_CPUS_ON_NODE", "").isdigit():  # inside an allocation, however the ranks were started
+        cores = min(cores, int(env["SLURM_CPUS_ON_NODE"]))
+    return max(1, cores // rank_env.local_world_size)
+
+
 @contextmanager
 def distributed(
     rank_env: RankEnv, device: torch.device, backend: str, timeout_s: int, rendezvous_timeout_s: int = 300
@@ -148,8 +163,8 @@ def distributed(
     before the interpreter exits (`_free_groups`)."""
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cpu":  # share the cores between the processes on this node
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // rank_env.local_world_size))
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(rank_env))
     store = rendezvous(rank_env, rendezvous_timeout_s)
     store.set_timeout(timedelta(seconds=timeout_s))
     dist.init_process_group(

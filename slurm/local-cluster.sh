@@ -17,6 +17,9 @@ CLUSTER=hpctrain
 NODES=(n1 n2 n3)
 CPUS_PER_NODE=4
 MEM_PER_NODE_MB=8000
+# The main scheduler every second, not every minute: a requeued job starts once its BeginTime (cred_expire
+# after the requeue) passes, not up to a minute later (a preempted test job waited 36 s so).
+SCHEDULER_PARAMETERS=bf_interval=1,sched_interval=1,sched_min_interval=100000
 CTLD_PORT=16817
 DBD_PORT=16819
 DB_PORT=16306
@@ -121,7 +124,7 @@ ReturnToService=2
 JobRequeue=1
 MailProg=/bin/true
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1,sched_min_interval=100000
+SchedulerParameters=$SCHEDULER_PARAMETERS
 MessageTimeout=10
 KillWait=5
 MinJobAge=600
@@ -195,7 +198,7 @@ all_running() {
 }
 
 start() {
-    if all_running && nodes_idle; then
+    if all_running && nodes_idle && grep -qxF "SchedulerParameters=$SCHEDULER_PARAMETERS" /etc/slurm/slurm.conf; then
         log "already running: $(sinfo -h -o '%D nodes %T' | tr '\n' ' ')"
         return
     fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import io
 import json
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hpc_train.bootstrap import STOP_SIGNALS
 from hpc_train.data.prepare import prepare_data, stdlib_sources
@@ -34,6 +36,15 @@ TINY_MODEL = [
     "logging.progress=none",
     "optim.warmup_steps=2",
 ]
+
+
+def pytest_configure(config) -> None:
+    """One intra-op thread in every process of the suite (this one, the ranks it launches, its Slurm jobs,
+    which inherit the environment): two workers on 2 cores each run several ranks at once, and a rank taking
+    both cores makes the others wait on spinning threads (tiny steps ran 4x slower so). How a real run sizes
+    its threads (bootstrap.cpu_threads) is test_bootstrap's."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_finish(session) -> None:
@@ -80,6 +91,22 @@ def read_final_model(run_dir: str | Path) -> dict[str, torch.Tensor]:
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that copy a tensor's value to the host (on a GPU, each waits for the device), by
+    `step` (the training loop's tests set it as each step starts)."""
+
+    READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.step, self.by_step = 0, collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.by_step[self.step] += 1
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass

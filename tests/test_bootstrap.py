@@ -1,7 +1,9 @@
+import os
+
 import pytest
 import torch
 
-from hpc_train.bootstrap import bound_device, detect_rank_env, expand_nodelist, slurm_master_port
+from hpc_train.bootstrap import bound_device, cpu_threads, detect_rank_env, expand_nodelist, slurm_master_port
 
 
 @pytest.mark.parametrize(
@@ -124,3 +126,20 @@ def test_only_nccl_is_bound_to_a_device_and_with_its_index():
     assert bound_device(torch.device("cuda", 1), "gloo") is None
     assert bound_device(torch.device("cuda"), "gloo") is None
     assert bound_device(torch.device("cpu"), "gloo") is None
+
+
+def test_cpu_ranks_share_the_cores_slurm_allocated_unless_omp_num_threads_says():
+    """A CPU rank's threads: its node's cores over its ranks; under Slurm no more cores than the job holds on
+    the node (task/none leaves every core in the affinity mask); OMP_NUM_THREADS, where set, wins."""
+    cores = len(os.sched_getaffinity(0))
+    step = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7",
+            "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}  # fmt: skip
+    slurm_rank = detect_rank_env(step)
+    assert slurm_rank.local_world_size == 2
+    assert cpu_threads(slurm_rank, step) == max(1, cores // 2)
+    assert cpu_threads(slurm_rank, {**step, "SLURM_CPUS_ON_NODE": "1"}) == 1
+    assert cpu_threads(slurm_rank, {**step, "SLURM_CPUS_ON_NODE": str(4 * cores)}) == max(1, cores // 2)
+    assert cpu_threads(slurm_rank, {**step, "SLURM_CPUS_ON_NODE": "1", "OMP_NUM_THREADS": "3"}) == 3
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert cpu_threads(detect_rank_env(torchrun), torchrun) == max(1, cores // 2)
+    assert cpu_threads(detect_rank_env(torchrun), {**torchrun, "SLURM_CPUS_ON_NODE": "1"}) == 1  # in a job too

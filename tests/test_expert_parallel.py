@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.checkpoint.safe_load import read_dcp_metadata
 from hpc_train.config import ConfigError
 from hpc_train.job import check_run, load_config
-from hpc_train.launch.local import launch_local, launch_sequence
+from hpc_train.launch.local import launch_sequence
 from hpc_train.planner import estimate, format_estimate, local_param_count, traffic
 from hpc_train.train.loop import run_training
 from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
@@ -47,6 +48,10 @@ LAYOUTS = {
     ),  # fmt: skip
     "dp4_ep2_zero3": (4, ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=3"], 3),
 }
+# optim.name=muon: each expert's matrix orthogonalized on the rank holding it, against one process (Muon's
+# bf16 iteration amplifies fp32 rounding: tests/test_parallel.py's MUON_TOL); the router stays on AdamW
+MUON = ["optim.name=muon", "train.micro_batch_size=4", "checkpoint.interval=3"]
+MUON_TOL = 1e-4
 RESUMED = {
     "ep2_zero3_then_ep1": ["parallel.ep=1", "optim.zero_stage=0"],
     "ep1_then_ep2_zero2": ["parallel.ep=2", "optim.zero_stage=2", "optim.bucket_mb=0.05"],
@@ -59,7 +64,9 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
                                   f"run_dir={tmp_path / name}", f"parallel.nproc={world}", *extra])  # fmt: skip
 
     reference = cfg("reference", 1, 3, "train.micro_batch_size=4", "train.grad_accum=2")
-    launch_local(run_training, 1, reference)
+    reference_muon = cfg("reference_muon", 1, 3, *MUON, "train.grad_accum=2")
+    launch_sequence(run_training, 1, [(reference,), (reference_muon,)])
+    ep2_muon = cfg("ep2_zero1_muon", 2, 3, *MUON, "parallel.ep=2", "optim.zero_stage=1", "optim.bucket_mb=0.05")
     cfgs = {name: cfg(name, world, steps, *extra) for name, (world, extra, steps) in LAYOUTS.items()}
     resumed = {name: cfg(name, 2, 3, *LAYOUTS[name][1], *other) for name, other in RESUMED.items()}
     # every token to every expert: each rank sends exactly half its rows to the other (the planner's figure);
@@ -67,7 +74,7 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     every_expert = ["train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4", "model.recompute_every=2"]
     every = {r: cfg(f"every_expert_{r}", 2, 1, *every_expert, f"model.recompute={r}") for r in ("selective", "full")}
     two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2]
-    two += [(c,) for c in (*resumed.values(), *every.values())]
+    two += [(c,) for c in (*resumed.values(), *every.values(), ep2_muon)]
     launch_sequence(counted_training, 2, two)
     launch_sequence(counted_training, 4, [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 4])
     ref, final = read_metrics(reference.run_dir), read_final_model(reference.run_dir)
@@ -83,6 +90,13 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
             for layer, figures in theirs["moe"].items():  # the same routing: the same loads
                 assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (name, layer)
         assert max_param_diff(read_final_model(c.run_dir), final) < 1e-5, name
+    muon_ref, muon_got = read_metrics(reference_muon.run_dir), read_metrics(ep2_muon.run_dir)
+    assert [r["loss"] for r in muon_got] == pytest.approx([r["loss"] for r in muon_ref], abs=1e-5)
+    assert [r["grad_norm"] for r in muon_got] == pytest.approx([r["grad_norm"] for r in muon_ref], rel=MUON_TOL)
+    assert max_param_diff(read_final_model(ep2_muon.run_dir), read_final_model(reference_muon.run_dir)) < MUON_TOL
+    saved = read_dcp_metadata(Path(ep2_muon.run_dir) / "checkpoints/step_0000003").state_dict_metadata
+    assert "optim.layers.1.mlp.experts.w1.momentum_buffer" in saved  # the experts are Muon's
+    assert "optim.layers.1.mlp.router.gate.weight.exp_avg" in saved  # the router AdamW's
     for name in ("ep2", "ep2_tp2", "ep2_pp2", "dp4_ep2_zero1", "dp4_ep2_zero2", "dp4_ep2_zero3"):  # planned bytes
         record = read_metrics(cfgs[name].run_dir)[0]
         for key in ("params", "grads", "optimizer"):

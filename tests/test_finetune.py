@@ -338,8 +338,10 @@ def test_what_mixtral_and_hpc_train_do_not_share_is_refused(make_cfg, hf_models,
         cfg, state = load_whole(hf_models["mixtral"])
     adapter, moe = hf_adapter_writing(cfg.model), cfg.model.moe
     save_hf(tmp_path / "zero_bias", adapter, cfg.model, state)  # the routing bias is there, and zero
-    unfit = dataclasses.replace(moe, num_shared_experts=1, first_dense_layers=1, score_func="sigmoid")
-    with pytest.raises(ConfigError, match=r"num_shared_experts=1 .*first_dense_layers=1 .*score_func='sigmoid'"):
+    unfit = dataclasses.replace(moe, num_shared_experts=1, first_dense_layers=1, score_func="sigmoid",
+                                norm_topk_prob=False)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"num_shared_experts=1 .*first_dense_layers=1 .*score_func='sigmoid'"
+                                          r".*norm_topk_prob=False \(Mixtral has True\)"):  # fmt: skip
         save_hf(tmp_path / "unfit", adapter, dataclasses.replace(cfg.model, moe=unfit), state)
     state["layers.1.mlp.router.expert_bias"][2] = 0.5
     with pytest.raises(ConfigError, match=r"no place for layers.1.mlp.router.expert_bias, which are not zero"):

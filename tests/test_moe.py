@@ -27,12 +27,13 @@ from hpc_train.models.common.moe import (
     grouped_swiglu,
     looped_swiglu,
     moe_layers,
+    padded_groups,
     take_stats,
     update_expert_bias,
 )
 from hpc_train.models.llama.model import SwiGLU
 from hpc_train.train.loop import run_training
-from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics
+from tests.conftest import ROOT, TINY_MODEL, HostReads, max_param_diff, read_final_model, read_metrics
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32"]
 
@@ -52,19 +53,34 @@ def test_grouped_gemm_matches_the_loop_forward_and_backward(dtype, tol):
     counts = torch.tensor([5, 0, 9, 3])  # an expert without tokens
     x = torch.randn(int(counts.sum()), 16, generator=torch.Generator().manual_seed(1)).to(dtype)
     assert grouped_mm_runs(x, 16, 32) and not grouped_mm_runs(x, 16, 30)  # rows of 16-byte multiples only
-    results = []
+    results, reads = [], []
     for fn in (grouped_swiglu, looped_swiglu):
         weights, xs = expert_weights(4, 16, 32, dtype), x.clone().requires_grad_()
-        out = fn(xs, counts, *weights)
-        out.sum().backward()  # an expanded (stride-0) output gradient: grouped GEMM needs it made contiguous
+        with HostReads() as counter:
+            out = fn(xs, counts, *weights)
+            out.sum().backward()  # an expanded (stride-0) output gradient (grouped GEMM's backward refuses one)
         results.append([out, xs.grad, *(w.grad for w in weights)])
+        reads.append(sum(counter.by_step.values()))
     for grouped, looped in zip(*results, strict=True):
         torch.testing.assert_close(grouped.float(), looped.float(), atol=tol, rtol=tol)
+    assert reads[0] == 0 and reads[1] > 0  # the grouped path reads nothing back from the device; the loop does
 
 
-def reference_moe(moe: MoE, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
-    """Token by token: the top_k experts of (scores + bias), weighted by their unbiased scores renormalized;
-    with a capacity, an expert's assignments past it (in token order) add nothing."""
+def test_grouped_gemm_groups_are_padded_to_the_kernels_alignment_without_a_host_read():
+    """Each expert's rows start at a multiple of 16 bytes' worth of rows (fp32: 4, bf16: 8), in a buffer whose
+    length the shapes alone fix (a multiple of it too); the last group takes the slack, so every row is in a
+    group."""
+    counts = torch.tensor([5, 0, 9, 3])
+    destination, offsets, length = padded_groups(counts, 17, 4)
+    assert length == 32 and offsets.tolist() == [8, 8, 20, 32] and offsets.dtype == torch.int32  # 17 + 4 x 3, up
+    assert destination.tolist() == [*range(0, 5), *range(8, 17), *range(20, 23)]
+    destination, offsets, length = padded_groups(counts, 17, 8)  # bf16: 17 + 4 x 7 rows, up to 48
+    assert offsets.tolist() == [8, 8, 24, 48] and destination.tolist()[5:7] == [8, 9]
+
+
+def reference_moe(moe: MoE, x: torch.Tensor, capacity: int | None = None, normalize: bool = True) -> torch.Tensor:
+    """Token by token: the top_k experts of (scores + bias), weighted by their unbiased scores (renormalized
+    where `normalize`); with a capacity, an expert's assignments past it (in token order) add nothing."""
     logits = x @ moe.router.gate.weight.T
     scores = logits.softmax(-1) if moe.router.score_func == "softmax" else logits.sigmoid()
     taken = torch.zeros(moe.num_experts, dtype=torch.long)
@@ -72,7 +88,7 @@ def reference_moe(moe: MoE, x: torch.Tensor, capacity: int | None = None) -> tor
     w1, w3, w2 = moe.experts.w1, moe.experts.w3, moe.experts.w2
     for t in range(x.shape[0]):
         chosen = torch.topk(scores[t] + moe.router.expert_bias, moe.top_k).indices
-        gates = scores[t, chosen] / scores[t, chosen].sum()
+        gates = scores[t, chosen] / scores[t, chosen].sum() if normalize else scores[t, chosen]
         for e, g in zip(chosen.tolist(), gates, strict=True):
             taken[e] += 1
             if capacity is None or taken[e] <= capacity:
@@ -80,10 +96,14 @@ def reference_moe(moe: MoE, x: torch.Tensor, capacity: int | None = None) -> tor
     return out + (moe.shared(x) if moe.shared is not None else 0)
 
 
-@pytest.mark.parametrize("score_func, shared, capacity_factor", [("softmax", 1, 0.0), ("sigmoid", 2, 0.75)])
-def test_moe_layer_matches_a_per_token_reference(score_func, shared, capacity_factor):
+@pytest.mark.parametrize(
+    "score_func, shared, capacity_factor, normalize",
+    [("softmax", 1, 0.0, True), ("sigmoid", 2, 0.75, True), ("softmax", 0, 0.0, False)],
+)
+def test_moe_layer_matches_a_per_token_reference(score_func, shared, capacity_factor, normalize):
     cfg = model_cfg(f"model.moe.score_func={score_func}", f"model.moe.num_shared_experts={shared}",
-                    f"model.moe.capacity_factor={capacity_factor}")  # fmt: skip
+                    f"model.moe.capacity_factor={capacity_factor}",
+                    f"model.moe.norm_topk_prob={normalize}")  # fmt: skip
     torch.manual_seed(0)
     moe = MoE(cfg, SwiGLU, 64).train()
     for p in moe.parameters():
@@ -91,7 +111,7 @@ def test_moe_layer_matches_a_per_token_reference(score_func, shared, capacity_fa
     moe.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))  # shifts the choice, not the gates
     x = torch.randn(24, cfg.d_model)
     capacity = moe.capacity(24)
-    torch.testing.assert_close(moe(x), reference_moe(moe, x, capacity), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe(x), reference_moe(moe, x, capacity, normalize), atol=1e-5, rtol=1e-5)
     stats = take_stats([moe])[""]
     counts = stats[:4]
     assert counts.sum() == 24 * 2  # every assignment counted, dropped or not
@@ -118,6 +138,28 @@ def test_aux_loss_gradient_is_that_of_the_explicit_sum():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
     plain_grad = torch.autograd.grad((plain(x) * probe).sum() * 0.5, plain.router.gate.weight)[0]
     assert not torch.allclose(plain_grad, moe.router.gate.weight.grad)  # the aux term matters
+
+
+def test_top_1_routing_trains_the_router_from_the_language_model_loss_alone():
+    """top_k=1 keeps the raw gate (norm_topk_prob unset), so a loss on the layer's output alone (no aux loss,
+    no bias) reaches the router; the renormalized single gate is 1 and gives it nothing, which is why
+    norm_topk_prob=true at top_k=1 is refused without an aux loss."""
+    cfg = model_cfg("model.moe.top_k=1")
+    torch.manual_seed(0)
+    moe = MoE(cfg, SwiGLU, 64).train()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    renormalized = copy.deepcopy(moe)
+    renormalized.router.normalize = True
+    x, probe = torch.randn(24, cfg.d_model), torch.randn(24, cfg.d_model)
+    (moe(x) * probe).sum().backward()
+    (renormalized(x) * probe).sum().backward()
+    assert moe.router.gate.weight.grad.abs().max() > 1e-3
+    assert renormalized.router.gate.weight.grad.abs().max() < 1e-5  # g / g = 1: rounding only
+    with pytest.raises(ConfigError, match=r"norm_topk_prob=true with top_k=1 makes every gate 1(.|\n)*aux_loss_coef"):
+        get_spec("llama").validate(model_cfg("model.moe.top_k=1", "model.moe.norm_topk_prob=true"), 1)
+    get_spec("llama").validate(model_cfg("model.moe.top_k=1", "model.moe.norm_topk_prob=true",
+                                         "model.moe.aux_loss_coef=0.01"), 1)  # fmt: skip
 
 
 def test_config_checks_and_refused_layouts(make_cfg):

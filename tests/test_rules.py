@@ -130,6 +130,24 @@ def test_muons_newton_schulz_and_lr_adjustment_are_torchs():
     assert orthogonalize(torch.zeros(4, 6), 5).eq(0).all()  # the norm's floor: no division by zero
 
 
+def test_muon_takes_each_routed_expert_as_its_own_matrix_and_leaves_the_router_to_adamw():
+    """The experts' stacks (experts, in, out) are Muon's, each expert's matrix orthogonalized alone in one
+    batched iteration and its learning rate adjusted for its (out, in) shape; the router's gate is AdamW's."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((3, 8, 12), (3, 12, 8)):
+        stack = torch.randn(shape, generator=gen)
+        each = torch.stack([orthogonalize(m, 5) for m in stack])
+        torch.testing.assert_close(orthogonalize(stack, 5).float(), each.float(), atol=1e-2, rtol=0)  # bf16
+        assert not torch.allclose(orthogonalize(stack, 5).float(), orthogonalize(stack.reshape(-1, shape[-1]), 5)
+                                  .reshape(shape).float(), atol=1e-2)  # not one matrix of the whole stack  # fmt: skip
+    assert is_hidden_matrix("layers.1.mlp.experts.w1", 3) and is_hidden_matrix("layers.1.mlp.experts.w2", 3)
+    assert not is_hidden_matrix("layers.1.mlp.router.gate.weight", 2)
+    assert is_hidden_matrix("layers.1.mlp.shared.w1.weight", 2)
+    w1 = nn.Parameter(torch.empty(4, 64, 32))  # (experts, d_model in, hidden out)
+    assert target("layers.1.mlp.experts.w1", w1).matrix_shape == torch.Size([4, 32, 64])
+    assert adjusted_lr(0.02, "original", torch.Size([4, 32, 64])) == adjusted_lr(0.02, "original", torch.Size([32, 64]))
+
+
 def test_rule_state_round_trip_and_fresh_start():
     cfg = load_config(None, ["optim.name=muon"]).optim
     model = Tiny()

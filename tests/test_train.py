@@ -1,22 +1,22 @@
 """Training correctness: multi-process runs against a single-process reference, numerically."""
 
-import collections
+import json
 import math
 import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.models import get_spec
 from hpc_train.resilience import watchdog
 from hpc_train.train.loop import run_training
-from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics, run_cli
+from tests.conftest import ROOT, TINY_MODEL, HostReads, max_param_diff, read_final_model, read_metrics, run_cli
 
 STEPS = 5
 TOL = 1e-5
@@ -156,47 +156,57 @@ def test_a_step_whose_loss_alone_is_nonfinite_is_dropped_on_every_rank(make_cfg,
     assert max_param_diff(read_final_model(two.run_dir), read_final_model(one.run_dir)) == 0.0
 
 
-class HostReads(TorchFunctionMode):
-    """Counts the calls that copy a tensor's value to the host (on a GPU, each waits for the device), by
-    training step: the loop's `watchdog.record(step, 0)` starts a step."""
-
-    READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
-
-    def __init__(self):
-        super().__init__()
-        self.step, self.by_step = 0, collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS:
-            self.by_step[self.step] += 1
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize(
-    "keys",
-    [["train.precision=fp16", "optim.zero_stage=1"], ["optim.name=muon", "train.precision=bf16"]],
-    ids=["fp16_zero1", "muon_bf16"],
-)
-def test_the_loop_reads_the_device_once_per_log_interval(make_cfg, monkeypatch, keys):
-    """Loss, gradient norm, fp16's overflow flag and scale, the skip decision and the clipping stay on the
-    device: 8 steps at logging.log_interval=4 read it only at steps 4 and 8 (the figures of the interval's
-    steps at once, and the agreed peak memory and stop flag), and every step is still recorded."""
-    cfg = make_cfg(*keys, "train.steps=8", "logging.log_interval=4", "train.save_final_model=false",
-                   "optim.grad_clip=0.5", "logging.straggler_interval=0")  # fmt: skip
-    counter = HostReads()
-    record = watchdog.record
+def counted_host_reads(rank_env, cfg) -> None:
+    """run_training counting this rank's host reads by step (the loop's `watchdog.record(step, 0)` starts a
+    step), written to run_dir/host_reads_<rank>.json."""
+    counter, record = HostReads(), watchdog.record
 
     def starts(step: int, phase: int) -> None:
         if phase == 0:
             counter.step = step
         record(step, phase)
 
-    monkeypatch.setattr(watchdog, "record", starts)
-    with counter:
-        result = launch_local(run_training, 1, cfg)
-    per_step = {step: counter.by_step[step] for step in range(1, 9)}
-    assert per_step == {1: 0, 2: 0, 3: 0, 4: 2, 5: 0, 6: 0, 7: 0, 8: 2}
-    assert sum(per_step.values()) == 4
+    watchdog.record = starts
+    try:
+        with counter:
+            run_training(rank_env, cfg)
+    finally:
+        watchdog.record = record
+    (Path(cfg.run_dir) / f"host_reads_{rank_env.rank}.json").write_text(json.dumps(counter.by_step))
+
+
+MOE_KEYS = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
+            "model.moe.num_shared_experts=1", "model.moe.aux_loss_coef=0.01",
+            "model.moe.bias_update_rate=0.01"]  # fmt: skip
+EP2 = ["parallel.ep=2", "parallel.nproc=2", "train.micro_batch_size=2", "train.grad_accum=2"]
+
+
+@pytest.mark.parametrize(
+    "keys, step_reads, interval_reads",
+    [
+        (["train.precision=fp16", "optim.zero_stage=1"], 0, 2),
+        (["optim.name=muon", "train.precision=bf16"], 0, 2),
+        # routing, the grouped GEMM, statistics, aux loss and bias updates stay on the device; the layers'
+        # figures are read with the interval's, one read per step
+        (MOE_KEYS, 0, 2 + 4),
+        # expert parallelism: the all-to-all split sizes, once per MoE layer (2) and micro-batch (2)
+        ([*MOE_KEYS, *EP2], 2 * 2, 2 + 4),
+    ],
+    ids=["fp16_zero1", "muon_bf16", "moe", "moe_ep2"],
+)
+def test_the_loop_reads_the_device_once_per_log_interval(make_cfg, keys, step_reads, interval_reads):
+    """Loss, gradient norm, fp16's overflow flag and scale, the skip decision and the clipping stay on the
+    device: 8 steps at logging.log_interval=4 read it only at steps 4 and 8 (the figures of the interval's
+    steps at once, and the agreed peak memory and stop flag), and every step is still recorded. An MoE
+    model's steps read nothing either, but for the split sizes under expert parallelism."""
+    cfg = make_cfg(*keys, "train.steps=8", "logging.log_interval=4", "train.save_final_model=false",
+                   "optim.grad_clip=0.5", "logging.straggler_interval=0")  # fmt: skip
+    launch_local(counted_host_reads, cfg.parallel.nproc, cfg)
+    for rank in range(cfg.parallel.nproc):
+        by_step = json.loads((Path(cfg.run_dir) / f"host_reads_{rank}.json").read_text())
+        per_step = {step: by_step.get(str(step), 0) for step in range(1, 9)}
+        expected = {step: step_reads + (interval_reads if step in (4, 8) else 0) for step in range(1, 9)}
+        assert per_step == expected, rank
     metrics = read_metrics(cfg.run_dir)
-    assert [m["step"] for m in metrics] == list(range(1, 9)) and len(result.losses) == 8
+    assert [m["step"] for m in metrics] == list(range(1, 9))
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics)

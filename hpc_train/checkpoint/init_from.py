@@ -52,6 +52,8 @@ def source_model_fields(path: str) -> dict[str, Any]:
     model = yaml.safe_load(info.manifest["config"])["model"]
     # max_position_embeddings: None before it was recorded; checkpoints written before model.moe were dense
     saved = {**model, **{f"moe.{key}": value for key, value in (model.get("moe") or {}).items()}}
+    if model.get("moe") and "norm_topk_prob" not in model["moe"]:  # written before it: gates renormalized always
+        saved["moe.norm_topk_prob"] = True
     return {key: saved.get(key, _model_key(ModelConfig(), key) if key.startswith("moe.") else None)
             for key in ARCH_FIELDS}  # fmt: skip
 

@@ -21,7 +21,11 @@ class MoEConfig:
     num_shared_experts: int = 0  # experts every token goes through (DeepSeek), as one SwiGLU of this many widths
     expert_ffn_hidden: int | None = None  # each expert's hidden width; None = the dense MLP's
     first_dense_layers: int = 0  # the first N blocks keep the dense MLP (DeepSeek-V3: 3)
-    score_func: str = "softmax"  # softmax | sigmoid (DeepSeek-V3); the top-k gates are renormalized to sum to 1
+    score_func: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    # the chosen top_k scores renormalized to sum to 1 as gates (Mixtral, Qwen3-MoE, DeepSeek-V3); false: the
+    # raw scores (Qwen2-MoE); None = true when top_k > 1, and false at top_k=1 (Switch), where a renormalized
+    # single gate is 1 and the language-model loss gives the router no gradient
+    norm_topk_prob: bool | None = None
     aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss weight; 0 = off
     # auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing bias moves by this
     # rate towards the mean load (sign of the difference); 0 = off

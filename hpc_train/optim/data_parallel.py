@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded
@@ -15,13 +16,22 @@ from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.buckets import BucketedReduction, bucketize, flat_allreduce
 from hpc_train.optim.rules import Target, UpdateRule, rule_class, target
 from hpc_train.optim.rules.protocol import MatrixFn
-from hpc_train.placement import distribute_like, gathered, local
+from hpc_train.placement import distribute_like, gathered, like_param, local
 
 
 def on_whole(fn: MatrixFn, piece: torch.Tensor) -> torch.Tensor:
     """`fn` of the whole matrix that `piece` (laid out like its parameter: a DTensor shard, or whole) is part
     of: gathered whole on the mesh's device (a host-held shard, under FSDP2's offload, too), and this rank's
-    part of the result cut out again locally, where `piece` is."""
+    part of the result cut out again locally, where `piece` is. A stack of matrices (the routed experts')
+    split only along the stack (expert parallelism, FSDP2's dim-0 shards) holds whole matrices: `fn` runs
+    on this rank's own, and nothing is gathered."""
+    if (
+        piece.ndim == 3
+        and isinstance(piece, DTensor)
+        and all(placement.is_replicate() or placement.is_shard(dim=0) for placement in piece.placements)
+    ):
+        own = local(piece)  # on the mesh's device for `fn` (FSDP2's offload holds it in host memory)
+        return like_param(piece, fn(own.to(piece.device_mesh.device_type)).to(own.device))
     return distribute_like(fn(gathered(piece)), piece)
 
 

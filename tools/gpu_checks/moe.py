@@ -2,8 +2,8 @@
 experts of width 768, 8 per token, 4096 tokens: 32768 assignments, spread as a router skews them),
 forward plus backward, in bf16: one grouped GEMM a projection (`grouped_swiglu`, torch._grouped_mm) against
 the per-expert loop (`looped_swiglu`), with parity of the output and every gradient; and what the layer's
-own `Experts` module runs on this device (models/common/moe.py `grouped_mm_runs` chooses: on CUDA, the loop
-for now), timed too."""
+own `Experts` module runs on this device (models/common/moe.py `grouped_mm_runs` chooses: on CUDA in bf16,
+the grouped GEMM over token groups padded to its alignment), timed too."""
 
 from __future__ import annotations
 

@@ -53,8 +53,10 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
       router       its input in fp32 (T x d x 4; with bf16 weights a copy, and of its weight too), the scores
                    (T x E x 4), the chosen experts, gates and their sum (T x (12 top_k + 4))
       dispatch     the sort order, each assignment's token and gate (A x 20), the group offsets (E x 4)
-      experts      the gathered rows (A x d), SwiGLU's widths (A x h each), all in the compute dtype;
-                   with autocast over fp32 weights every expert weight's cast
+      experts      the gathered rows (R x d), SwiGLU's widths (R x h each), all in the compute dtype;
+                   with autocast over fp32 weights every expert weight's cast. R = A for the loop; the
+                   grouped GEMM pads each expert's group to 16 bytes' worth of rows (R = A + E x
+                   (16 / bytes - 1), rounded up to that) and keeps where each row went (A x 8)
       combine      the expert outputs back in token order, in fp32 (A x d x 4)
       shared       a dense MLP of the shared experts' width (tp-sharded like one), reading the block's input
 
@@ -72,7 +74,10 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     dense = mlp_input + mlp.saved_widths * tokens * f * e // tp + (matrices * d * f * e // tp if casts else 0)
     copies = e != 4 and not casts  # bf16 weights: the router reads an fp32 copy of its input and weight
     router = tokens * d * 4 + tokens * m.num_experts * 4 + tokens * (12 * m.top_k + 4) + copies * d * m.num_experts * 4
-    routed = assigned * 20 + m.num_experts * 4 + assigned * d * e + mlp.saved_widths * assigned * hidden * e
+    align = 16 // e
+    rows = -(-(assigned + m.num_experts * (align - 1)) // align) * align if m.grouped_mm else assigned
+    routed = assigned * 20 + m.num_experts * 4 + rows * d * e + mlp.saved_widths * rows * hidden * e
+    routed += assigned * 8 if m.grouped_mm else 0
     routed += assigned * d * 4 + (matrices * m.num_experts * d * hidden * e if casts else 0)
     moe = router + routed
     if shared:  # its input: the fp32 router input itself, or (bf16 weights) the input, or its own casts

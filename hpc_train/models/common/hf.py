@@ -22,7 +22,7 @@ from hpc_train.config import ConfigError, ModelConfig
 ARCH_FIELDS = ("arch", "vocab_size", "n_layers", "n_heads", "n_kv_heads", "d_model", "ffn_hidden", "rope_theta",
                "norm_eps", "tie_embeddings", "max_position_embeddings", "moe.num_experts", "moe.top_k",
                "moe.num_shared_experts", "moe.expert_ffn_hidden", "moe.first_dense_layers",
-               "moe.score_func")  # fmt: skip
+               "moe.score_func", "moe.norm_topk_prob")  # fmt: skip
 
 
 @dataclass(frozen=True)

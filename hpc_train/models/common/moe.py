@@ -1,6 +1,7 @@
 """Mixture of experts for the decoder skeleton's feed-forward (`model.moe`): a router picks `top_k` of
 `num_experts` SwiGLU experts per token, optional shared experts see every token (DeepSeek), and the experts
-run as one grouped GEMM (`torch._grouped_mm`) over the tokens sorted by expert, or a loop over experts.
+run as one grouped GEMM (`torch._grouped_mm`) over the tokens sorted by expert (each expert's group padded
+to the kernel's alignment), or a loop over experts.
 
 Load balancing: a Switch/GShard auxiliary loss (`aux_loss_coef`), whose gradient is injected in backward at
 the layer's output (Megatron's approach), so it needs no path through the model's loss or the pipeline; and
@@ -51,6 +52,10 @@ def validate_moe(cfg: ModelConfig) -> None:
             problems.append(f"model.moe.top_k={m.top_k} must be in 1..model.moe.num_experts={m.num_experts}")
         if m.score_func not in ("softmax", "sigmoid"):
             problems.append(f"model.moe.score_func={m.score_func!r} is not one of softmax, sigmoid")
+        if m.top_k == 1 and m.norm_topk_prob and not m.aux_loss_coef:
+            problems.append("model.moe.norm_topk_prob=true with top_k=1 makes every gate 1: the language-model "
+                            "loss gives the router no gradient and, with aux_loss_coef=0, nothing trains it; "
+                            "leave norm_topk_prob unset (top_k=1: the raw gate) or set aux_loss_coef > 0")  # fmt: skip
         if m.first_dense_layers < 0 or m.first_dense_layers >= cfg.n_layers:
             problems.append(f"model.moe.first_dense_layers={m.first_dense_layers} must be in 0..model.n_layers-1="
                             f"{cfg.n_layers - 1} (at least one MoE layer)")  # fmt: skip
@@ -66,19 +71,6 @@ def validate_moe(cfg: ModelConfig) -> None:
         problems.append(f"model.moe.capacity_factor={m.capacity_factor} leaves no expert any token; use >= 1")
     if problems:
         raise ConfigError("\n".join(problems))
-
-
-class ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: `_grouped_mm`'s backward fails on an
-    expanded (stride-0) gradient (ENGINES.md)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -97,21 +89,70 @@ class AuxLossGrad(torch.autograd.Function):
         return grad, torch.ones_like(aux_loss) * scale.to(aux_loss.dtype), None
 
 
+GROUP_ALIGN_BYTES = 16  # each expert's rows padded to a multiple of 16 bytes' worth (bf16: 8 rows, fp32: 4)
+
+
 def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
-    """Whether `torch._grouped_mm` takes these operands here: present, on the CPU, every row stride a multiple
-    of 16 bytes. Not on CUDA yet: its kernel wants each expert's token count padded (to 8 rows in bf16, for
-    the weight gradient's grouped GEMM), which is not done yet and no GPU has run this; the loop runs there."""
+    """Whether `torch._grouped_mm` takes these operands here: present, every row stride a multiple of 16
+    bytes, and on CUDA in bf16 on compute capability 9.0 or newer (where its kernel was measured, on an
+    H200; the token groups are padded for it by `grouped_swiglu`). On the CPU any float dtype; elsewhere
+    the loop runs."""
     if not hasattr(torch, "_grouped_mm") or any(w * x.element_size() % 16 for w in widths):
         return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     return x.device.type == "cpu"
+
+
+def padded_groups(counts: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of `rows` rows (sorted by expert, `counts` each) goes when every expert's group starts at a
+    multiple of `align` rows (the grouped GEMM kernel's alignment, its weight gradient's too), and the
+    groups' end offsets. The padded length is fixed by the shapes alone (rows + experts x (align - 1), up to
+    a multiple of align), so nothing is read from the device; the last group takes the slack, so every row
+    belongs to a group and the padding rows, zeros, give zeros. Returns (destination row of each row, int32
+    offsets, length)."""
+    experts = counts.numel()
+    length = -(-(rows + experts * (align - 1)) // align) * align  # the last group aligned too
+    padded = (counts + align - 1) // align * align
+    padded[-1] += length - padded.sum()
+    starts, padded_starts = torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded
+    expert_of = torch.repeat_interleave(torch.arange(experts, device=counts.device), counts, output_size=rows)
+    destination = padded_starts[expert_of] + torch.arange(rows, device=counts.device) - starts[expert_of]
+    return destination, torch.cumsum(padded, 0, dtype=torch.int32), length
+
+
+class MoveRows(torch.autograd.Function):
+    """Rows to and from the padded layout, keeping only `destination` for backward: with `length`, row i of
+    `x` goes to row destination[i] of a zero buffer of `length` rows; without, row i of the result is row
+    destination[i] of `x`. Each one's backward is the other's move (the indices are unique), where torch's
+    index_copy would keep `x` as well and an indexing gather accumulates its gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, destination: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        ctx.save_for_backward(destination)
+        ctx.rows, ctx.pads = x.shape[0], length is not None
+        if length is None:
+            return x.index_select(0, destination)
+        return x.new_zeros(length, x.shape[-1]).index_copy_(0, destination, x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (destination,) = ctx.saved_tensors
+        if ctx.pads:
+            return grad.index_select(0, destination), None, None
+        return grad.new_zeros(ctx.rows, grad.shape[-1]).index_copy_(0, destination, grad), None, None
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
     """SwiGLU of each expert on its rows of `x` (sorted by expert, `counts` rows each), one grouped GEMM a
-    projection. w1, w3: (experts, d, h); w2: (experts, h, d)."""
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    hidden = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
-    return ContiguousGrad.apply(torch._grouped_mm(hidden, w2, offs=offsets))
+    projection, over the rows laid out in groups padded to the kernel's alignment (`padded_groups`): the
+    same code on CUDA and on the CPU, with no read of the counts to the host. w1, w3: (experts, d, h);
+    w2: (experts, h, d)."""
+    align = max(1, GROUP_ALIGN_BYTES // x.element_size())
+    destination, offsets, length = padded_groups(counts, x.shape[0], align)
+    padded = MoveRows.apply(x, destination, length)
+    hidden = F.silu(torch._grouped_mm(padded, w1, offs=offsets)) * torch._grouped_mm(padded, w3, offs=offsets)
+    return MoveRows.apply(torch._grouped_mm(hidden, w2, offs=offsets), destination)
 
 
 def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
@@ -126,7 +167,8 @@ def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: t
 def dispatch_to_experts(experts: Experts, rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup):
     """Expert parallelism: `rows` (sorted by global expert, `counts` rows each) sent to the ep ranks holding
     their experts (rank j holds the j-th 1/ep of them), run there grouped by expert, and the results sent
-    back in the rows' order. The counts are exchanged first (equal splits), so every rank knows its splits."""
+    back in the rows' order. The counts are exchanged first (equal splits), so every rank knows its splits:
+    read to the host once (both directions' split sizes at once), the only read of an MoE layer."""
     ep, device = dist.get_world_size(group), rows.device.type
     if torch.is_autocast_enabled(device):  # sent in the compute dtype (the residual stream may be fp32)
         rows = rows.to(torch.get_autocast_dtype(device))
@@ -134,9 +176,12 @@ def dispatch_to_experts(experts: Experts, rows: torch.Tensor, counts: torch.Tens
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # (source rank, held expert): rows sent here
     received = received.view(ep, held)
-    send, recv = counts.view(ep, held).sum(1).tolist(), received.sum(1).tolist()
+    # the split sizes, the one read from the device: the all-to-alls take them as host integers
+    send, recv = torch.stack([counts.view(ep, held).sum(1), received.sum(1)]).tolist()
     arrived = all_to_all(rows, recv, send, group)  # by source rank, then expert: regrouped by expert
-    expert_of = torch.arange(held, device=rows.device).repeat(ep).repeat_interleave(received.flatten())
+    expert_of = (
+        torch.arange(held, device=rows.device).repeat(ep).repeat_interleave(received.flatten(), output_size=sum(recv))
+    )
     order = torch.argsort(expert_of, stable=True)
     out = experts(arrived[order], received.sum(0))
     return all_to_all(out[torch.argsort(order)], send, recv, group)
@@ -162,13 +207,20 @@ class Experts(nn.Module):
         return looped_swiglu(x, counts, *weights)
 
 
-class Router(nn.Module):
-    """Token -> top_k experts and their gates, in fp32. `expert_bias` (a buffer, checkpointed) shifts the
-    selection only, never the gates (DeepSeek-V3)."""
+def normalizes_gates(cfg: ModelConfig) -> bool:
+    """model.moe.norm_topk_prob resolved: given, or renormalized gates exactly when top_k > 1."""
+    m = cfg.moe
+    return m.top_k > 1 if m.norm_topk_prob is None else m.norm_topk_prob
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, score_func: str):
+
+class Router(nn.Module):
+    """Token -> top_k experts and their gates, in fp32: the chosen scores, renormalized to sum to 1 where
+    `normalize`. `expert_bias` (a buffer, checkpointed) shifts the selection only, never the gates
+    (DeepSeek-V3)."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, score_func: str, normalize: bool = True):
         super().__init__()
-        self.top_k, self.score_func = top_k, score_func
+        self.top_k, self.score_func, self.normalize = top_k, score_func, normalize
         self.gate = nn.Linear(d_model, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts))
 
@@ -179,7 +231,7 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         gates = scores.gather(1, chosen)
-        return scores, chosen, gates / gates.sum(-1, keepdim=True)
+        return scores, chosen, gates / gates.sum(-1, keepdim=True) if self.normalize else gates
 
 
 def combine(routed: torch.Tensor, order: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -207,7 +259,7 @@ class MoE(nn.Module):
         hidden = expert_hidden(cfg, dense_hidden)
         self.num_experts, self.top_k = m.num_experts, m.top_k
         self.aux_loss_coef, self.capacity_factor = m.aux_loss_coef, m.capacity_factor
-        self.router = Router(cfg.d_model, m.num_experts, m.top_k, m.score_func)
+        self.router = Router(cfg.d_model, m.num_experts, m.top_k, m.score_func, normalizes_gates(cfg))
         self.experts = Experts(m.num_experts, cfg.d_model, hidden, m.grouped_mm)
         self.shared = shared_mlp(cfg.d_model, hidden * m.num_shared_experts, False) if m.num_shared_experts else None
         self.aux_grad_scale: float | torch.Tensor = 1.0  # the main loss's scale per micro-batch (set each step)
@@ -227,7 +279,10 @@ class MoE(nn.Module):
         scores, chosen, gates = self.router(x)
         experts = chosen.flatten()
         order = torch.argsort(experts, stable=True)  # assignments grouped by expert, in token order within
-        counts = torch.bincount(experts, minlength=self.num_experts)
+        # tokens per expert (bincount on CUDA reads its input's maximum back to size its output)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
+            0, experts, torch.ones_like(experts)
+        )
         kept_counts, dropped = counts, counts.new_zeros(())
         capacity = self.capacity(tokens)
         if capacity is not None:  # an expert's assignments past its capacity (the later tokens) are dropped

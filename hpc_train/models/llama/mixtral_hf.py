@@ -9,7 +9,7 @@ import torch
 
 from hpc_train.config import ModelConfig
 from hpc_train.models.common.hf import HFAdapter, TensorRule, listed, unsupported
-from hpc_train.models.common.moe import expert_hidden
+from hpc_train.models.common.moe import expert_hidden, normalizes_gates
 from hpc_train.models.llama.hf import attention_config, attention_fields, attention_rules, refuse_attention
 from hpc_train.models.llama.model import ffn_size
 
@@ -22,12 +22,13 @@ def _refuse_import(config: dict) -> list[str]:
 
 
 def _refuse_export(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> list[str]:
-    """Shared experts, dense first layers, other scores, and routing biases moved from zero: Mixtral would
-    compute another model (without the biases, it would choose other experts)."""
+    """Shared experts, dense first layers, other scores, raw gates, and routing biases moved from zero:
+    Mixtral would compute another model (without the biases, it would choose other experts)."""
     m = cfg.moe
     unfit = {"model.moe.num_shared_experts": (m.num_shared_experts, 0),
              "model.moe.first_dense_layers": (m.first_dense_layers, 0),
-             "model.moe.score_func": (m.score_func, "softmax")}  # fmt: skip
+             "model.moe.score_func": (m.score_func, "softmax"),
+             "model.moe.norm_topk_prob": (normalizes_gates(cfg), True)}  # fmt: skip
     problems = [f"{key}={value!r} (Mixtral has {fit!r})" for key, (value, fit) in unfit.items() if value != fit]
     if biased := sorted(name for name, t in state.items() if name.endswith(ROUTER_BIAS) and t.any()):
         problems.append(f"it has no place for {listed(biased)}, which are not zero (auxiliary-loss-free balancing "
@@ -38,11 +39,12 @@ def _refuse_export(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> list[str
 
 def _model_fields(config: dict) -> dict:
     """MixtralForCausalLM's config.json -> ModelConfig fields: every block MoE, each expert as wide as
-    intermediate_size."""
+    intermediate_size, the gates renormalized (norm_topk_prob's default at top_k > 1; said at top_k=1)."""
     return {**attention_fields(config), "moe.num_experts": config["num_local_experts"],
             "moe.top_k": config["num_experts_per_tok"], "moe.num_shared_experts": 0,
             "moe.expert_ffn_hidden": config["intermediate_size"], "moe.first_dense_layers": 0,
-            "moe.score_func": "softmax"}  # fmt: skip
+            "moe.score_func": "softmax",
+            "moe.norm_topk_prob": True if config["num_experts_per_tok"] == 1 else None}  # fmt: skip
 
 
 def _hf_config(cfg: ModelConfig) -> dict:

@@ -3,6 +3,7 @@ every data-parallel strategy. A new rule is a module here and a line in `RULES`.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hpc_train.config import ConfigError, OptimConfig
@@ -27,16 +28,30 @@ def rule_class(cfg: OptimConfig) -> type[UpdateRule]:
     return RULES[cfg.name]
 
 
+ROUTER_GATE = ".mlp.router.gate.weight"
+
+
 def is_hidden_matrix(name: str, ndim: int) -> bool:
-    """A 2-D weight inside a transformer block (by its whole-model name): what matrix rules (Muon) update;
-    embeddings, the head, norms and biases are left to AdamW, as Muon's authors do."""
-    return ndim == 2 and name.startswith("layers.")
+    """A 2-D weight inside a transformer block (by its whole-model name), or the routed experts' stack of
+    them (3-D, one matrix per expert): what matrix rules (Muon) update. Embeddings, the head, norms and
+    biases are left to AdamW, as Muon's authors do, and so is an MoE router's gate, whose rows are one
+    score each rather than a linear map (Moonlight keeps its router on AdamW too)."""
+    if not name.startswith("layers.") or name.endswith(ROUTER_GATE):
+        return False
+    return ndim == 2 or (ndim == 3 and ".mlp.experts." in name)
+
+
+def matrix_shape(p: nn.Parameter) -> torch.Size:
+    """A hidden matrix's shape as nn.Linear stores it, (out, in): the routed experts' stacks hold (experts,
+    in, out), so their last two dimensions are swapped (Muon's learning-rate adjustment reads rows, cols)."""
+    return p.shape if p.ndim == 2 else torch.Size([*p.shape[:-2], p.shape[-1], p.shape[-2]])
 
 
 def target(name: str, p: nn.Parameter, tensor: nn.Parameter | None = None) -> Target:
     """The rule's view of parameter `p` (named `name` in the whole model), updated through `tensor` (its
     ZeRO master slice) or itself."""
-    return Target(p if tensor is None else tensor, p.ndim >= 2, p.shape if is_hidden_matrix(name, p.ndim) else None)
+    shape = matrix_shape(p) if is_hidden_matrix(name, p.ndim) else None
+    return Target(p if tensor is None else tensor, p.ndim >= 2, shape)
 
 
 __all__ = ["RULES", "Target", "UpdateRule", "WholeMatrices", "choices", "is_hidden_matrix", "local_matrices",

@@ -1,4 +1,5 @@
-"""Muon (torch.optim.Muon's arithmetic) for hidden-layer matrices, AdamW for every other parameter.
+"""Muon (torch.optim.Muon's arithmetic) for hidden-layer matrices (each routed expert's as its own matrix),
+AdamW for every other parameter (the MoE router's too).
 
 Muon's momentum and Nesterov step are elementwise, so they run on whatever part of a matrix a rank holds;
 its Newton-Schulz orthogonalization needs the whole matrix, so that one step runs on the matrix gathered by
@@ -31,21 +32,27 @@ NS_EPS = 1e-7
 def orthogonalize(matrix: torch.Tensor, steps: int) -> torch.Tensor:
     """Newton-Schulz iterations towards U V^T of the matrix's SVD U S V^T, in bf16: its singular values end
     up roughly in (0.5, 1.5) rather than at 1, which costs Muon nothing and saves iterations. The Gram matrix
-    is taken on the shorter side (a tall matrix is worked on transposed)."""
+    is taken on the shorter side (a tall matrix is worked on transposed). A 3-D `matrix` is a stack (the
+    routed experts'): each of its matrices is orthogonalized as its own, in one batched iteration."""
     a, b, c = NS_COEFFICIENTS
-    tall = matrix.size(0) > matrix.size(1)
-    x = matrix.bfloat16().T if tall else matrix.bfloat16()
-    x = x / x.norm().clamp(min=NS_EPS)  # Frobenius norm 1 bounds the spectral norm by 1: the iteration's range
+    tall = matrix.size(-2) > matrix.size(-1)
+    x = matrix.bfloat16().mT if tall else matrix.bfloat16()
+    # Frobenius norm 1 bounds the spectral norm by 1: the iteration's range
+    if x.ndim == 2:
+        x, mm = x / x.norm().clamp(min=NS_EPS), torch.addmm
+    else:
+        x, mm = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=NS_EPS), torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = mm(x, mm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+    return x.mT if tall else x
 
 
 def adjusted_lr(lr: float, how: str, shape: torch.Size) -> float:
-    """The learning rate for a (rows, cols) matrix (optim.muon_adjust_lr): `match_rms_adamw` makes the
-    update's RMS AdamW's typical one (Moonlight), `original` is Keller Jordan's sqrt(max(1, rows / cols))."""
-    rows, cols = shape[:2]
+    """The learning rate for a (rows, cols) matrix, or a stack of them (optim.muon_adjust_lr): `match_rms_adamw`
+    makes the update's RMS AdamW's typical one (Moonlight), `original` is Keller Jordan's
+    sqrt(max(1, rows / cols))."""
+    rows, cols = shape[-2:]
     ratio = 0.2 * math.sqrt(max(rows, cols)) if how == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
     return lr * ratio
 

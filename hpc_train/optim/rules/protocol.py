@@ -22,7 +22,9 @@ class Target:
 
     tensor: torch.Tensor  # a parameter (or its tp / FSDP shard), or a ZeRO slice's fp32 master weights
     decay: bool  # weight decay applies (matrices; not norms or biases)
-    matrix_shape: torch.Size | None = None  # the whole hidden-layer matrix it is (part of); None: not one
+    # the whole hidden-layer matrix it is (part of), (out, in), or (experts, out, in) for a stack of them;
+    # None: not one
+    matrix_shape: torch.Size | None = None
 
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
@@ -32,7 +34,8 @@ class WholeMatrices(Protocol):
     def __call__(self, fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """`pieces[i]` is matrix target i's part of some quantity, shaped like its tensor: apply `fn` to each
         whole matrix and return each target's part of the result. A collective over the ranks that share
-        the matrices: every rank passes its targets in the same order."""
+        the matrices: every rank passes its targets in the same order. A 3-D piece is a stack of matrices
+        that `fn` maps matrix by matrix: a part cut along its first dimension holds whole matrices."""
         ...
 
 
