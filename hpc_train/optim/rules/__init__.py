@@ -34,8 +34,8 @@ ROUTER_GATE = ".mlp.router.gate.weight"
 def is_hidden_matrix(name: str, ndim: int) -> bool:
     """A 2-D weight inside a transformer block (by its whole-model name), or the routed experts' stack of
     them (3-D, one matrix per expert): what matrix rules (Muon) update. Embeddings, the head, norms and
-    biases are left to AdamW, as Muon's authors do, and so is an MoE router's gate, whose rows are one
-    score each rather than a linear map (Moonlight keeps its router on AdamW too)."""
+    biases are left to AdamW, as Muon's authors do, and so is an MoE router's gate (issue 43's choice: its
+    rows score the experts, like the head's score the vocabulary)."""
     if not name.startswith("layers.") or name.endswith(ROUTER_GATE):
         return False
     return ndim == 2 or (ndim == 3 and ".mlp.experts." in name)
