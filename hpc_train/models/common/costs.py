@@ -8,7 +8,7 @@ import math
 
 from hpc_train.config import ModelConfig
 from hpc_train.models.common.decoder import Architecture, loss_chunk_rows, padded_vocab_size
-from hpc_train.models.common.moe import expert_hidden, is_moe_layer, moe_block_weights
+from hpc_train.models.common.moe import expert_hidden, group_align, is_moe_layer, moe_block_weights, padded_length
 from hpc_train.models.spec import ActivationShape, StageActivations
 
 
@@ -74,8 +74,7 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     dense = mlp_input + mlp.saved_widths * tokens * f * e // tp + (matrices * d * f * e // tp if casts else 0)
     copies = e != 4 and not casts  # bf16 weights: the router reads an fp32 copy of its input and weight
     router = tokens * d * 4 + tokens * m.num_experts * 4 + tokens * (12 * m.top_k + 4) + copies * d * m.num_experts * 4
-    align = 16 // e
-    rows = -(-(assigned + m.num_experts * (align - 1)) // align) * align if m.grouped_mm else assigned
+    rows = padded_length(assigned, m.num_experts, group_align(e)) if m.grouped_mm else assigned
     routed = assigned * 20 + m.num_experts * 4 + rows * d * e + mlp.saved_widths * rows * hidden * e
     routed += assigned * 8 if m.grouped_mm else 0
     routed += assigned * d * 4 + (matrices * m.num_experts * d * hidden * e if casts else 0)

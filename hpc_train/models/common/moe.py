@@ -92,6 +92,17 @@ class AuxLossGrad(torch.autograd.Function):
 GROUP_ALIGN_BYTES = 16  # each expert's rows padded to a multiple of 16 bytes' worth (bf16: 8 rows, fp32: 4)
 
 
+def group_align(element_bytes: int) -> int:
+    """Rows per alignment unit of the grouped GEMM's token groups for this element size."""
+    return max(1, GROUP_ALIGN_BYTES // element_bytes)
+
+
+def padded_length(rows: int, experts: int, align: int) -> int:
+    """The padded layout's rows: each group can need align - 1 more, and the whole is a multiple of align
+    (the last group aligned too). Fixed by the shapes alone (the planner counts it too)."""
+    return -(-(rows + experts * (align - 1)) // align) * align
+
+
 def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
     """Whether `torch._grouped_mm` takes these operands here: present, every row stride a multiple of 16
     bytes, and on CUDA in bf16 on compute capability 9.0 or newer (where its kernel was measured, on an
@@ -112,7 +123,7 @@ def padded_groups(counts: torch.Tensor, rows: int, align: int) -> tuple[torch.Te
     belongs to a group and the padding rows, zeros, give zeros. Returns (destination row of each row, int32
     offsets, length)."""
     experts = counts.numel()
-    length = -(-(rows + experts * (align - 1)) // align) * align  # the last group aligned too
+    length = padded_length(rows, experts, align)
     padded = (counts + align - 1) // align * align
     padded[-1] += length - padded.sum()
     starts, padded_starts = torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded
@@ -148,7 +159,7 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
     projection, over the rows laid out in groups padded to the kernel's alignment (`padded_groups`): the
     same code on CUDA and on the CPU, with no read of the counts to the host. w1, w3: (experts, d, h);
     w2: (experts, h, d)."""
-    align = max(1, GROUP_ALIGN_BYTES // x.element_size())
+    align = group_align(x.element_size())
     destination, offsets, length = padded_groups(counts, x.shape[0], align)
     padded = MoveRows.apply(x, destination, length)
     hidden = F.silu(torch._grouped_mm(padded, w1, offs=offsets)) * torch._grouped_mm(padded, w3, offs=offsets)
