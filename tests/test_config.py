@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpc_train.cli import main
-from hpc_train.config import ConfigError, validate
+from hpc_train.config import ConfigError, to_yaml, validate
 from hpc_train.job import check_run, load_config
 from hpc_train.launch import local, slurm
 from tests.conftest import ROOT, run_cli
@@ -98,6 +98,19 @@ def test_presets_have_consistent_layouts(preset):
     assert check_run(cfg, world, check_paths=False).dp == dp
 
 
+def test_the_recorded_config_reads_back_as_the_same_config(tmp_path):
+    """What a run records (config.yaml, each checkpoint's manifest: `to_yaml`) loads back to the same config
+    for every preset, with strings that other types' syntax would claim (a float, a bool, a time, quotes,
+    non-ASCII) kept strings."""
+    tricky = ["slurm.job_name='1e3'", "slurm.partition=on", "slurm.account=Zürich",
+              "slurm.setup=[\"export A='x'\", 'yes', '12:30']"]  # fmt: skip
+    for preset in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(preset, tricky)
+        (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+        assert load_config(tmp_path / "config.yaml") == cfg == load_config(None, saved=to_yaml(cfg)), preset.name
+    assert cfg.slurm.job_name == "1e3" and cfg.slurm.setup[1:] == ["yes", "12:30"]
+
+
 def test_config_show_cli():
     out = subprocess.run(
         [sys.executable, "-m", "hpc_train.cli", "config", "show", "configs/tiny.yaml", "train.steps=3"],
@@ -106,7 +119,7 @@ def test_config_show_cli():
         text=True,
         check=True,
     )
-    assert "steps: 3" in out.stdout and "run_dir: runs/tiny" in out.stdout
+    assert "steps: 3" in out.stdout and "run_dir: 'runs/tiny'" in out.stdout
     assert "valid for world size 2: pp=1 dp=2 cp=1 tp=1" in out.stderr
     bad = run_cli("train", "configs/tiny.yaml", "train.stpes=3")
     assert bad.returncode == 2

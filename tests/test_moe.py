@@ -1,13 +1,13 @@
 """Mixture of experts (models/common/moe.py): grouped GEMM against the per-expert loop, the layer against a
 per-token reference (routing bias, shared experts, capacity drops), the aux loss's injected gradient against
 the explicit sum, the config's checks and refusals, active-parameter FLOPs and the planner's counts, a
-training run's per-layer metrics, and the load-balance curve with and without bias balancing."""
+training run's per-layer metrics, and the load-balance curve of `hpc-train train` with and without bias
+balancing."""
 
 from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,14 +26,12 @@ from hpc_train.models.common.moe import (
     grouped_mm_runs,
     grouped_swiglu,
     looped_swiglu,
-    moe_layers,
     padded_groups,
     take_stats,
-    update_expert_bias,
 )
 from hpc_train.models.llama.model import SwiGLU
 from hpc_train.train.loop import run_training
-from tests.conftest import ROOT, TINY_MODEL, HostReads, max_param_diff, read_final_model, read_metrics
+from tests.conftest import ROOT, TINY_MODEL, HostReads, max_param_diff, read_final_model, read_metrics, run_cli
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32"]
 
@@ -241,45 +239,23 @@ def test_training_records_moe_metrics_and_persists_the_routing_bias(make_cfg):
     assert 0 < bias.abs().max() <= 3 * 0.01 + 1e-6  # moved by at most the rate per step
 
 
-def balance_curve(corpus: str, rate: float, steps: int = 200) -> list[float]:
-    """Per step, the larger of the two MoE layers' max/mean expert load, on the tiny model (4 experts,
-    top 2, sigmoid scores) trained on byte-level Python sources, with the routing bias updated at `rate`."""
-    cfg = model_cfg("model.d_model=32", "model.moe.score_func=sigmoid", f"model.moe.bias_update_rate={rate}")
-    spec = get_spec("llama")
-    torch.manual_seed(0)
-    model = spec.build_stage(cfg)
-    spec.init_weights(model, 1)
-    layers = dict(moe_layers([model]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    tokens = torch.from_numpy(np.fromfile(f"{corpus}.bin", dtype=np.uint16).astype(np.int64))
-    gen, curve = torch.Generator().manual_seed(0), []
-    for _ in range(steps):
-        starts = torch.randint(0, tokens.numel() - 33, (8,), generator=gen)
-        batch = torch.stack([tokens[s : s + 33] for s in starts.tolist()])
-        model(batch[:, :-1], batch[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loads = {name: row[:-2] for name, row in take_stats([model]).items()}
-        curve.append(max((load.max() / load.mean()).item() for load in loads.values()))
-        for name, load in loads.items():
-            update_expert_bias(layers[name], load, rate)
-    return curve
-
-
-def test_bias_balancing_brings_the_expert_load_below_1_3_within_200_steps(small_corpus):
-    """Ten-step means of the per-step max/mean load: balanced, they fall below 1.3; unbalanced, the router
-    collapses onto two of the four experts (2.0) and stays there."""
-    windows, threads = {}, torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread is 10x faster than two on a loaded machine
-    try:
-        curves = {rate: balance_curve(small_corpus, rate) for rate in (0.01, 0.0)}
-    finally:
-        torch.set_num_threads(threads)
-    for rate, curve in curves.items():
-        windows[rate] = [float(np.mean(curve[i : i + 10])) for i in range(0, len(curve), 10)]
+def test_bias_balancing_in_a_training_run_keeps_the_expert_load_below_1_4(tmp_path, small_corpus):
+    """`hpc-train train configs/moe_tiny.yaml` (4 experts, top 2, sigmoid scores, bias_update_rate 0.01):
+    the record's max/mean expert load (the larger of its MoE layers), in ten-step means, is below 1.4 after
+    100 steps (measured 1.16 at steps 91-100, from 1.86); with balancing off (rate 0) the router collapses
+    onto two of the four experts (2.0) and stays there (measured 1.91-2.00 from step 11 on; 50 steps)."""
+    windows = {}
+    for rate, steps in ((0.01, 100), (0.0, 50)):
+        run = tmp_path / f"rate_{rate}"
+        result = run_cli("train", "configs/moe_tiny.yaml", f"model.moe.bias_update_rate={rate}", f"train.steps={steps}",
+                         "train.eval_interval=0", "logging.progress=none", f"data.train_path={small_corpus}",
+                         f"run_dir={run}")  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        curve = [max(layer["load_max_mean"] for layer in r["moe"].values()) for r in read_metrics(run)]
+        windows[rate] = [sum(curve[i : i + 10]) / 10 for i in range(0, steps, 10)]
         print(f"bias_update_rate={rate}: " + " ".join(f"{w:.2f}" for w in windows[rate]))
-    assert min(windows[0.01]) < 1.3 and windows[0.01][-1] < 1.4
-    assert min(windows[0.0]) >= 1.3
+    assert windows[0.01][0] > 1.6 and windows[0.01][-1] < 1.4
+    assert min(windows[0.0][1:]) > 1.8
 
 
 DP_LAYOUTS = {  # name -> (world, overrides); global batch 8 as two micro-batches of 4 samples everywhere
