@@ -5,6 +5,8 @@ resharded from ep2 to ep1 and back; the memory each rank holds; the refused layo
 
 from __future__ import annotations
 
+import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,16 +37,31 @@ LAYOUTS = {
     "ep1_then_ep2_zero2": (2, ["train.micro_batch_size=4", "checkpoint.interval=2"], 2),
     "ep2_tp2": (4, ["train.micro_batch_size=4", "parallel.ep=2", "parallel.tp=2"], 3),
     "ep2_pp2": (4, ["train.micro_batch_size=2", "train.grad_accum=2", "parallel.ep=2", "parallel.pp=2"], 3),
-    # the experts' gradients reduce-scattered and their optimizer state (ZeRO-3: themselves) sharded over edp=2
+    # the experts' gradients reduce-scattered and their optimizer state (ZeRO-3: themselves) sharded over edp=2;
+    # ZeRO-1 and -2 checkpoint at step 2 (sync; async), where an expert's state is held by one edp rank each,
+    # and resume at ep2 and (a copy) at ep1
     "dp4_ep2_zero1": (
         4,
-        ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=1", "optim.bucket_mb=0.05"],
-        3,
+        [
+            "train.micro_batch_size=2",
+            "parallel.ep=2",
+            "optim.zero_stage=1",
+            "optim.bucket_mb=0.05",
+            "checkpoint.interval=2",
+        ],
+        2,
     ),  # fmt: skip
     "dp4_ep2_zero2": (
         4,
-        ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=2", "optim.bucket_mb=0.05"],
-        3,
+        [
+            "train.micro_batch_size=2",
+            "parallel.ep=2",
+            "optim.zero_stage=2",
+            "optim.bucket_mb=0.05",
+            "checkpoint.interval=2",
+            "checkpoint.async_save=true",
+        ],
+        2,
     ),  # fmt: skip
     "dp4_ep2_zero3": (4, ["train.micro_batch_size=2", "parallel.ep=2", "optim.zero_stage=3"], 3),
 }
@@ -55,7 +72,10 @@ MUON_TOL = 1e-4
 RESUMED = {
     "ep2_zero3_then_ep1": ["parallel.ep=1", "optim.zero_stage=0"],
     "ep1_then_ep2_zero2": ["parallel.ep=2", "optim.zero_stage=2", "optim.bucket_mb=0.05"],
+    "dp4_ep2_zero1": [],
+    "dp4_ep2_zero2": [],
 }
+RESUMED_AT_EP1 = ("dp4_ep2_zero1", "dp4_ep2_zero2")  # copies of these checkpoints, resumed at ep1
 
 
 def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
@@ -66,23 +86,38 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     reference = cfg("reference", 1, 3, "train.micro_batch_size=4", "train.grad_accum=2")
     reference_muon = cfg("reference_muon", 1, 3, *MUON, "train.grad_accum=2")
     launch_sequence(run_training, 1, [(reference,), (reference_muon,)])
+    ref, final = read_metrics(reference.run_dir), read_final_model(reference.run_dir)
     ep2_muon = cfg("ep2_zero1_muon", 2, 3, *MUON, "parallel.ep=2", "optim.zero_stage=1", "optim.bucket_mb=0.05")
     cfgs = {name: cfg(name, world, steps, *extra) for name, (world, extra, steps) in LAYOUTS.items()}
-    resumed = {name: cfg(name, 2, 3, *LAYOUTS[name][1], *other) for name, other in RESUMED.items()}
+    resumed = {name: cfg(name, LAYOUTS[name][0], 3, *LAYOUTS[name][1], *other) for name, other in RESUMED.items()}
+    at_ep1 = {f"{name}_then_ep1": cfg(f"{name}_then_ep1", 4, 3, *LAYOUTS[name][1], "parallel.ep=1")
+              for name in RESUMED_AT_EP1}  # fmt: skip
     # every token to every expert: each rank sends exactly half its rows to the other (the planner's figure);
     # selective recompute runs no MoE forward again; full recompute of every second block runs the first again
     every_expert = ["train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4", "model.recompute_every=2"]
     every = {r: cfg(f"every_expert_{r}", 2, 1, *every_expert, f"model.recompute={r}") for r in ("selective", "full")}
     two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2]
-    two += [(c,) for c in (*resumed.values(), *every.values(), ep2_muon)]
+    two += [(c,) for name, c in resumed.items() if LAYOUTS[name][0] == 2]
+    two += [(c,) for c in (*every.values(), ep2_muon)]
     launch_sequence(counted_training, 2, two)
     launch_sequence(counted_training, 4, [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 4])
-    ref, final = read_metrics(reference.run_dir), read_final_model(reference.run_dir)
+    for name in RESUMED_AT_EP1:
+        shutil.copytree(cfgs[name].run_dir, at_ep1[f"{name}_then_ep1"].run_dir)
+        # each expert shard written once: the files hold exactly the items DCP indexed, whose tensors are every
+        # parameter's weight and ZeRO's three fp32 states (master, AdamW's moments) once, and the routing biases
+        on_disk, items, tensor_bytes = written_bytes(Path(cfgs[name].run_dir) / "checkpoints/step_0000002")
+        weights = {k: t[: reference.model.vocab_size] if k in VOCAB_ROWS else t for k, t in final.items()}
+        biases = sum(t.numel() for k, t in weights.items() if k.endswith("expert_bias"))
+        assert tensor_bytes == 4 * (4 * sum(t.numel() for t in weights.values()) - 3 * biases), name
+        assert on_disk == items, name
+    four = [(c,) for name, c in resumed.items() if LAYOUTS[name][0] == 4] + [(c,) for c in at_ep1.values()]
+    launch_sequence(counted_training, 4, four)
+    cfgs.update(at_ep1)
     assert final["layers.1.mlp.router.expert_bias"].abs().sum() > 0  # the biases moved: routing is compared
     for name, c in cfgs.items():
         records = read_metrics(c.run_dir)
         assert len(records) == 3, name
-        if name in RESUMED:
+        if name in RESUMED or name.endswith("_then_ep1"):
             assert records[2]["resumed_from"]["step"] == 2, name
         for ours, theirs in zip(records, ref, strict=True):
             assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5), name
@@ -119,6 +154,21 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     ep1, ep2 = (read_metrics(cfgs[name].run_dir)[0]["memory_bytes"] for name in ("ep1_then_ep2_zero2", "ep2"))
     assert ep1["params"] - ep2["params"] == EXPERT_BYTES // 2  # each rank holds half the experts
     assert ep1["grads"] - ep2["grads"] == EXPERT_BYTES // 2
+
+
+VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")  # padded in the model, saved unpadded
+
+
+def written_bytes(step_dir: Path) -> tuple[int, int, int]:
+    """A checkpoint's bytes on disk, the bytes of the items its DCP index places in those files, and the
+    tensor bytes of those items (each written chunk's elements; DCP frames each item, ~1.6 KB)."""
+    metadata = read_dcp_metadata(step_dir)
+    chunk_bytes = {(fqn, tuple(chunk.offsets)): math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+                   for fqn, entry in metadata.state_dict_metadata.items()
+                   for chunk in getattr(entry, "chunks", [])}  # fmt: skip
+    stored = metadata.storage_data.items()
+    tensors = sum(chunk_bytes[index.fqn, tuple(index.offset)] for index, _ in stored if index.offset is not None)
+    return sum(f.stat().st_size for f in step_dir.glob("*.distcp")), sum(i.length for _, i in stored), tensors
 
 
 def test_refused_expert_parallel_layouts(make_cfg):
