@@ -401,6 +401,37 @@ def test_lora_trains_like_one_process_and_exports(make_cfg, hf_models, instructi
     assert (hf_logits(hf_models["llama"], str(tmp_path / "adapters")) - fine_tuned).abs().max() < TOL
 
 
+def test_lora_on_an_imported_mixtral_trains_like_one_process_and_exports(make_cfg, hf_models, instructions, tmp_path):
+    """LoRA on the attention of an imported Mixtral (the router and routed experts frozen, as the base):
+    dp2 with ep2 and tp2 (routed experts replicated) equal one process; the merged export gives
+    `transformers` the fine-tuned logits."""
+    base = [f"model.init_from={hf_models['mixtral']}", *LORA, "finetune.lora_targets=[wq,wv]",
+            f"data.train_path={instructions}"]  # fmt: skip
+    reference = _cfg(make_cfg, *base, run="moe_lora_single")
+    launch_local(run_training, 1, reference)
+    layouts = {"dp2_ep2": ["parallel.ep=2", "train.micro_batch_size=2"], "tp2": ["parallel.tp=2"]}
+    runs = {name: _cfg(make_cfg, *base, "parallel.nproc=2", *extra, run=f"moe_lora_{name}")
+            for name, extra in layouts.items()}  # fmt: skip
+    launch_sequence(run_training, 2, [(cfg,) for cfg in runs.values()])
+    expected_losses = [r["loss"] for r in read_metrics(reference.run_dir) if "loss" in r]
+    final = read_final_model(reference.run_dir)
+    for name, cfg in runs.items():
+        losses = [r["loss"] for r in read_metrics(cfg.run_dir) if "loss" in r]
+        assert losses == pytest.approx(expected_losses, abs=TOL), name
+        assert max_param_diff(read_final_model(cfg.run_dir), final) < TOL, name
+    with single_process_group():
+        _, imported = load_whole(hf_models["mixtral"])
+        export_hf(reference.run_dir, str(tmp_path / "merged"))
+    for frozen in ("layers.1.mlp.router.gate.weight", "layers.1.mlp.experts.w1", "layers.1.attn.wv.weight"):
+        assert torch.equal(final[frozen], imported[frozen]), frozen
+    assert final["layers.1.attn.wv.lora_b"].abs().sum() > 0  # trained
+    ours = str(tmp_path / "ours.pt")
+    launch_local(logits_entry, 1, reference, ours, True)
+    fine_tuned = torch.load(ours)
+    assert (fine_tuned - hf_logits(hf_models["mixtral"])).abs().max() > 1e-3  # the adapters changed the model
+    assert (hf_logits(str(tmp_path / "merged")) - fine_tuned).abs().max() < TOL
+
+
 QLORA = [*LORA, "finetune.method=qlora", "train.precision=bf16", "optim.decay_steps=3", "checkpoint.interval=2"]
 QLORA_LAYOUTS = {
     "pp2": ["parallel.pp=2"],

@@ -182,6 +182,12 @@ def test_config_checks_and_refused_layouts(make_cfg):
         assert f"{key} is not supported with model.moe.num_experts=4 yet" in str(err.value)
     with pytest.raises(ConfigError, match="parallel.cp=2 is not supported with model.moe.num_experts=4 yet"):
         check_run(make_cfg(*MOE, "parallel.cp=2"), 2, check_paths=False)
+    qlora = ["finetune.method=qlora", "train.precision=bf16", "finetune.lora_targets=[wq]"]
+    with pytest.raises(ConfigError, match="finetune.method=qlora is not supported with model.moe.num_experts=4 yet"):
+        check_run(make_cfg(*MOE, *qlora), 1, check_paths=False)
+    # the router reads its gate's weight itself, in fp32: an adapter wrapped around the gate would never run
+    with pytest.raises(ConfigError, match=r"\['gate'\] are not projections of this model; pick from \['wk', 'wo'"):
+        check_run(make_cfg(*MOE, "finetune.method=lora", "finetune.lora_targets=[wq,gate]"), 1, check_paths=False)
     accepted = make_cfg(*MOE, "optim.zero_stage=3", "parallel.tp=2", "parallel.pp=2", "train.grad_accum=2")
     check_run(accepted, 8, check_paths=False)
 

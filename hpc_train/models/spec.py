@@ -111,8 +111,11 @@ class ModelSpec:
 
 
 def projections(chunk: nn.Module) -> dict[str, nn.Linear]:
-    """The blocks' linear projections, by name within the stage (`layers.<i>.attn.wq`)."""
-    return {name: m for name, m in chunk.named_modules() if name.startswith("layers.") and isinstance(m, nn.Linear)}
+    """The blocks' linear projections, by name within the stage (`layers.<i>.attn.wq`): what LoRA adapts,
+    QLoRA quantizes and float8 converts. Not an MoE router's gate, whose weight the router reads itself, in
+    fp32 (models/common/moe.py): a module put in its place would never run."""
+    found = {name: m for name, m in chunk.named_modules() if name.startswith("layers.") and isinstance(m, nn.Linear)}
+    return {name: m for name, m in found.items() if not name.endswith(".router.gate")}
 
 
 def is_frozen(name: str, patterns: list[str]) -> bool:

@@ -38,7 +38,7 @@ def check(*, model: ModelConfig, parallel: ParallelConfig, train, finetune: Fine
         f"parallel.cp={parallel.cp}": (parallel.cp > 1, "set parallel.cp=1"),
         "train.fp8": (train.fp8 != "off", "set train.fp8=off"),
         "train.compile": (train.compile, "set train.compile=false"),
-        f"finetune.method={finetune.method}": (finetune.adapters, "use finetune.method=full"),
+        f"finetune.method={finetune.method}": (finetune.quantized_base, "use finetune.method=lora or full"),
     }
     problems += [f"{key} is not supported with model.moe.num_experts={experts} yet: {fix}"
                  for key, (refused, fix) in unsupported.items() if refused]  # fmt: skip
