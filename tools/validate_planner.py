@@ -115,6 +115,12 @@ LAYOUTS = {  # name -> (world size, overrides)
     "moe_bf16_autocast": (1, [*MOE, "train.precision=bf16"]),
     "moe_tp2_zero1_bf16": (2, [*MOE, "parallel.tp=2", *ZERO1_BF16]),
     "moe_pp2": (2, [*MOE, "parallel.pp=2", "train.grad_accum=4"]),
+    # LoRA on an MoE model: the router and routed experts frozen keep neither the router's input nor the rows
+    "moe_lora": (1, [*MOE, *LORA, "finetune.lora_targets=[wq,wv,w2]"]),
+    "moe_lora_tp2_bf16": (
+        2,
+        [*MOE, *LORA, "finetune.lora_targets=[wq,w3,w2]", "parallel.tp=2", "train.precision=bf16"],
+    ),
 }
 MODEL = ["model.n_layers=4", "model.n_heads=4", "model.d_model=128", "model.seq_len=64", "train.micro_batch_size=4"]
 RUN = ["train.steps=2", "train.eval_interval=0", "logging.progress=none", "train.save_final_model=false",
