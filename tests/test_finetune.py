@@ -368,15 +368,13 @@ def instructions(tmp_path_factory) -> str:
     return prepare_data([root / "sft.jsonl"], str(root / "sft"), progress=False, max_tokens=32)["train"]
 
 
-def test_lora_trains_like_one_process_and_exports(make_cfg, hf_models, instructions, tmp_path):
-    """LoRA from imported weights on instruction data (the loss counts responses only, a mean over the
-    global batch's counted targets): tp2, pp2 and dp2 with ZeRO-1 (other micro-batch splits) equal one
-    process (loss curve, every final tensor); the base stays frozen; merged and adapters-only exports give
-    the fine-tuned logits."""
-    base = [f"model.init_from={hf_models['llama']}", *LORA, f"data.train_path={instructions}"]
-    reference = _cfg(make_cfg, *base, run="lora_single")
+def _two_rank_layouts_match_one_process(make_cfg, base: list[str], layouts: dict, prefix: str):
+    """One process on `base`, then each layout on 2 ranks: the same loss curve and final tensors. Returns the
+    reference's config and final weights."""
+    reference = _cfg(make_cfg, *base, run=f"{prefix}_single")
     launch_local(run_training, 1, reference)
-    runs = {name: _cfg(make_cfg, *base, *extra, run=f"lora_{name}") for name, extra in LORA_LAYOUTS.items()}
+    runs = {name: _cfg(make_cfg, *base, "parallel.nproc=2", *extra, run=f"{prefix}_{name}")
+            for name, extra in layouts.items()}  # fmt: skip
     launch_sequence(run_training, 2, [(cfg,) for cfg in runs.values()])
     expected_losses = [r["loss"] for r in read_metrics(reference.run_dir) if "loss" in r]
     final = read_final_model(reference.run_dir)
@@ -384,6 +382,16 @@ def test_lora_trains_like_one_process_and_exports(make_cfg, hf_models, instructi
         losses = [r["loss"] for r in read_metrics(cfg.run_dir) if "loss" in r]
         assert losses == pytest.approx(expected_losses, abs=TOL), name
         assert max_param_diff(read_final_model(cfg.run_dir), final) < TOL, name
+    return reference, final
+
+
+def test_lora_trains_like_one_process_and_exports(make_cfg, hf_models, instructions, tmp_path):
+    """LoRA from imported weights on instruction data (the loss counts responses only, a mean over the
+    global batch's counted targets): tp2, pp2 and dp2 with ZeRO-1 (other micro-batch splits) equal one
+    process (loss curve, every final tensor); the base stays frozen; merged and adapters-only exports give
+    the fine-tuned logits."""
+    base = [f"model.init_from={hf_models['llama']}", *LORA, f"data.train_path={instructions}"]
+    reference, final = _two_rank_layouts_match_one_process(make_cfg, base, LORA_LAYOUTS, "lora")
 
     imported = safetensors_torch.load_file(f"{hf_models['llama']}/model.safetensors")
     assert torch.equal(final["layers.1.attn.wq.weight"], imported["model.layers.1.self_attn.q_proj.weight"])
@@ -407,18 +415,8 @@ def test_lora_on_an_imported_mixtral_trains_like_one_process_and_exports(make_cf
     `transformers` the fine-tuned logits."""
     base = [f"model.init_from={hf_models['mixtral']}", *LORA, "finetune.lora_targets=[wq,wv]",
             f"data.train_path={instructions}"]  # fmt: skip
-    reference = _cfg(make_cfg, *base, run="moe_lora_single")
-    launch_local(run_training, 1, reference)
     layouts = {"dp2_ep2": ["parallel.ep=2", "train.micro_batch_size=2"], "tp2": ["parallel.tp=2"]}
-    runs = {name: _cfg(make_cfg, *base, "parallel.nproc=2", *extra, run=f"moe_lora_{name}")
-            for name, extra in layouts.items()}  # fmt: skip
-    launch_sequence(run_training, 2, [(cfg,) for cfg in runs.values()])
-    expected_losses = [r["loss"] for r in read_metrics(reference.run_dir) if "loss" in r]
-    final = read_final_model(reference.run_dir)
-    for name, cfg in runs.items():
-        losses = [r["loss"] for r in read_metrics(cfg.run_dir) if "loss" in r]
-        assert losses == pytest.approx(expected_losses, abs=TOL), name
-        assert max_param_diff(read_final_model(cfg.run_dir), final) < TOL, name
+    reference, final = _two_rank_layouts_match_one_process(make_cfg, base, layouts, "moe_lora")
     with single_process_group():
         _, imported = load_whole(hf_models["mixtral"])
         export_hf(reference.run_dir, str(tmp_path / "merged"))
