@@ -98,7 +98,7 @@ def test_presets_have_consistent_layouts(preset):
     assert check_run(cfg, world, check_paths=False).dp == dp
 
 
-def test_the_recorded_config_reads_back_as_the_same_config(tmp_path):
+def test_the_recorded_config_reads_back_as_the_same_config():
     """What a run records (config.yaml, each checkpoint's manifest: `to_yaml`) loads back to the same config
     for every preset, with strings that other types' syntax would claim (a float, a bool, a time, quotes,
     non-ASCII) kept strings."""
@@ -106,8 +106,7 @@ def test_the_recorded_config_reads_back_as_the_same_config(tmp_path):
               "slurm.setup=[\"export A='x'\", 'yes', '12:30']"]  # fmt: skip
     for preset in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load_config(preset, tricky)
-        (tmp_path / "config.yaml").write_text(to_yaml(cfg))
-        assert load_config(tmp_path / "config.yaml") == cfg == load_config(None, saved=to_yaml(cfg)), preset.name
+        assert load_config(None, saved=to_yaml(cfg)) == cfg, preset.name
     assert cfg.slurm.job_name == "1e3" and cfg.slurm.setup[1:] == ["yes", "12:30"]
 
 
