@@ -554,6 +554,14 @@ def plan_world(cfg: JobConfig) -> int:
     return cfg.slurm.nodes * cfg.slurm.tasks_per_node if cfg.slurm.gpus_per_node else cfg.parallel.nproc
 
 
+def feature_lines(cfg: JobConfig, dims: ParallelDims) -> list[str]:
+    """What each of the run's features says of it (its `describe`): in `hpc-train plan`'s report and in a
+    run's start-up lines."""
+    given = {"dims": dims, "local": local_param_count(cfg), "block_policy": block_policy(cfg),
+             "parts": activation_parts(cfg)}  # fmt: skip
+    return [line for _, describe in declared(cfg, "describe", **given) for line in describe()]
+
+
 def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gpu_mem_bytes: float) -> str:
     p, dp = cfg.parallel, dims.dp
     rows = [
@@ -569,10 +577,7 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     head = (f"layout tp={p.tp} pp={p.pp} (x{p.virtual_stages} virtual) dp={dp}{cp}{ep}, micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.model.seq_len}, recompute={cfg.model.recompute}, "
             f"zero={cfg.optim.zero_stage}, offload={cfg.optim.offload}, {cfg.train.precision}")  # fmt: skip
-    lines = [head]
-    given = {"dims": dims, "local": local_param_count(cfg), "block_policy": block_policy(cfg),
-             "parts": activation_parts(cfg)}  # fmt: skip
-    lines += [line for _, describe in declared(cfg, "describe", **given) for line in describe()]
+    lines = [head, *feature_lines(cfg, dims)]
     stage = f" (worst stage: {plan.stage} of {plan.stages}, pipeline ranks from 0)" if plan.stages > 1 else ""
     lines.append(f"per rank{stage}:")
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]

@@ -169,16 +169,10 @@ def test_config_checks_and_refused_layouts(make_cfg):
         )
     with pytest.raises(ConfigError, match="model.arch=gpt2 has no MoE blocks"):
         get_spec("gpt2").validate(model_cfg("model.arch=gpt2"), 1)
-    refused = make_cfg(
-        *MOE,
-        "parallel.tp=2",
-        "parallel.sequence_parallel=true",
-        "train.fp8=tensorwise",
-        "train.compile=true",
-    )
+    refused = make_cfg(*MOE, "parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true")
     with pytest.raises(ConfigError) as err:
         check_run(refused, 2, check_paths=False)
-    for key in ("parallel.sequence_parallel", "train.fp8", "train.compile"):
+    for key in ("parallel.sequence_parallel", "train.compile"):
         assert f"{key} is not supported with model.moe.num_experts=4 yet" in str(err.value)
     with pytest.raises(ConfigError, match="parallel.cp=2 is not supported with model.moe.num_experts=4 yet"):
         check_run(make_cfg(*MOE, "parallel.cp=2"), 2, check_paths=False)

@@ -115,6 +115,8 @@ LAYOUTS = {  # name -> (world size, overrides)
     "moe_bf16_autocast": (1, [*MOE, "train.precision=bf16"]),
     "moe_tp2_zero1_bf16": (2, [*MOE, "parallel.tp=2", *ZERO1_BF16]),
     "moe_pp2": (2, [*MOE, "parallel.pp=2", "train.grad_accum=4"]),
+    # float8 attention and shared experts, the routed experts in the compute dtype
+    "moe_fp8_rowwise_zero1_bf16": (1, [*MOE, "train.fp8=rowwise", *ZERO1_BF16]),
     # LoRA on an MoE model: the router and routed experts frozen keep neither the router's input nor the rows
     "moe_lora": (1, [*MOE, *LORA, "finetune.lora_targets=[wq,wv,w2]"]),
     "moe_lora_tp2_bf16": (

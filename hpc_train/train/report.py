@@ -19,7 +19,7 @@ from hpc_train.distributed.parallelize import full_state_dict
 from hpc_train.distributed.pipeline import bubble_fraction
 from hpc_train.models.common.decoder import count_params
 from hpc_train.observe.metrics import StepMeter, device_peak_flops
-from hpc_train.planner import stage_estimates
+from hpc_train.planner import feature_lines, stage_estimates
 from hpc_train.resilience.faults import fault_point
 
 FINAL_MODEL = "model_final.pt"
@@ -51,6 +51,8 @@ def announce(run: Run, start_step: int) -> StepMeter:
             f"global batch {global_batch} x {cfg.model.seq_len} "
             f"tokens | {run.train_set.prefix} ({len(run.train_set):,} samples)"
         )
+        for line in feature_lines(cfg, dims):
+            run.metrics.message(f"hpc_train: {line}")
     stages = stage_estimates(cfg, dims)
     predicted = stages[0]  # rank 0's, as its measured memory_bytes beside it
     worst = max(stages, key=lambda plan: plan.total)

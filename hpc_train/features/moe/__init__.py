@@ -18,8 +18,8 @@ def enabled(*, model: ModelConfig, parallel: ParallelConfig) -> bool:
 
 
 def check(*, model: ModelConfig, parallel: ParallelConfig, train, finetune: FinetuneConfig, dims) -> list[str]:
-    """Expert parallelism's layout, and what MoE layers do not run with yet (`train`: float8's and regional
-    compile's keys): one line per problem."""
+    """Expert parallelism's layout, and what MoE layers do not run with yet (`train`: regional compile's
+    key): one line per problem."""
     experts, ep, dp = model.moe.num_experts, parallel.ep, dims.dp
     if ep > 1 and not experts:
         return [f"parallel.ep={ep} shards the routed experts of MoE layers, and this model is dense "
@@ -36,7 +36,6 @@ def check(*, model: ModelConfig, parallel: ParallelConfig, train, finetune: Fine
     unsupported = {
         "parallel.sequence_parallel": (parallel.sequence_parallel, "set parallel.sequence_parallel=false"),
         f"parallel.cp={parallel.cp}": (parallel.cp > 1, "set parallel.cp=1"),
-        "train.fp8": (train.fp8 != "off", "set train.fp8=off"),
         "train.compile": (train.compile, "set train.compile=false"),
         f"finetune.method={finetune.method}": (finetune.quantized_base, "use finetune.method=lora or full"),
     }

@@ -76,6 +76,9 @@ def describe(*, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig
     moe = model.moe
     lines = [f"mixture of experts: {total / 1e9:.3f}B parameters, {active / 1e9:.3f}B active per token "
              f"({moe.top_k} of {moe.num_experts} routed experts)"]  # fmt: skip
+    if train.fp8 != "off":
+        lines.append(f"train.fp8={train.fp8}: float8 in the attention, dense and shared-expert projections; the "
+                     f"routed experts' grouped GEMM in {train.precision} (no float8 grouped GEMM yet)")  # fmt: skip
     if parallel.ep > 1:
         sent = traffic(model=model, parallel=parallel, train=train, block_policy=block_policy)["ep"]
         lines.append(f"expert parallelism ep={parallel.ep}: {moe.num_experts // parallel.ep} routed experts per rank, "
