@@ -46,6 +46,15 @@ def decoder_flops_per_token(cfg: ModelConfig, *, arch: Architecture) -> int:
     return 6 * (blocks + vocab * d) + 12 * layers * d * cfg.seq_len
 
 
+def frozen_mlp_keeps(mlp: type, targets: set[str]) -> tuple[bool, int]:
+    """What an MLP keeps for backward under LoRA `targets` (none: full training): whether its input (a
+    projection reading it has an adapter, or trains), and how many of its `saved_widths` (the down
+    projection's input only when that projection has an adapter)."""
+    input_kept = not targets or bool(targets & set(mlp.column_parallel))
+    down_input_dropped = bool(targets) and mlp.row_parallel not in targets
+    return input_kept, mlp.saved_widths - down_input_dropped
+
+
 def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape, casts: bool) -> int:
     """What an MoE block keeps for backward beyond a dense block (its saved-tensor trace on CPU, torch 2.13),
     with T tokens, A = T x top_k assignments (fewer under a capacity), E experts, h the expert width:
@@ -70,8 +79,7 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     hidden, shared = expert_hidden(cfg, f), expert_hidden(cfg, f) * m.num_shared_experts
     matrices = len(mlp.column_parallel) + 1
     lora = set(shape.lora_targets)
-    input_kept = not lora or bool(lora & set(mlp.column_parallel))  # an MLP's input, by a projection reading it
-    widths = mlp.saved_widths - (bool(lora) and mlp.row_parallel not in lora)  # an MLP's, as decoder_activations
+    input_kept, widths = frozen_mlp_keeps(mlp, lora)  # the dense and shared MLPs', as decoder_activations counts
     assigned = tokens * m.top_k
     if m.capacity_factor:
         assigned = min(assigned, m.num_experts * math.ceil(m.capacity_factor * assigned / m.num_experts))
@@ -135,11 +143,11 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, shape.compiled)
     final_norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, False)  # outside compiled blocks
     # with LoRA a frozen projection keeps no input: only an adapter's matmul does (and its rank-wide output)
-    inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + bool(targets & set(mlp.column_parallel))
+    mlp_input_kept, mlp_widths = frozen_mlp_keeps(mlp, targets)
+    inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + mlp_input_kept
     if casts:  # one input cast per projection reading a norm's output, and every weight's cast
         inputs_kept = 3 + len(mlp.column_parallel)
     weight_casts = block_matmul_weights(cfg, arch) * e // tp if casts and not shape.float8 else 0
-    mlp_widths = mlp.saved_widths - (bool(targets) and mlp.row_parallel not in targets)
     mlp_widths -= mlp.recomputed_when_compiled * shape.compiled
     attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)
     selective = (
