@@ -6,12 +6,22 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of `t`: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_summed(t: torch.Tensor) -> torch.Tensor:
+    """`local(t)`, for a weight replicated over ranks that each see other tokens (an MoE layer's router and
+    experts under sequence parallelism): its gradient comes back a partial sum over every mesh dimension `t`
+    is replicated over, which the gradient reduction sums as it sums a norm weight's under sequence
+    parallelism (distributed/grads.py)."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local(grad_placements=[Partial() if pl.is_replicate() else pl for pl in t.placements])
 
 
 def distribute_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

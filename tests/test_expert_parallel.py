@@ -1,7 +1,8 @@
 """Expert parallelism (parallel.ep): routed experts sharded over ranks carved from dp, tokens dispatched and
-combined by all-to-all, expert gradients reduced over their own group. Every layout's loss curve, gradient
-norm, per-layer expert loads and final weights (routing biases included) against one process; checkpoints
-resharded from ep2 to ep1 and back; the memory each rank holds; the refused layouts."""
+combined by all-to-all, expert gradients reduced over their own group; and MoE layers under sequence and
+context parallelism, each rank routing its own tokens. Every layout's loss curve, gradient norm, per-layer
+expert loads and final weights (routing biases included) against one process; checkpoints resharded from ep2
+to ep1 and back; the memory each rank holds; the refused layouts."""
 
 from __future__ import annotations
 
@@ -76,6 +77,22 @@ RESUMED = {
     "dp4_ep2_zero2": [],
 }
 RESUMED_AT_EP1 = ("dp4_ep2_zero1", "dp4_ep2_zero2")  # copies of these checkpoints, resumed at ep1
+# sequence and context parallelism: each rank routes and computes only its own tokens; with the aux loss on
+# (its load counts summed over the ranks holding the rest of a sample), against a reference with it on, whose
+# micro-batches these layouts' are (dp1 with two of them, or dp2 with one); two steps (the biases move between)
+SP = "parallel.sequence_parallel=true"
+SPLIT = {
+    "tp2_sp": (2, ["train.grad_accum=2", "parallel.tp=2", SP]),
+    "cp2_ring_zero3": (2, ["train.grad_accum=2", "parallel.cp=2", "parallel.cp_mode=ring", "optim.zero_stage=3"]),
+    "ep2_tp2_sp_zero1": (4, ["parallel.ep=2", "parallel.tp=2", SP, "optim.zero_stage=1", "optim.bucket_mb=0.05"]),
+    "ep2_cp2_ulysses_zero2": (
+        4,
+        ["parallel.ep=2", "parallel.cp=2", "parallel.cp_mode=ulysses", "optim.zero_stage=2", "optim.bucket_mb=0.05"],
+    ),  # fmt: skip
+    "ep2_cp2_ring": (4, ["parallel.ep=2", "parallel.cp=2", "parallel.cp_mode=ring"]),
+    "tp2_sp_cp2_ulysses": (4, ["train.grad_accum=2", "parallel.tp=2", SP, "parallel.cp=2", "parallel.cp_mode=ulysses"]),
+}
+AUX = ["model.moe.aux_loss_coef=0.1", "train.micro_batch_size=4"]
 
 
 def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
@@ -85,7 +102,8 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
 
     reference = cfg("reference", 1, 3, "train.micro_batch_size=4", "train.grad_accum=2")
     reference_muon = cfg("reference_muon", 1, 3, *MUON, "train.grad_accum=2")
-    launch_sequence(run_training, 1, [(reference,), (reference_muon,)])
+    reference_aux = cfg("reference_aux", 1, 2, *AUX, "train.grad_accum=2")
+    launch_sequence(run_training, 1, [(reference,), (reference_muon,), (reference_aux,)])
     ref, final = read_metrics(reference.run_dir), read_final_model(reference.run_dir)
     ep2_muon = cfg("ep2_zero1_muon", 2, 3, *MUON, "parallel.ep=2", "optim.zero_stage=1", "optim.bucket_mb=0.05")
     cfgs = {name: cfg(name, world, steps, *extra) for name, (world, extra, steps) in LAYOUTS.items()}
@@ -96,11 +114,14 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     # selective recompute runs no MoE forward again; full recompute of every second block runs the first again
     every_expert = ["train.micro_batch_size=4", "parallel.ep=2", "model.moe.top_k=4", "model.recompute_every=2"]
     every = {r: cfg(f"every_expert_{r}", 2, 1, *every_expert, f"model.recompute={r}") for r in ("selective", "full")}
+    every_sp = cfg("every_expert_tp2_sp", 4, 1, *every_expert, "model.recompute=selective", "parallel.tp=2", SP)
+    split = {name: cfg(name, world, 2, *AUX, *extra) for name, (world, extra) in SPLIT.items()}
     two = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 2]
     two += [(c,) for name, c in resumed.items() if LAYOUTS[name][0] == 2]
-    two += [(c,) for c in (*every.values(), ep2_muon)]
+    two += [(c,) for c in (*every.values(), ep2_muon)] + [(c,) for name, c in split.items() if SPLIT[name][0] == 2]
     launch_sequence(counted_training, 2, two)
-    launch_sequence(counted_training, 4, [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 4])
+    four = [(c,) for name, c in cfgs.items() if LAYOUTS[name][0] == 4] + [(every_sp,)]
+    launch_sequence(counted_training, 4, four + [(c,) for name, c in split.items() if SPLIT[name][0] == 4])
     # each expert shard written once: the files hold exactly the items DCP indexed, whose tensors are every
     # parameter's weight and ZeRO's three fp32 states (master, AdamW's moments) once, and the routing biases
     weights = {k: t[: reference.model.vocab_size] if k in VOCAB_ROWS else t for k, t in final.items()}
@@ -125,6 +146,16 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
             for layer, figures in theirs["moe"].items():  # the same routing: the same loads
                 assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (name, layer)
         assert max_param_diff(read_final_model(c.run_dir), final) < 1e-5, name
+    ref_aux, final_aux = read_metrics(reference_aux.run_dir), read_final_model(reference_aux.run_dir)
+    assert all(figures["aux_loss"] > 0 for r in ref_aux for figures in r["moe"].values())
+    for name, c in split.items():
+        records = read_metrics(c.run_dir)
+        assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_aux], abs=1e-5), name
+        assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in ref_aux], rel=1e-5), name
+        for ours, theirs in zip(records, ref_aux, strict=True):  # loads summed, aux losses added, over the split
+            for layer, figures in theirs["moe"].items():
+                assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (name, layer)
+        assert max_param_diff(read_final_model(c.run_dir), final_aux) < 1e-5, name
     muon_ref, muon_got = read_metrics(reference_muon.run_dir), read_metrics(ep2_muon.run_dir)
     assert [r["loss"] for r in muon_got] == pytest.approx([r["loss"] for r in muon_ref], abs=1e-5)
     assert [r["grad_norm"] for r in muon_got] == pytest.approx([r["grad_norm"] for r in muon_ref], rel=MUON_TOL)
@@ -132,8 +163,9 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
     saved = read_dcp_metadata(Path(ep2_muon.run_dir) / "checkpoints/step_0000003").state_dict_metadata
     assert "optim.layers.1.mlp.experts.w1.momentum_buffer" in saved  # the experts are Muon's
     assert "optim.layers.1.mlp.router.gate.weight.exp_avg" in saved  # the router AdamW's
-    for name in ("ep2", "ep2_tp2", "ep2_pp2", "dp4_ep2_zero1", "dp4_ep2_zero2", "dp4_ep2_zero3"):  # planned bytes
-        record = read_metrics(cfgs[name].run_dir)[0]
+    planned_runs = {**cfgs, **split}
+    for name in ("ep2", "ep2_tp2", "ep2_pp2", "dp4_ep2_zero1", "dp4_ep2_zero2", "dp4_ep2_zero3", *SPLIT):
+        record = read_metrics(planned_runs[name].run_dir)[0]
         for key in ("params", "grads", "optimizer"):
             assert record["memory_predicted_bytes"][key] == record["memory_bytes"][key], (name, key)
     rows, counts = 128 * 4 // 2 * 64 * 4, 4 * 8 // 2  # one all-to-all's rows, one exchange's counts
@@ -143,6 +175,11 @@ def test_expert_parallel_layouts_match_one_process(tmp_path, small_corpus):
         dims = check_run(run, 2, check_paths=False)
         sent, planned = float((Path(run.run_dir) / "ep_bytes_0").read_text()), traffic(run, dims)["ep"]
         assert sent == planned == exchanges * rows + forwards * counts, recompute
+    # under sequence parallelism each tp rank dispatches its half of the sequence: half the rows, all the counts
+    dims = check_run(every_sp, 4, check_paths=False)
+    for rank in range(4):
+        sent = float((Path(every_sp.run_dir) / f"ep_bytes_{rank}").read_text())
+        assert sent == traffic(every_sp, dims)["ep"] == 8 * rows // 2 + 2 * counts, rank
     # `hpc-train plan` prints that figure; the routed experts per rank
     dims = check_run(run, 2, check_paths=False)
     text = format_estimate(run, dims, estimate(run, dims), 2**35)

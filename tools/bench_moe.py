@@ -6,10 +6,13 @@ router would (a skewed draw, some experts nearly empty). Prints a table, or JSON
 Then (unless --no-ep) the training step of an MoE model at two processes (dp2) with expert parallelism
 (parallel.ep=2: each rank holds half the experts, tokens exchanged by all-to-all) against ep1 (every rank holds
 every expert), same global batch: the median step time after the warm-up steps and their ratio, and the
-bytes rank 0 sent per step by all-to-all against the planner's ep traffic (`planner.traffic`).
+bytes rank 0 sent per step by all-to-all against the planner's ep traffic (`planner.traffic`). With
+--composed, the same for four ranks in bf16: tp2 x ep2 with sequence parallelism, and with float8 too,
+against tp2 x ep2 eager.
 
     python tools/bench_moe.py                   # CPU, fp32, every thread
     python tools/bench_moe.py --threads 1 --dtype bf16
+    python tools/bench_moe.py --composed --ep-steps 6 --ep-warmup 2
 """
 
 from __future__ import annotations
@@ -89,24 +92,37 @@ def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
     (Path(cfg.run_dir) / f"ep_bytes_{rank_env.rank}").write_text(str(sent[0] / cfg.train.steps))
 
 
-def bench_ep(steps: int, warmup: int, overrides: list[str]) -> None:
-    """ep2 against ep1 at dp2, in the same two worker processes."""
+def bench_layouts(title: str, world: int, layouts: dict[str, list[str]], steps: int, warmup: int,
+                  overrides: list[str]) -> None:  # fmt: skip
+    """Each layout's training step in the same `world` worker processes, against the first: the median step
+    time after the warm-up steps and the bytes rank 0 sent per step by all-to-all against the planner's ep
+    traffic."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfgs = {ep: load_config(None, [*EP_MODEL, f"train.steps={steps}", f"run_dir={Path(tmp) / f'ep{ep}'}",
-                                       "parallel.nproc=2", f"parallel.ep={ep}", *overrides])
-                for ep in (1, 2)}  # fmt: skip
-        launch_sequence(counted_training, 2, [(cfg,) for cfg in cfgs.values()])
+        cfgs = {name: load_config(None, [*EP_MODEL, f"train.steps={steps}", f"run_dir={Path(tmp) / name}",
+                                         f"parallel.nproc={world}", *extra, *overrides])
+                for name, extra in layouts.items()}  # fmt: skip
+        launch_sequence(counted_training, world, [(cfg,) for cfg in cfgs.values()])
         times, sent = {}, {}
-        for ep, cfg in cfgs.items():
+        for name, cfg in cfgs.items():
             records = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
-            times[ep] = statistics.median(r["step_time_s"] for r in records[warmup:])
-            sent[ep] = float((Path(cfg.run_dir) / "ep_bytes_0").read_text())
-    print(f"\nMoE training step at dp2 (8 experts, top 2, d 256, 4 layers, global batch 16 x 128), {steps} steps")
-    print(f"{'layout':<8} {'step ms':>9} {'vs ep1':>7} {'all-to-all MiB/step sent by rank 0, measured / planned':>56}")
-    for ep, cfg in cfgs.items():
-        planned = traffic(cfg, check_run(cfg, 2, check_paths=False)).get("ep", 0.0)
-        figure = f"{sent[ep] / 2**20:.2f} / {planned / 2**20:.2f}"
-        print(f"{'ep' + str(ep):<8} {times[ep] * 1e3:>9.1f} {times[ep] / times[1]:>7.2f} {figure:>56}")
+            times[name] = statistics.median(r["step_time_s"] for r in records[warmup:])
+            sent[name] = float((Path(cfg.run_dir) / "ep_bytes_0").read_text())
+    print(f"\n{title}, {steps} steps")
+    first = next(iter(layouts))
+    print(f"{'layout':<22} {'step ms':>9} {'vs ' + first:>12} {'all-to-all MiB/step, rank 0: measured / planned':>50}")
+    for name, cfg in cfgs.items():
+        planned = traffic(cfg, check_run(cfg, world, check_paths=False)).get("ep", 0.0)
+        figure = f"{sent[name] / 2**20:.2f} / {planned / 2**20:.2f}"
+        print(f"{name:<22} {times[name] * 1e3:>9.1f} {times[name] / times[first]:>12.2f} {figure:>50}")
+
+
+# the composed layout of four ranks (tp2 x ep2 at dp2) in bf16: sequence parallelism (each tp rank routing its
+# own tokens) and float8 projections against tp2 x ep2 eager; train.compile stays refused with MoE
+COMPOSED = {
+    "tp2_ep2": ["parallel.tp=2", "parallel.ep=2"],
+    "tp2_sp_ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
+    "tp2_sp_ep2_fp8": ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", "train.fp8=tensorwise"],
+}
 
 
 def main() -> None:
@@ -117,6 +133,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-ep", action="store_true", help="skip the ep2 vs ep1 training steps")
+    parser.add_argument("--composed", action="store_true", help="also the composed 4-rank layouts (COMPOSED)")
     parser.add_argument("--ep-steps", type=int, default=10)
     parser.add_argument("--ep-warmup", type=int, default=3)
     args = parser.parse_args()
@@ -143,7 +160,12 @@ def main() -> None:
         return
     print_table(rows, args)
     if not args.no_ep:
-        bench_ep(args.ep_steps, args.ep_warmup, [f"train.precision={'bf16' if args.dtype == 'bf16' else 'fp32'}"])
+        title = "MoE training step at dp2 (8 experts, top 2, d 256, 4 layers, global batch 16 x 128)"
+        precision = [f"train.precision={'bf16' if args.dtype == 'bf16' else 'fp32'}"]
+        bench_layouts(title, 2, {"ep1": [], "ep2": ["parallel.ep=2"]}, args.ep_steps, args.ep_warmup, precision)
+    if args.composed:
+        title = "MoE training step, 4 ranks (tp2 x ep2 at dp2), bf16, the same model and global batch"
+        bench_layouts(title, 4, COMPOSED, args.ep_steps, args.ep_warmup, ["train.precision=bf16"])
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:

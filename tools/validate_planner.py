@@ -111,9 +111,10 @@ LAYOUTS = {  # name -> (world size, overrides)
     "fp8_rowwise_zero1_bf16": (1, ["train.fp8=rowwise", *ZERO1_BF16]),
     "fp8_dp2_zero3_bf16": (2, ["train.fp8=tensorwise", "optim.zero_stage=3", "train.precision=bf16"]),
     # mixture of experts: the router's fp32 input and scores, the dispatch indices, the experts' rows and
-    # SwiGLU widths, the fp32 combine (routed experts replicated over tp); the first block dense
+    # SwiGLU widths, the fp32 combine; the first block dense. Under sequence parallelism each tp rank routes
+    # its own tokens; the shared experts read their gathered input
     "moe_bf16_autocast": (1, [*MOE, "train.precision=bf16"]),
-    "moe_tp2_zero1_bf16": (2, [*MOE, "parallel.tp=2", *ZERO1_BF16]),
+    "moe_tp2_sp_zero1_bf16": (2, [*MOE, "parallel.tp=2", SP, *ZERO1_BF16]),
     "moe_pp2": (2, [*MOE, "parallel.pp=2", "train.grad_accum=4"]),
     # float8 attention and shared experts, the routed experts in the compute dtype
     "moe_fp8_rowwise_zero1_bf16": (1, [*MOE, "train.fp8=rowwise", *ZERO1_BF16]),

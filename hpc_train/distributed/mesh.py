@@ -18,6 +18,9 @@ DIMS = ("pp", "dp", "cp", "tp")  # outermost first
 # dp_cp: the ranks that hold the same parameters and see different tokens (dp's samples, cp's sequence
 # slices): gradients are averaged and ZeRO shards over it (torchtitan's dp_shard_cp)
 ROLES: dict[str, tuple[str, ...]] = {"pp": ("pp",), "dp": ("dp",), "cp": ("cp",), "tp": ("tp",), "dp_cp": ("dp", "cp")}
+# cp_tp: the ranks that split one sample's tokens under context and sequence parallelism (an MoE layer's
+# load counts are summed over them); asked for by name, not listed with the roles every run reports
+SPLIT_ROLES: dict[str, tuple[str, ...]] = {"cp_tp": ("cp", "tp")}
 
 
 @dataclass(frozen=True)
@@ -46,20 +49,23 @@ EXPERT_ROLES = ("ep", "edp")  # expert parallelism's split of dp: experts sharde
 class Mesh:
     """The DeviceMesh of `dims` (needs the default process group; world size = dims.world_size). With expert
     parallelism (`ep` > 1, dividing dp) a second DeviceMesh splits dp into (edp, ep), ep innermost: the ranks
-    of an ep group are consecutive dp ranks, each holding 1/ep of the routed experts; an edp group is the dp
-    ranks holding the same experts, over which their gradients are reduced (torchtitan's dp_shard_mod_ep x
-    dp_shard_in_ep; cp stays 1, which MoE layers refuse)."""
+    of an ep group are consecutive dp ranks of the same cp and tp coordinates, each holding 1/ep of the routed
+    experts; an edp group is every rank holding the same experts and seeing other tokens (the dp ranks holding
+    them, times cp), over which their gradients are reduced (torchtitan's dp_shard_mod_ep x dp_shard_in_ep,
+    with cp folded into the first as in its dp_shard_cp)."""
 
     def __init__(self, dims: ParallelDims, device_type: str, ep: int = 1):
         self.dims, self.ep = dims, ep
         sizes = dims.as_dict()
         self.device_mesh = init_device_mesh(device_type, tuple(sizes[d] for d in DIMS), mesh_dim_names=DIMS)
         self._roles: dict[str, DeviceMesh] = {}
+        self._expert_mesh: DeviceMesh | None = None
         if ep > 1:
-            assert dims.dp % ep == 0 and dims.cp == 1, f"ep={ep} must divide dp={dims.dp} with cp=1"
+            assert dims.dp % ep == 0, f"ep={ep} must divide dp={dims.dp}"
             grid = self.device_mesh.mesh.reshape(dims.pp, dims.dp // ep, ep, dims.cp, dims.tp)
-            expert_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
-            self._roles.update({role: expert_mesh[role] for role in EXPERT_ROLES})
+            self._expert_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+            edp = self._expert_mesh["edp", "cp"]._flatten("edp_cp") if dims.cp > 1 else self._expert_mesh["edp"]
+            self._roles.update({"ep": self._expert_mesh["ep"], "edp": edp})
 
     def sub(self, role: str) -> DeviceMesh:
         """The one-dimensional mesh of `role` this rank belongs to (for DTensor and pipeline APIs). Without
@@ -69,10 +75,18 @@ class Mesh:
             return self.sub("dp_cp")
         if role not in self._roles:
             sizes = self.dims.as_dict()
-            dims = tuple(d for d in ROLES[role] if sizes[d] > 1) or ROLES[role][:1]  # cp=1: dp_cp is dp
+            names = ROLES.get(role) or SPLIT_ROLES[role]
+            dims = tuple(d for d in names if sizes[d] > 1) or names[:1]  # cp=1: dp_cp is dp
             mesh = self.device_mesh[dims[0]] if len(dims) == 1 else self.device_mesh[dims]._flatten(role)
             self._roles[role] = mesh
         return self._roles[role]
+
+    def experts_mesh(self, over_tp: bool) -> DeviceMesh | None:
+        """The mesh the routed experts' weights are laid out on: ep (sharded over it), with tp (replicated over
+        it) when `over_tp`; None when that is no dimension (ep = 1, without tp)."""
+        if self.ep > 1:
+            return self._expert_mesh["ep", "tp"] if over_tp else self.sub("ep")
+        return self.sub("tp") if over_tp else None
 
     def size(self, role: str) -> int:
         return self.sub(role).size()

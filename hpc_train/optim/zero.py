@@ -106,7 +106,8 @@ class ZeroOptimizer:
         self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy,
                                            every_micro_batch=self.every_micro_batch)  # fmt: skip
         self.slot = {id(p): (b, start) for b in self.buckets for p, start in zip(b.params, b.offsets, strict=True)}
-        self.partial_sums: set[int] = set()  # parameters whose gradients arrive as partial sums over tp
+        # parameters whose gradients arrive as partial sums over tp: the groups to sum them over
+        self.partial_sums: dict[int, list[dist.ProcessGroup]] = {}
         self.hooked = self.accumulating = False
         self.master = self._make_spans()
         # with offload, the owned gradients' host copy the update reads, laid out as the masters
@@ -175,9 +176,11 @@ class ZeroOptimizer:
         bucket, start = self.slot[id(p)]
         grad = p.grad
         if isinstance(grad, DTensor) and grad.placements != p.placements:
-            replicated = all(placement.is_replicate() for placement in p.placements)
-            if replicated and all(placement.is_partial() for placement in grad.placements):
-                self.partial_sums.add(id(p))  # summed over tp once, in the buffer, at the launch
+            pairs = list(zip(p.placements, grad.placements, strict=True))
+            if all(ours == theirs or (ours.is_replicate() and theirs.is_partial()) for ours, theirs in pairs):
+                # summed over those mesh dimensions once, in the buffer, at the launch
+                self.partial_sums[id(p)] = [p.device_mesh.get_group(dim) for dim, (ours, theirs) in enumerate(pairs)
+                                            if ours != theirs]  # fmt: skip
             else:
                 grad = grad.redistribute(p.device_mesh, p.placements)
         flat = local(grad).reshape(-1)
@@ -199,8 +202,8 @@ class ZeroOptimizer:
             if p.grad is not None:  # from a backward outside a step
                 self._move_grad(p)
             view = full[start : start + local(p).numel()]
-            if id(p) in self.partial_sums:
-                dist.all_reduce(view, group=p.device_mesh.get_group())
+            for group in self.partial_sums.get(id(p), ()):
+                dist.all_reduce(view, group=group)
             if p is model.tied_copy and model.tied_group is not None:
                 dist.all_reduce(view, group=model.tied_group)
         return full

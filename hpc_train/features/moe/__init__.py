@@ -34,8 +34,6 @@ def check(*, model: ModelConfig, parallel: ParallelConfig, train, finetune: Fine
     }
     problems = [problem for problem, refused in layout.items() if refused]
     unsupported = {
-        "parallel.sequence_parallel": (parallel.sequence_parallel, "set parallel.sequence_parallel=false"),
-        f"parallel.cp={parallel.cp}": (parallel.cp > 1, "set parallel.cp=1"),
         "train.compile": (train.compile, "set train.compile=false"),
         f"finetune.method={finetune.method}": (finetune.quantized_base, "use finetune.method=lora or full"),
     }

@@ -16,9 +16,11 @@ GiB = 2**30
 
 
 def ep_rows(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> int:
-    """Rows one MoE layer dispatches per micro-batch on a rank: its tokens' top_k assignments (dropless: a
-    capacity factor's drops are not counted, so this is its upper bound)."""
-    return train.micro_batch_size * model.seq_len // parallel.cp * model.moe.top_k
+    """Rows one MoE layer dispatches per micro-batch on a rank: its tokens' top_k assignments (its slice of the
+    sequence under context and sequence parallelism; dropless: a capacity factor's drops are not counted, so
+    this is its upper bound)."""
+    split = parallel.cp * (parallel.tp if parallel.sequence_parallel else 1)
+    return train.micro_batch_size * model.seq_len // split * model.moe.top_k
 
 
 def _element_bytes(train: TrainConfig) -> int:

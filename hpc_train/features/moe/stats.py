@@ -1,6 +1,7 @@
 """MoE layers' part in every step (`MoEStep`): before the forward passes, the aux loss's gradient scale and
 which forward is a pipeline's shape inference (left out of the statistics); after the update, their
-statistics summed over the data-parallel batch (one all-reduce), DeepSeek-V3's routing-bias update from those
+statistics summed over the data-parallel batch (one all-reduce over dp, one over the ranks that split its
+samples' tokens under context and sequence parallelism), DeepSeek-V3's routing-bias update from those
 loads, and the per-layer figures of the metrics record (models/common/moe.py STATS) for the whole model (one
 all-reduce over pipeline stages), left on the device until the loop reads the step."""
 
@@ -18,6 +19,7 @@ from hpc_train.models.common.moe import (
     set_aux_grad_scale,
     skip_shape_inference,
     take_stats,
+    token_group,
     update_expert_bias,
 )
 
@@ -38,8 +40,10 @@ def finish_moe_step(
     if stats:
         names = list(stats)
         rows = torch.stack([stats[name] for name in names])  # (layers held here, experts + 2)
-        if dp > 1:
-            dist.all_reduce(rows, group=model.mesh.group("dp"))
+        # over dp, then over the ranks holding the rest of the samples' tokens (cp, and tp under SP)
+        for group in (model.mesh.group("dp") if dp > 1 else None, token_group(model.chunks)):
+            if group is not None:
+                dist.all_reduce(rows, group=group)
         loads = rows[:, :-2]
         if cfg.moe.bias_update_rate:
             layers = dict(moe_layers(model.chunks))
@@ -69,9 +73,10 @@ class MoEStep(StepHooks):
         self.model, self.micro_batches = model, 1
 
     def before_forward(self, micro_batches: int, loss_scale: float | torch.Tensor, infers_shapes: bool) -> None:
-        """The aux loss's gradient: the main loss's share of the batch; a shape-inferring forward unrecorded."""
+        """The aux loss's gradient: the main loss's share of the batch (times cp: each cp rank's aux loss is its
+        part of the micro-batch's, and gradients are averaged over cp); a shape-inferring forward unrecorded."""
         self.micro_batches = micro_batches
-        set_aux_grad_scale(self.model.chunks, loss_scale / micro_batches)
+        set_aux_grad_scale(self.model.chunks, loss_scale * self.model.mesh.size("cp") / micro_batches)
         if infers_shapes:
             skip_shape_inference(self.model.chunks)
 

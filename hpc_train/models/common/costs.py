@@ -69,7 +69,9 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
       combine      the expert outputs back in token order, in fp32 (A x d x 4)
       shared       a dense MLP of the shared experts' width (tp-sharded like one), reading the block's input
 
-    The routed experts are replicated over tp, so only the shared experts' part is divided by it. With LoRA
+    The routed experts are replicated over tp, so only the shared experts' part is divided by it; under
+    sequence parallelism the router and routed experts see the rank's T / tp tokens, and the shared experts
+    read their own gathered input (the router reads the rank's slice). With LoRA
     (`shape.lora_targets`; the router and routed experts frozen) neither the router's input nor the routed
     rows and their down projection's input are kept, and the dense and shared MLPs keep what
     `decoder_activations` says a frozen MLP keeps. Returned as the difference to the dense MLP
@@ -80,14 +82,15 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     matrices = len(mlp.column_parallel) + 1
     lora = set(shape.lora_targets)
     input_kept, widths = frozen_mlp_keeps(mlp, lora)  # the dense and shared MLPs', as decoder_activations counts
-    assigned = tokens * m.top_k
+    routed_tokens = tokens // tp if shape.sequence_parallel else tokens  # what the router sees
+    assigned = routed_tokens * m.top_k
     if m.capacity_factor:
         assigned = min(assigned, m.num_experts * math.ceil(m.capacity_factor * assigned / m.num_experts))
     # the block's MLP input: one cast per projection under autocast, else the input itself
     mlp_input = tokens * d * e * (len(mlp.column_parallel) if casts else 1)
     dense = mlp_input * input_kept + widths * tokens * f * e // tp + (matrices * d * f * e // tp if casts else 0)
     copies = e != 4 and not casts  # bf16 weights: the router reads an fp32 copy of its input and weight
-    router = tokens * d * 4 * (not lora) + tokens * m.num_experts * 4 + tokens * (12 * m.top_k + 4)
+    router = routed_tokens * (d * 4 * (not lora) + m.num_experts * 4 + 12 * m.top_k + 4)
     router += copies * d * m.num_experts * 4
     rows = padded_length(assigned, m.num_experts, group_align(e)) if m.grouped_mm else assigned
     routed = (
@@ -100,7 +103,8 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     routed += assigned * d * 4 + (matrices * m.num_experts * d * hidden * e if casts else 0)
     moe = router + routed
     if shared:  # its input: the fp32 router input itself, or (bf16 weights, LoRA) the input, or its own casts
-        moe += mlp_input * (e != 4 or casts or bool(lora)) * input_kept + widths * tokens * shared * e // tp
+        own_input = e != 4 or casts or bool(lora) or shape.sequence_parallel
+        moe += mlp_input * own_input * input_kept + widths * tokens * shared * e // tp
         moe += matrices * d * shared * e // tp if casts else 0
     return moe - dense
 

@@ -13,6 +13,9 @@ Expert parallelism (`parallel.ep`, features/moe/expert_parallel.py) leaves each 
 1/ep of the routed experts (a DTensor shard) and sets the layer's `ep_group`: the router still runs on the
 rank's own tokens, whose rows go to the ranks holding their experts and come back with two all-to-alls of
 uneven splits (`dispatch_to_experts`), so routing, statistics and results are those of one rank with every expert.
+Under sequence and context parallelism a rank routes only its own slice of the sequence; the router and
+experts read their weights through `local_summed` (their gradients are partial sums over tp), and the aux
+loss sums the load counts over the layer's `token_group`.
 
 Each MoE layer accumulates its step's statistics (tokens per expert, aux loss, dropped assignments) over the
 training forwards of a step (not evaluation, not a recompute in backward); `step_stats` collects them."""
@@ -29,7 +32,7 @@ from torch import nn
 
 from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.models.common.all_to_all import all_to_all
-from hpc_train.placement import local
+from hpc_train.placement import local_summed
 
 STATS = ("load_max_mean", "aux_loss", "dropped")  # per layer and step, in the metrics record
 
@@ -212,7 +215,7 @@ class Experts(nn.Module):
         """x: (rows, d) sorted by expert, `counts` rows per expert."""
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        x, weights = x.to(dtype), [local(w).to(dtype) for w in (self.w1, self.w3, self.w2)]
+        x, weights = x.to(dtype), [local_summed(w).to(dtype) for w in (self.w1, self.w3, self.w2)]
         if self.grouped and grouped_mm_runs(x, x.shape[-1], self.w1.shape[-1]):
             return grouped_swiglu(x, counts, *weights)
         return looped_swiglu(x, counts, *weights)
@@ -238,7 +241,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (tokens, d) -> scores (tokens, experts), chosen experts and their gates (tokens, top_k)."""
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())
+            logits = F.linear(x.float(), local_summed(self.gate.weight).float())
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         gates = scores.gather(1, chosen)
@@ -277,15 +280,16 @@ class MoE(nn.Module):
         self.stats: torch.Tensor | None = None  # (tokens per expert..., aux loss, dropped), summed over the step
         self.unrecorded_forwards = 0  # training forwards left out of the statistics (a pipeline's shape inference)
         self.ep_group: dist.ProcessGroup | None = None  # expert parallelism: the ranks the experts are split over
+        # context and sequence parallelism: the ranks that hold the rest of this rank's samples' tokens
+        self.token_group: dist.ProcessGroup | None = None
 
     def capacity(self, tokens: int) -> int | None:
         if not self.capacity_factor:
             return None
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
         tokens = x.shape[0]
         scores, chosen, gates = self.router(x)
         experts = chosen.flatten()
@@ -307,23 +311,30 @@ class MoE(nn.Module):
             routed = self.experts(x[token_of], kept_counts)
         else:
             routed = dispatch_to_experts(self.experts, x[token_of], kept_counts, self.ep_group)
-        out = combine(routed, order, gates).to(x.dtype)
-        if self.shared is not None:
-            out = out + self.shared(x)
+        out = combine(routed, order, gates).to(x.dtype).view_as(hidden)
+        if self.shared is not None:  # on the (batch, sequence, d) input: tp's sequence-parallel layout
+            out = out + self.shared(hidden)
         aux = self.aux_loss(scores, counts, tokens)
         if aux is not None and torch.is_grad_enabled():
             scale = torch.as_tensor(self.aux_grad_scale, device=x.device, dtype=torch.float32)
             out = AuxLossGrad.apply(out, aux, scale)
         self.record(counts, aux, dropped)
-        return out.reshape(shape)
+        return out
 
     def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor | None:
-        """Switch/GShard's balance loss, coef x experts x sum_i f_i P_i: f_i the fraction of assignments to
-        expert i, P_i its mean score (scores normalized per token): 1 x coef when perfectly balanced."""
+        """Switch/GShard's balance loss of the micro-batch, coef x experts x sum_i f_i P_i: f_i the fraction of
+        assignments to expert i, P_i its mean score (scores normalized per token): 1 x coef when perfectly
+        balanced. With the samples' tokens split over `token_group`, f_i is the whole micro-batch's (the
+        counts summed over it) and P_i this rank's part of the mean: the ranks' losses sum to the micro-batch's
+        (Megatron's sequence-partition group)."""
         if not self.aux_loss_coef:
             return None
+        if self.token_group is not None:
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.token_group)
+            tokens *= dist.get_world_size(self.token_group)
         fraction = counts.float() / (tokens * self.top_k)
-        probs = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        probs = (scores / scores.sum(-1, keepdim=True)).sum(0) / tokens
         return self.aux_loss_coef * self.num_experts * (fraction * probs).sum()
 
     def record(self, counts: torch.Tensor, aux: torch.Tensor | None, dropped: torch.Tensor) -> None:
@@ -367,6 +378,11 @@ def take_stats(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
             out[name] = moe.stats
         moe.stats = None
     return out
+
+
+def token_group(chunks: list[nn.Module]) -> dist.ProcessGroup | None:
+    """The ranks that hold the rest of these layers' samples' tokens (context and sequence parallelism)."""
+    return next((moe.token_group for _, moe in moe_layers(chunks)), None)
 
 
 def update_expert_bias(moe: MoE, loads: torch.Tensor, rate: float, skipped: torch.Tensor | None = None) -> None:

@@ -63,13 +63,16 @@ def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, Parall
 
 
 def moe_tp_plan(moe: MoE, mlp: type, stream: Replicate | Shard) -> dict[str, ParallelStyle]:
-    """An MoE feed-forward under tp (without sequence parallelism): its input as a full local tensor; the
-    router and routed experts replicated (every rank routes and computes all tokens alike, until expert
-    parallelism shards them); the shared experts column- and row-parallel like the dense MLP."""
+    """An MoE feed-forward under tp: its input as a local tensor, the whole sequence without sequence
+    parallelism (every tp rank routes and computes all tokens alike), this rank's slice of it with (each
+    tp rank routes and computes its own tokens: features/moe/expert_parallel.py replicates the router and
+    the experts over tp); the shared experts column- and row-parallel like the dense MLP, their input
+    all-gathered and their output reduce-scattered under sequence parallelism."""
     plan: dict[str, ParallelStyle] = {
-        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=True)
+        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(stream,), use_local_output=True)
     }
     if moe.shared is not None:
+        plan["mlp.shared"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
         plan.update({f"mlp.shared.{layer}": ColwiseParallel() for layer in mlp.column_parallel})
         plan[f"mlp.shared.{mlp.row_parallel}"] = RowwiseParallel(output_layouts=stream)
     return plan
