@@ -7,8 +7,8 @@ Then (unless --no-ep) the training step of an MoE model at two processes (dp2) w
 (parallel.ep=2: each rank holds half the experts, tokens exchanged by all-to-all) against ep1 (every rank holds
 every expert), same global batch: the median step time after the warm-up steps and their ratio, and the
 bytes rank 0 sent per step by all-to-all against the planner's ep traffic (`planner.traffic`). With
---composed, the same for four ranks in bf16: tp2 x ep2 with sequence parallelism, and with float8 too,
-against tp2 x ep2 eager.
+--composed, the same for four ranks in bf16: tp2 x ep2 with sequence parallelism, with float8 too, and
+compiled too, against tp2 x ep2 eager.
 
     python tools/bench_moe.py                   # CPU, fp32, every thread
     python tools/bench_moe.py --threads 1 --dtype bf16
@@ -95,33 +95,43 @@ def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
 def bench_layouts(title: str, world: int, layouts: dict[str, list[str]], steps: int, warmup: int,
                   overrides: list[str]) -> None:  # fmt: skip
     """Each layout's training step in the same `world` worker processes, against the first: the median step
-    time after the warm-up steps and the bytes rank 0 sent per step by all-to-all against the planner's ep
-    traffic."""
+    time after the warm-up steps, the bytes rank 0 sent per step by all-to-all against the planner's ep
+    traffic, and (compiled) the graphs compiled after the first step by the last."""
     with tempfile.TemporaryDirectory() as tmp:
         cfgs = {name: load_config(None, [*EP_MODEL, f"train.steps={steps}", f"run_dir={Path(tmp) / name}",
                                          f"parallel.nproc={world}", *extra, *overrides])
                 for name, extra in layouts.items()}  # fmt: skip
         launch_sequence(counted_training, world, [(cfg,) for cfg in cfgs.values()])
-        times, sent = {}, {}
+        times, sent, recompiles = {}, {}, {}
         for name, cfg in cfgs.items():
             records = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
             times[name] = statistics.median(r["step_time_s"] for r in records[warmup:])
             sent[name] = float((Path(cfg.run_dir) / "ep_bytes_0").read_text())
+            recompiles[name] = records[-1].get("recompiles", "-")
     print(f"\n{title}, {steps} steps")
     first = next(iter(layouts))
-    print(f"{'layout':<22} {'step ms':>9} {'vs ' + first:>12} {'all-to-all MiB/step, rank 0: measured / planned':>50}")
+    print(f"{'layout':<26} {'step ms':>9} {'vs ' + first:>12} {'all-to-all MiB/step, rank 0: measured / planned':>50} "
+          f"{'recompiles':>11}")  # fmt: skip
     for name, cfg in cfgs.items():
         planned = traffic(cfg, check_run(cfg, world, check_paths=False)).get("ep", 0.0)
         figure = f"{sent[name] / 2**20:.2f} / {planned / 2**20:.2f}"
-        print(f"{name:<22} {times[name] * 1e3:>9.1f} {times[name] / times[first]:>12.2f} {figure:>50}")
+        print(f"{name:<26} {times[name] * 1e3:>9.1f} {times[name] / times[first]:>12.2f} {figure:>50} "
+              f"{recompiles[name]!s:>11}")  # fmt: skip
 
 
 # the composed layout of four ranks (tp2 x ep2 at dp2) in bf16: sequence parallelism (each tp rank routing its
-# own tokens) and float8 projections against tp2 x ep2 eager; train.compile stays refused with MoE
+# own tokens), float8 projections and compiled blocks against tp2 x ep2 eager
 COMPOSED = {
     "tp2_ep2": ["parallel.tp=2", "parallel.ep=2"],
     "tp2_sp_ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
     "tp2_sp_ep2_fp8": ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", "train.fp8=tensorwise"],
+    "tp2_sp_ep2_fp8_compile": [
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "parallel.sequence_parallel=true",
+        "train.fp8=tensorwise",
+        "train.compile=true",
+    ],  # fmt: skip
 }
 
 

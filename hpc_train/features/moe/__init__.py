@@ -34,7 +34,11 @@ def check(*, model: ModelConfig, parallel: ParallelConfig, train, finetune: Fine
     }
     problems = [problem for problem, refused in layout.items() if refused]
     unsupported = {
-        "train.compile": (train.compile, "set train.compile=false"),
+        "train.compile with model.moe.capacity_factor > 0": (
+            train.compile and model.moe.capacity_factor > 0,
+            "set train.compile=false, or model.moe.capacity_factor=0 (the dropped assignments change the compiled "
+            "shapes every step)",
+        ),
         f"finetune.method={finetune.method}": (finetune.quantized_base, "use finetune.method=lora or full"),
     }
     problems += [f"{key} is not supported with model.moe.num_experts={experts} yet: {fix}"

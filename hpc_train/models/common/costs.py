@@ -67,7 +67,8 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
                    grouped GEMM pads each expert's group to 16 bytes' worth of rows (R = A + E x
                    (16 / bytes - 1), rounded up to that) and keeps where each row went (A x 8)
       combine      the expert outputs back in token order, in fp32 (A x d x 4)
-      shared       a dense MLP of the shared experts' width (tp-sharded like one), reading the block's input
+      shared       a dense MLP of the shared experts' width (tp-sharded like one), reading the block's input;
+                   compiled, what inductor recomputes of an MLP is not kept (the routed experts stay eager)
 
     The routed experts are replicated over tp, so only the shared experts' part is divided by it; under
     sequence parallelism the router and routed experts see the rank's T / tp tokens, and the shared experts
@@ -82,6 +83,7 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     matrices = len(mlp.column_parallel) + 1
     lora = set(shape.lora_targets)
     input_kept, widths = frozen_mlp_keeps(mlp, lora)  # the dense and shared MLPs', as decoder_activations counts
+    widths -= mlp.recomputed_when_compiled * shape.compiled  # in a compiled block (the routed experts run eager)
     routed_tokens = tokens // tp if shape.sequence_parallel else tokens  # what the router sees
     assigned = routed_tokens * m.top_k
     if m.capacity_factor:

@@ -307,10 +307,7 @@ class MoE(nn.Module):
             order, kept_counts = order[keep], counts.clamp(max=capacity)
             dropped = (~keep).sum()
         token_of = order // self.top_k
-        if self.ep_group is None:
-            routed = self.experts(x[token_of], kept_counts)
-        else:
-            routed = dispatch_to_experts(self.experts, x[token_of], kept_counts, self.ep_group)
+        routed = self.routed_experts(x[token_of], kept_counts)
         out = combine(routed, order, gates).to(x.dtype).view_as(hidden)
         if self.shared is not None:  # on the (batch, sequence, d) input: tp's sequence-parallel layout
             out = out + self.shared(hidden)
@@ -337,9 +334,21 @@ class MoE(nn.Module):
         probs = (scores / scores.sum(-1, keepdim=True)).sum(0) / tokens
         return self.aux_loss_coef * self.num_experts * (fraction * probs).sum()
 
+    @torch.compiler.disable
+    def routed_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The routed experts on `rows` (sorted by expert, `counts` each), here or, under expert parallelism,
+        where they are held. Eager inside a compiled block: the grouped GEMM's traced form takes bf16 only,
+        and expert parallelism's split sizes are host integers that would change the shapes every step."""
+        if self.ep_group is None:
+            return self.experts(rows, counts)
+        return dispatch_to_experts(self.experts, rows, counts, self.ep_group)
+
     def record(self, counts: torch.Tensor, aux: torch.Tensor | None, dropped: torch.Tensor) -> None:
-        """Adds this forward to the step's statistics: only training forwards, not a recompute in backward."""
-        if not (self.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
+        """Adds this forward to the step's statistics: only training forwards, not a recompute in backward
+        (a compiled block's recompute runs no Python)."""
+        if not (self.training and torch.is_grad_enabled()):
+            return
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             return
         if self.unrecorded_forwards:
             self.unrecorded_forwards -= 1
