@@ -14,13 +14,17 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 
 from hpc_train.bootstrap import RankEnv, distributed
+from hpc_train.config import ConfigError
 from hpc_train.data.batch import SequenceShard
 from hpc_train.errors import UserError
 from hpc_train.features.context_parallel.attention import split_attention
 from hpc_train.features.context_parallel.exchange import ring_attention, ulysses_attention
 from hpc_train.features.context_parallel.options import ContextParallelOptions
+from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.models.common.all_to_all import all_to_all
+from hpc_train.models.common.decoder import Attention
+from hpc_train.models.llama.model import ARCH
 
 TOL = 1e-5
 
@@ -85,3 +89,16 @@ def test_the_ring_is_refused_on_cuda_until_its_gpu_check_passes():
     ring = ContextParallelOptions(cp_mode="ring")
     with pytest.raises(UserError, match="parallel.cp_mode=ring on CUDA.*use parallel.cp_mode=ulysses"):
         split_attention(None, types.SimpleNamespace(device=torch.device("cuda")), parallel=ring)
+
+
+def test_a_mask_reaching_an_exchanging_attention_is_an_error_not_local_attention():
+    """A document mask that reached an attention whose core exchanges keys and values over cp (today two
+    config checks keep it from happening) stops with an error naming the combination: swapped for local
+    attention, each rank would attend only to its own shard, silently."""
+    cfg = load_config(None, ["model.n_heads=2", "model.d_model=8"]).model
+    attention = Attention(cfg, ARCH)
+    x, mask = torch.randn(1, 4, 8), torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    assert attention(x, None, None, mask=mask).shape == x.shape  # the local core takes the mask
+    attention.core = ulysses_attention
+    with pytest.raises(ConfigError, match=r"data.document_mask(.|\n)*parallel.cp > 1(.|\n)*data.document_mask=false"):
+        attention(x, None, None, mask=mask)

@@ -54,6 +54,11 @@ LAYOUTS = {  # name -> (world size, overrides)
         4,
         ["parallel.tp=2", "parallel.pp=2", SP, "train.grad_accum=2", "model.recompute=selective"],
     ),  # fmt: skip
+    # context parallelism: each rank's shard of the sequence, and what its exchange holds while attention runs
+    "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_mode=ring"]),
+    "cp2_ulysses": (2, ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
+    "cp4_ring": (4, ["parallel.cp=4", "parallel.cp_mode=ring"]),
+    "cp4_ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses"]),
     # the gpt2 family's own formulas: LayerNorm with bias, GELU MLP, learned positions, tied head
     "gpt2": (1, ["model.arch=gpt2"]),
     "gpt2_zero1_bf16_full_every_2": (

@@ -124,6 +124,11 @@ class Attention(nn.Module):
                 at = slice(None, seq) if self.shard is None else self.shard.positions(seq, cos.device)
                 cos, sin = cos[at], sin[at]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if mask is not None and self.core is not causal_attention:
+            # the exchanging core takes no mask, and local attention would see only this rank's shard
+            raise ConfigError("a document mask (data.document_mask) reached an attention that exchanges keys and "
+                            "values with other context-parallel ranks (parallel.cp > 1), which does not apply "
+                            "masks yet: set data.document_mask=false or parallel.cp=1")  # fmt: skip
         core = self.core if mask is None else functools.partial(causal_attention, mask=mask)
         if self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(core, q, k, v, use_reentrant=False)
