@@ -30,7 +30,7 @@ from hpc_train.train.loop import run_training
 from hpc_train.train.step import StepOptions, train_step
 from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics, run_cli, streams_to
 
-COMMON = [*TINY_MODEL, "model.n_layers=4", "checkpoint.interval=2"]
+COMMON = [*TINY_MODEL, "checkpoint.interval=2"]
 SP = "parallel.sequence_parallel=true"
 TP2_DP2_ZERO1 = ["parallel.tp=2", SP, "train.micro_batch_size=2", "train.grad_accum=2", "optim.zero_stage=1",
                  "optim.bucket_mb=0.05"]  # fmt: skip
@@ -712,8 +712,8 @@ def test_another_model_or_data_is_refused_and_nothing_is_touched(saved_run, tmp_
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    bigger = hpc_train_train(run, small_corpus, 6, extra=["model.n_layers=2"])  # refused before any rank starts
-    assert bigger.returncode == 2 and "model.n_layers: 4 in the checkpoint, 2 here" in bigger.stderr, bigger.stderr
+    bigger = hpc_train_train(run, small_corpus, 6, extra=["model.n_layers=4"])  # refused before any rank starts
+    assert bigger.returncode == 2 and "model.n_layers: 2 in the checkpoint, 4 here" in bigger.stderr, bigger.stderr
     other_data = tmp_path / "other"
     from hpc_train.data.prepare import prepare_data, stdlib_sources
 
