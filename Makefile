@@ -34,10 +34,10 @@ lint: $(STAMP)
 
 # Two workers (pytest-xdist), a test file each at a time (a file's module fixtures are built once, the
 # Slurm jobs stay on one worker): while one waits on a Slurm job or a hang timeout, the other computes.
-# TEST_WORKERS=0: one process.
+# Files are handed out longest first (tests/conftest.py's SLOWEST_FIRST). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: lint cluster
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench_step.py

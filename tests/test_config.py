@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -111,13 +109,8 @@ def test_the_recorded_config_reads_back_as_the_same_config():
 
 
 def test_config_show_cli():
-    out = subprocess.run(
-        [sys.executable, "-m", "hpc_train.cli", "config", "show", "configs/tiny.yaml", "train.steps=3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = run_cli("config", "show", "configs/tiny.yaml", "train.steps=3")
+    assert out.returncode == 0, out.stderr
     assert "steps: 3" in out.stdout and "run_dir: 'runs/tiny'" in out.stdout
     assert "valid for world size 2: pp=1 dp=2 cp=1 tp=1" in out.stderr
     bad = run_cli("train", "configs/tiny.yaml", "train.stpes=3")

@@ -2,7 +2,6 @@
 doctor tests an allocation, a rendezvous that cannot complete says why (the in-job restart after a rank
 dies is in test_checkpoint, next to the other resume tests; under Slurm in test_slurm)."""
 
-import os
 import re
 import socket
 import subprocess
@@ -145,12 +144,9 @@ def test_rendezvous_names_the_missing_rank_and_the_unreachable_master(make_cfg):
             "never arrived: rank(s) 1"),
         (1, f"rank 1: could not reach 127.0.0.1:{port} within parallel.rendezvous_timeout_s=3s"),
     ):  # fmt: skip
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        out = subprocess.run(
-            [sys.executable, "-m", "hpc_train.cli", "train", *TINY_MODEL, f"data.train_path={cfg.data.train_path}",
-             f"run_dir={cfg.run_dir}", "parallel.rendezvous_timeout_s=3"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        out = run_cli("train", *TINY_MODEL, f"data.train_path={cfg.data.train_path}", f"run_dir={cfg.run_dir}",
+                      "parallel.rendezvous_timeout_s=3", env=env, timeout_s=120)  # fmt: skip
         assert out.returncode == 2 and expected in out.stderr, out.stderr
         assert "usual causes: the master's host name resolves differently" in out.stderr
         assert "Traceback" not in out.stderr
