@@ -207,8 +207,9 @@ class StepMeter:
             "memory_reserved_gb": peak_memory[1] / 1e9,
             "host_memory_gb": peak_memory[2] / 1e9,  # max over ranks
             "step_time_s": elapsed,
-            "memory_bytes": memory,  # rank 0's, by category
         }
+        if memory:  # rank 0's, by category: measured on the run's first two steps (and a profiled one)
+            out["memory_bytes"] = memory
         if step < self.first_step + 2:
             out["memory_predicted_bytes"] = self.predicted
         if timings is not None:

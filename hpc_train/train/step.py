@@ -44,6 +44,10 @@ class StepOptions:
     # profile the step for its peak of live tensor bytes (observe/memory.py StepPeak), leaving out the
     # storages (address, bytes) given: what the process held before the run; None: not measured
     measure_peak: frozenset[tuple[int, int]] | None = None
+    # count the bytes by category (StepResult.memory): saved-tensor hooks on every saved tensor, whose detach
+    # is a DTensor op under tp (8 steps at tp2 with SP took 20% more CPU time with them, dp2 3%), so the
+    # loop asks on its first two steps only
+    measure_memory: bool = True
 
 
 # A step's figures, one small vector left on the device: the loss (global-batch mean), the gradient norm
@@ -136,8 +140,9 @@ def _train_step(
     params = model.parameters
     optimizer.begin_step(len(micro_batches))
     device = micro_batches[0].tokens.device
+    saved = SavedActivations(params) if options.measure_memory else None
     with (
-        SavedActivations(params) as saved,
+        saved or nullcontext(),
         timed(options.timings, "forward_backward", device),
         options.clock or nullcontext(),
     ):
@@ -147,17 +152,20 @@ def _train_step(
         loss = loss + float("nan")
     fault_point("mid_step", step, dist.get_rank())
     watchdog.record(step, 1)
-    memory = {
-        "params": tensor_bytes(params),
-        "grads": tensor_bytes(p.grad for p in params) + optimizer.grad_buffer_bytes(),
-        "activations_per_microbatch": saved.bytes // len(micro_batches),
-        "activations_peak": saved.peak_bytes,
-    }
+    memory = {}
+    if saved is not None:
+        memory = {
+            "params": tensor_bytes(params),
+            "grads": tensor_bytes(p.grad for p in params) + optimizer.grad_buffer_bytes(),
+            "activations_per_microbatch": saved.bytes // len(micro_batches),
+            "activations_peak": saved.peak_bytes,
+        }
     mean_loss = reduce_loss(model, loss)  # before the update: a non-finite loss drops it too
     figures, skipped = apply_gradients(model, optimizer, lr, options, mean_loss)
-    memory["optimizer"] = optimizer.state_bytes()
+    if saved is not None:
+        memory = by_place({**memory, "optimizer": optimizer.state_bytes()}, optimizer)
     by_hook = {hook.name: hook.after_update(skipped) for hook in model.hooks}  # the features' ends of the step
-    return StepResult(figures, by_place(memory, optimizer), {name: f for name, f in by_hook.items() if f})
+    return StepResult(figures, memory, {name: f for name, f in by_hook.items() if f})
 
 
 def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:
