@@ -124,6 +124,18 @@ def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def assert_moe_run_matches(run_dir: str | Path, reference: list[dict], final: dict[str, torch.Tensor], label: str):
+    """An MoE run against its reference's records and final weights: each step's loss (within 1e-5), gradient
+    norm (relative 1e-5) and every layer's figures (loads, aux loss, drops: the same routing), and the final
+    weights, routing biases included (within 1e-5)."""
+    for ours, theirs in zip(read_metrics(run_dir), reference, strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5), label
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), label
+        for layer, figures in theirs["moe"].items():
+            assert ours["moe"][layer] == pytest.approx(figures, abs=1e-5), (label, layer)
+    assert max_param_diff(read_final_model(run_dir), final) < 1e-5, label
+
+
 class HostReads(TorchFunctionMode):
     """Counts the calls that copy a tensor's value to the host (on a GPU, each waits for the device), by
     `step` (the training loop's tests set it as each step starts)."""
