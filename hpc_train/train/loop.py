@@ -180,7 +180,8 @@ def _train(
                                            run.model.hooks, cfg.data)  # fmt: skip
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
-        peak_step = step == cfg.logging.measure_peak_step  # the bytes by category: this run's first two steps
+        peak_step = step == cfg.logging.measure_peak_step
+        # the bytes by category on this run's first two steps (and a profiled one), not every step
         options = StepOptions(cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged,
                               measure_peak=held if peak_step else None,
                               measure_memory=step < start_step + 3 or peak_step)  # fmt: skip
