@@ -211,10 +211,13 @@ def activation_parts(cfg: JobConfig) -> StageActivations:
     m, p = cfg.model, cfg.parallel
     policy, compute = precision_policy(cfg.train, cfg.optim), compute_bytes(cfg)
     casts = policy.autocast_dtype is not None and compute == 4  # autocast over fp32 weights
+    rows = cfg.train.micro_batch_size if cfg.data.reset_position_ids else 1  # RoPE rows per position
     shape = ActivationShape(tokens=cfg.train.micro_batch_size * m.seq_len // p.cp, tp=p.tp,  # cp: its shard
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
                             element_bytes=policy.frozen_dtype.itemsize if casts else compute,
-                            autocast_casts=casts)  # fmt: skip
+                            autocast_casts=casts,
+                            document_mask=cfg.train.micro_batch_size * m.seq_len**2 * cfg.data.document_mask,
+                            rope_rows=rows * m.seq_len // p.cp)  # fmt: skip
     for _, adjust in declared(cfg, "activation_shape"):
         shape = adjust(shape)
     return get_spec(m.arch).activations(m, shape)

@@ -34,7 +34,6 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
             ["x tp for sequence parallelism", "multiple of 8"],
         ),
         (["parallel.cp=4", "parallel.cp_mode=ulysses", "parallel.tp=2"], 8, ["each tp rank's 2 heads", "cp_mode=ring"]),
-        (["parallel.cp=2", "train.compile=true"], 2, ["train.compile with parallel.cp=2 is not tested yet"]),
         (["model.n_heads=4", "parallel.tp=3"], 3, ["model.n_heads=4 is not divisible by parallel.tp=3"]),
         (["model.n_layers=4", "parallel.pp=3"], 3, ["model.n_layers=4 is not divisible by parallel.pp"]),
         (["parallel.dp=4"], 2, ["parallel.dp=4", "gives dp=2"]),

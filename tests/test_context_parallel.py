@@ -1,7 +1,8 @@
 """Context parallelism's attention exchange alone, on 2 gloo ranks: ring (zig-zag shards) and Ulysses
 (contiguous shards) give each rank exactly its rows of one process's causal attention and of its
 gradients, with grouped-query k, v: one kv head (Ulysses sends it repeated: it does not split over cp) and
-two (sent as they are). The differentiable all-to-all under Ulysses and expert parallelism is
+two (sent as they are); causal alone and with packed documents (every rank's attention masks the keys it
+gets by their global documents and positions). The differentiable all-to-all under Ulysses and expert parallelism is
 torch.distributed.nn.functional.all_to_all_single's, also with uneven splits, and that one is deprecated.
 The whole-model parity of every cp layout is tests/test_parallel.py's."""
 
@@ -14,17 +15,14 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 
 from hpc_train.bootstrap import RankEnv, distributed
-from hpc_train.config import ConfigError
 from hpc_train.data.batch import SequenceShard
 from hpc_train.errors import UserError
 from hpc_train.features.context_parallel.attention import split_attention
-from hpc_train.features.context_parallel.exchange import ring_attention, ulysses_attention
+from hpc_train.features.context_parallel.exchange import _ring_block, ring_attention, ulysses_attention
 from hpc_train.features.context_parallel.options import ContextParallelOptions
-from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.models.common.all_to_all import all_to_all
-from hpc_train.models.common.decoder import Attention
-from hpc_train.models.llama.model import ARCH
+from hpc_train.models.common.decoder import document_mask
 
 TOL = 1e-5
 
@@ -48,28 +46,58 @@ def _all_to_all_is_torchs_deprecated_one(rank: int, world: int) -> None:
     assert torch.equal(ours_in.grad, theirs_in.grad)
 
 
+def packed_documents(seq: int) -> torch.Tensor:
+    """Each token's document, (2, seq): a document longer than a shard, one of a single token, some crossing
+    shard boundaries, and (second row) 3-token documents, so that some ring blocks see no key at all."""
+    lengths = [seq // 2 + 3, 1, 5, seq]
+    first = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[:seq]
+    return torch.stack([first, torch.arange(seq) // 3])
+
+
 def _check(rank_env: RankEnv) -> None:
     with distributed(rank_env, torch.device("cpu"), "gloo", 60):
         cp, rank = dist.get_world_size(), dist.get_rank()
         _all_to_all_is_torchs_deprecated_one(rank, cp)
-        for kv_heads in (1, 2):
+        for kv_heads, documents in ((1, None), (2, None), (1, packed_documents(32)), (2, packed_documents(32))):
             gen = torch.Generator().manual_seed(kv_heads)
             q, dout = torch.randn(2, 4, 32, 8, generator=gen), torch.randn(2, 4, 32, 8, generator=gen)
             k, v = torch.randn(2, kv_heads, 32, 8, generator=gen), torch.randn(2, kv_heads, 32, 8, generator=gen)
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
             repeat = 4 // kv_heads
+            mask = None if documents is None else document_mask(documents)
             ref = torch.nn.functional.scaled_dot_product_attention(
-                whole[0], whole[1].repeat_interleave(repeat, 1), whole[2].repeat_interleave(repeat, 1), is_causal=True
-            )
+                whole[0], whole[1].repeat_interleave(repeat, 1), whole[2].repeat_interleave(repeat, 1),
+                attn_mask=mask, is_causal=mask is None,
+            )  # fmt: skip
             ref.backward(dout)
             for core, zigzag in ((ring_attention, True), (ulysses_attention, False)):
                 at = SequenceShard(cp, rank, zigzag).positions(32 // cp)
                 mine = [t[:, :, at].clone().requires_grad_() for t in (q, k, v)]
-                out = core(*mine, group=dist.group.WORLD)
+                out = core(*mine, group=dist.group.WORLD, documents=documents)
                 out.backward(dout[:, :, at])
-                assert (out - ref[:, :, at]).abs().max() <= TOL, (core.__name__, kv_heads)
+                case = (core.__name__, kv_heads, documents is not None)
+                assert (out - ref[:, :, at]).abs().max() <= TOL, case
                 for got, full in zip(mine, whole, strict=True):
-                    assert (got.grad - full.grad[:, :, at]).abs().max() <= TOL, (core.__name__, kv_heads)
+                    assert (got.grad - full.grad[:, :, at]).abs().max() <= TOL, case
+        _ring_transfers_overlap_compute(cp, rank)
+
+
+def _ring_transfers_overlap_compute(cp: int, rank: int) -> None:
+    """From the ring's timeline: in forward every step's next key-value block is in flight while the current
+    block computes, and in backward each block's key-value gradient, sent on after its step, is in flight
+    while the next block's backward computes (it is waited for only to add that block's share)."""
+    timeline: list = []
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    out = ring_attention(q, k, v, group=dist.group.WORLD, timeline=timeline)
+    forward = {(event, step): t for event, step, t in timeline}
+    out.sum().backward()
+    backward = {(event, step): t for event, step, t in timeline[len(forward) :]}
+    for step in range(cp - 1):
+        assert forward["kv start", step] <= forward["forward start", step], (rank, step)
+        assert forward["forward end", step] <= forward["kv end", step], (rank, step)
+    for step in range(1, cp):
+        assert backward["grads start", step - 1] <= backward["backward start", step], (rank, step)
+        assert backward["backward end", step] <= backward["grads end", step - 1], (rank, step)
 
 
 def test_ring_and_ulysses_match_one_process_with_grouped_query_heads():
@@ -91,14 +119,17 @@ def test_the_ring_is_refused_on_cuda_until_its_gpu_check_passes():
         split_attention(None, types.SimpleNamespace(device=torch.device("cuda")), parallel=ring)
 
 
-def test_a_mask_reaching_an_exchanging_attention_is_an_error_not_local_attention():
-    """A document mask that reached an attention whose core exchanges keys and values over cp (today two
-    config checks keep it from happening) stops with an error naming the combination: swapped for local
-    attention, each rank would attend only to its own shard, silently."""
-    cfg = load_config(None, ["model.n_heads=2", "model.d_model=8"]).model
-    attention = Attention(cfg, ARCH)
-    x, mask = torch.randn(1, 4, 8), torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
-    assert attention(x, None, None, mask=mask).shape == x.shape  # the local core takes the mask
-    attention.core = ulysses_attention
-    with pytest.raises(ConfigError, match=r"data.document_mask(.|\n)*parallel.cp > 1(.|\n)*data.document_mask=false"):
-        attention(x, None, None, mask=mask)
+def test_a_ring_block_where_no_query_sees_a_key_is_skipped():
+    """With packed documents each ring step's block is masked by the global positions and documents of its
+    queries and keys; a block that no query may see is not computed (`_ring_block` gives None)."""
+    ring = lambda rank: types.SimpleNamespace(size=2, rank=rank)
+    # zig-zag at cp2, seq 16: rank 0 holds 0-3 and 12-15, rank 1 holds 4-11
+    separate = torch.arange(16).div(4, rounding_mode="floor").unsqueeze(0)  # a document per chunk
+    assert _ring_block(ring(0), 1, 8, separate, torch.float32) is None  # rank 1's keys, none of our documents
+    assert _ring_block(ring(1), 1, 8, separate, torch.float32) is None
+    one = torch.zeros(1, 16, dtype=torch.long)
+    block = _ring_block(ring(1), 1, 8, one, torch.float32)  # rank 0's first chunk: seen by all of ours
+    assert block.rows == slice(None) and block.keys == slice(None, 4) and bool((block.bias == 0).all())
+    block = _ring_block(ring(0), 1, 8, one, torch.float32)  # rank 1's block: seen from our second chunk
+    assert block.rows == slice(4, None) and block.keys == slice(None) and bool((block.bias == 0).all())
+    assert _ring_block(ring(0), 1, 8, None, torch.float32).bias is None  # causal only: no bias, never skipped

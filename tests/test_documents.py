@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from hpc_train.config import ConfigError, ModelConfig, validate
+from hpc_train.config import ModelConfig
 from hpc_train.data.batch import collate
 from hpc_train.data.blend import BlendedSource
 from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter
-from hpc_train.job import check_run, load_config
 from hpc_train.models.common.decoder import init_weights
 from hpc_train.models.gpt2 import GPT2
 from hpc_train.models.llama import LLAMA
@@ -80,14 +79,3 @@ def test_document_ids_and_positions_come_from_the_offsets(packed, tmp_path):
     blend = BlendedSource({"a": ds, "b": ds})
     indices = np.array([blend.offsets[1] + 2, 1])
     assert np.array_equal(blend.documents(indices), ds.documents(np.array([2, 1])))
-
-
-def test_pipeline_and_context_parallelism_are_refused_with_document_options():
-    """pp: the core layout check (config/checks.py); cp: context parallelism's own (features/context_parallel)."""
-    for key in ("data.document_mask", "data.reset_position_ids"):
-        cfg = load_config(None, ["model.n_layers=2", "parallel.pp=2", "train.grad_accum=2", f"{key}=true"])
-        with pytest.raises(ConfigError, match=rf"{key} with parallel.pp=2: later pipeline stages"):
-            validate(cfg, 2, check_paths=False)
-        cfg = load_config(None, ["model.n_layers=2", "parallel.cp=2", f"{key}=true"])
-        with pytest.raises(ConfigError, match=rf"{key} with parallel.cp=2: context parallelism does not split"):
-            check_run(cfg, 2, check_paths=False)

@@ -106,9 +106,16 @@ _derive(OFFLOAD_LAYOUTS, ["model.activation_offload=full"])
 
 
 # train.compile=true (inductor on CPU) against the eager single-process reference, llama only (each compile
-# costs tens of seconds): tensor + sequence parallel, pipeline with selective recompute, ZeRO-1. Compiled
-# kernels fuse and reorder fp32 reductions (norms, softmax), so they match to rounding, within TOL, not bitwise.
-COMPILED_LAYOUTS = ("tp2_sp", "pp2_selective_recompute", "dp2_zero1")
+# costs tens of seconds): tensor + sequence parallel, pipeline with selective recompute, and both cp modes with
+# ZeRO-1 over dp x cp (their exchanges run eagerly between compiled graphs; the blocks' graphs are the same for
+# both, so the second compiles nothing new). Compiled kernels fuse and reorder fp32 reductions (norms,
+# softmax), so they match to rounding, within TOL, not bitwise.
+COMPILED_LAYOUTS = {
+    "tp2_sp": LAYOUTS["tp2_sp"],
+    "pp2_selective_recompute": LAYOUTS["pp2_selective_recompute"],
+    "cp2_ring_zero1": (2, [*LAYOUTS["cp2_ring"][1], "optim.zero_stage=1"]),
+    "cp2_ulysses_zero1": (2, ["parallel.cp=2", ULYSSES, "train.micro_batch_size=8", "optim.zero_stage=1"]),
+}
 
 
 # optim.name=muon (llama): its Newton-Schulz iteration runs in bf16 and amplifies fp32 rounding in the
@@ -119,11 +126,19 @@ MUON_LAYOUTS = {"tp2_muon": "tp2", "dp2_zero1_muon": "dp2_zero1"}
 MUON_TOL = 1e-4
 
 
-# data.reset_position_ids + data.document_mask on a corpus of short documents (several per sample), with
-# evaluation, against one process with them on (and off, llama: the loop applies them to training and evaluation)
+# data.reset_position_ids + data.document_mask on a corpus of short documents (several per sample, most longer
+# than a cp shard and crossing shard boundaries), with evaluation, against one process with them on (and off,
+# llama: the loop applies them to training and evaluation); context parallelism masks every exchanged key by its
+# document, and the pipeline hands each stage its micro-batch's documents
 DOCUMENTS = ["data.reset_position_ids=true", "data.document_mask=true", f"train.eval_interval={STEPS}"]
 DOCUMENTS_OFF = ["data.reset_position_ids=false", "data.document_mask=false"]
-DOCUMENT_LAYOUTS = ("tp2_sp",)
+DOCUMENT_LAYOUTS = ("tp2_sp", "cp2_ring", "cp4_ring", "cp4_ulysses", "pp2_1f1b", "pp2_cp2")
+# gpt2's learned positions are looked up on the first stage only: its cp shards and first stages
+GPT2_DOCUMENT_LAYOUTS = ("tp2_sp", "cp2_ring", "pp2_cp2")
+
+
+def document_layouts(arch: str) -> tuple[str, ...]:
+    return GPT2_DOCUMENT_LAYOUTS if arch == "gpt2" else DOCUMENT_LAYOUTS
 
 
 def _config(base, arch: str, name: str, extra: list[str], corpus: str):
@@ -152,9 +167,9 @@ def runs(tmp_path_factory, small_corpus, short_documents):
         cfgs += [muon(n, [*LAYOUTS[base][1], f"parallel.nproc={world}"])
                  for n, base in MUON_LAYOUTS.items() if LAYOUTS[base][0] == world]  # fmt: skip
         cfgs += [docs(arch, f"{n}_documents", [*LAYOUTS[n][1], f"parallel.nproc={world}"])
-                 for arch in ARCHS for n in DOCUMENT_LAYOUTS if LAYOUTS[n][0] == world]  # fmt: skip
-        cfgs += [cfg("llama", f"{n}_compiled", [*LAYOUTS[n][1], f"parallel.nproc={world}", "train.compile=true"])
-                 for n in COMPILED_LAYOUTS if LAYOUTS[n][0] == world]  # fmt: skip
+                 for arch in ARCHS for n in document_layouts(arch) if LAYOUTS[n][0] == world]  # fmt: skip
+        cfgs += [cfg("llama", f"{n}_compiled", [*extra, f"parallel.nproc={world}", "train.compile=true"])
+                 for n, (w, extra) in COMPILED_LAYOUTS.items() if w == world]  # fmt: skip
         launch_sequence(counted_training, world, [(c,) for c in cfgs])  # run_training, counting cp's bytes
     return {arch: base / arch for arch in ARCHS}
 
@@ -226,7 +241,7 @@ def test_muon_layout_matches_single_process(runs, layout):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_documents_train_alike_at_one_process_and_tp2(runs, arch):
+def test_packed_documents_train_alike_in_every_layout(runs, arch):
     runs = runs[arch]
     ref = read_metrics(runs / "reference_documents")
     assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"] and "eval_loss" in ref[-1]
@@ -234,7 +249,7 @@ def test_packed_documents_train_alike_at_one_process_and_tp2(runs, arch):
         off = read_metrics(runs / "documents_off")
         assert abs(ref[0]["loss"] - off[0]["loss"]) > 1e-4 and abs(ref[-1]["eval_loss"] - off[-1]["eval_loss"]) > 1e-4
     reference = read_final_model(runs / "reference_documents")
-    for layout in DOCUMENT_LAYOUTS:
+    for layout in document_layouts(arch):
         got = read_metrics(runs / f"{layout}_documents")
         for r, g in zip(ref, got, strict=True):
             assert abs(r["loss"] - g["loss"]) <= TOL and abs(r.get("eval_loss", 0) - g.get("eval_loss", 0)) <= TOL

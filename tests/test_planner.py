@@ -32,7 +32,8 @@ def test_planner_matches_measurement_within_5_percent(measured, layout):
 
 def test_the_total_is_asserted_on_every_kind_of_layout():
     """At least 20 layouts, with ZeRO-2 and ZeRO-3, offload, LoRA and QLoRA, compile, the chunked loss, fp8,
-    context parallelism in both modes, MoE, and MoE with LoRA, with float8 and with sequence parallelism."""
+    context parallelism in both modes (with packed documents too), MoE, and MoE with LoRA, with float8 and
+    with sequence parallelism."""
     asserted = [overrides for name, (_, overrides) in LAYOUTS.items() if name not in TOTAL_LEFT_OUT]
     assert len(asserted) >= 20
     for setting in ("optim.zero_stage=2", "optim.zero_stage=3", "optim.offload=cpu", "finetune.method=lora",
@@ -40,6 +41,8 @@ def test_the_total_is_asserted_on_every_kind_of_layout():
                     "train.fp8=rowwise", "model.moe.num_experts=4", "parallel.cp_mode=ring",
                     "parallel.cp_mode=ulysses"):  # fmt: skip
         assert any(setting in overrides for overrides in asserted), setting
+    for mode in ("parallel.cp_mode=ring", "parallel.cp_mode=ulysses"):
+        assert any(mode in o and "data.document_mask=true" in o for o in asserted), mode
     for setting in ("finetune.method=lora", "train.fp8=rowwise", "parallel.sequence_parallel=true"):  # with MoE
         assert any("model.moe.num_experts=4" in o and setting in o for o in asserted), setting
     with_overlap = [o for o in asserted if "optim.zero_stage=2" in o and "optim.overlap_grad_reduce=true" in o]

@@ -250,7 +250,7 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
                 "global_batch_size out"
             )
 
-    checks = [layout, lambda: check_pipeline(cfg), lambda: check_documents(cfg)]
+    checks = [layout, lambda: check_pipeline(cfg)]
     if check_paths:
         data_keys = ("data.train_path", "data.valid_path")
         checks += [lambda key=key: check_data_path(key, _get(cfg, key)) for key in data_keys]
@@ -290,16 +290,6 @@ def check_pipeline(cfg: JobConfig) -> None:
         )
     if p.schedule == "interleaved_1f1b" and p.pp > 1 and ga % p.pp:
         raise ConfigError(f"interleaved 1F1B needs train.grad_accum={ga} to be a multiple of parallel.pp={p.pp}")
-
-
-def check_documents(cfg: JobConfig) -> None:
-    """Packed-document positions and masks reach the first pipeline stage only: refused with pp > 1 (and, by
-    context parallelism's own check, with cp > 1)."""
-    on = [f"data.{key}" for key in ("reset_position_ids", "document_mask") if getattr(cfg.data, key)]
-    if on and cfg.parallel.pp > 1:
-        raise ConfigError(f"{' and '.join(on)} with parallel.pp={cfg.parallel.pp}: later pipeline stages see only "
-                          "hidden states, not the documents; use parallel.pp=1 (tp, dp and FSDP work) or turn "
-                          f"{' and '.join(on)} off")  # fmt: skip
 
 
 def check_data_path(key: str, prefix: str | None) -> None:

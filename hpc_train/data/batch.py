@@ -50,7 +50,8 @@ class Batch:
     labels: torch.Tensor  # (micro-batch, seq_len) next-token targets; IGNORE where the loss mask leaves one out
     # data.reset_position_ids: each token's position in its document (None: its position in the sample)
     positions: torch.Tensor | None = None
-    # data.document_mask: each token's document in its sample; attention stays inside one (None: causal only)
+    # data.document_mask: each token's document in its sample; attention stays inside one (None: causal only).
+    # Whole samples under context parallelism too (Batch.shard)
     documents: torch.Tensor | None = None
 
     @property
@@ -62,13 +63,13 @@ class Batch:
         return Batch(*(t if t is None else t.to(device, non_blocking=True) for t in fields))
 
     def shard(self, shard: SequenceShard | None) -> Batch:
-        """This context-parallel rank's positions of every sample (the whole batch without a shard)."""
+        """This context-parallel rank's positions of every sample (the whole batch without a shard). The
+        documents stay whole: each rank's attention masks the keys of every other rank's positions too."""
         if shard is None:
             return self
-        if self.positions is not None or self.documents is not None:
-            raise ValueError("packed-document positions and masks are not split over cp (config checks refuse it)")
-        positions = shard.positions(self.tokens.shape[1] // shard.size, self.tokens.device)
-        return Batch(self.tokens[:, positions], self.labels[:, positions])
+        at = shard.positions(self.tokens.shape[1] // shard.size, self.tokens.device)
+        positions = None if self.positions is None else self.positions[:, at]
+        return Batch(self.tokens[:, at], self.labels[:, at], positions, self.documents)
 
 
 @dataclass(frozen=True)

@@ -210,10 +210,13 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
         targets = torch.cat([b.labels for b in micro_batches])
         inputs = (tokens,) if model.mesh.is_first_stage else ()
         target = targets if model.mesh.is_last_stage else None
+        # packed documents reach every stage as keyword inputs, cut into the same micro-batches as the tokens
+        documents = {name: torch.cat([getattr(b, name) for b in micro_batches])
+                     for name in ("positions", "documents") if getattr(micro_batches[0], name) is not None}  # fmt: skip
         losses: list[torch.Tensor] = []
         model.schedule_mode = mode  # a switch makes torch infer the stages' shapes again: one more forward
         run = model.schedule.step if backward else model.schedule.eval
-        run(*inputs, target=target, losses=losses)
+        run(*inputs, target=target, losses=losses, **documents)
         for loss in losses:
             total += local(loss.detach()) / model.loss_scale
     return total

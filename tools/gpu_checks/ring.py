@@ -2,12 +2,11 @@
 forward and backward, each block merged into the running output by its log-sum-exp) against SDPA over the
 whole sequence, in bf16 and fp32, for cp 2 and 4 simulated on one device.
 
-Causal: the library's own ring (`_RingAttention`'s forward and backward, zig-zag shards) runs for each
-simulated rank in a thread of its own, the ring's exchange (`_Ring`) replaced by one between the threads
-(`SimulatedRing`): every block, merge and gradient hop is the library's code. Causal with packed documents:
-the ring refuses data.document_mask, so this measures what it would run: the same kernels and merge, each
-block with its slice of the document mask as an attention bias (fully masked blocks skipped). Times are
-the simulated ranks' work one after another on one device (so cp x a rank's time), forward plus backward."""
+Causal, and causal with packed documents: the library's own ring (`_RingAttention`'s forward and backward,
+zig-zag shards, each block's document mask as an attention bias and blocks that no query sees skipped) runs
+for each simulated rank in a thread of its own, the ring's exchange (`_Ring`) replaced by one between the
+threads (`SimulatedRing`): every block, merge and gradient hop is the library's code. Times are the
+simulated ranks' work one after another on one device (so cp x a rank's time), forward plus backward."""
 
 from __future__ import annotations
 
@@ -20,11 +19,10 @@ import torch.nn.functional as F
 
 from hpc_train.data.batch import SequenceShard
 from hpc_train.features.context_parallel import exchange as context_attention
-from hpc_train.features.context_parallel.exchange import _merge, _RingAttention
+from hpc_train.features.context_parallel.exchange import _RingAttention
 from hpc_train.models.common.decoder import document_mask, repeat_kv
 from tools.gpu_checks.common import Check, best_seconds, relative_error
 
-MASKED = -1e30  # a finite bias: a row with no visible key in a block gets a negligible weight, never NaN
 WAIT_S = 120
 
 
@@ -98,8 +96,9 @@ class _Saved:
         self.saved_tensors = tensors
 
 
-def ring_causal(q, k, v, dout, cp: int) -> tuple[torch.Tensor, ...]:
-    """The library's ring over `cp` simulated ranks: (out, dq, dk, dv) for the whole sequence, in order."""
+def ring(q, k, v, dout, cp: int, documents: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """The library's ring over `cp` simulated ranks, with `documents` (each token's, (batch, seq)) or causal
+    only: (out, dq, dk, dv) for the whole sequence, in order."""
     seq, box = q.shape[2], Mailbox(cp)
     at = [SequenceShard(cp, r, zigzag=True).positions(seq // cp, q.device) for r in range(cp)]
     results: list[tuple | None] = [None] * cp
@@ -110,7 +109,7 @@ def ring_causal(q, k, v, dout, cp: int) -> tuple[torch.Tensor, ...]:
             ctx, group = _Saved(), SimulatedGroup(r, cp, box)
             with torch.no_grad():
                 shard = [t[:, :, at[r]].contiguous() for t in (q, k, v)]
-                out = _RingAttention.forward(ctx, *shard, group)
+                out = _RingAttention.forward(ctx, *shard, group, documents, None)
                 results[r] = (out, *_RingAttention.backward(ctx, dout[:, :, at[r]].contiguous())[:3])
         except BaseException as err:  # noqa: BLE001 - re-raised by the caller, in its thread
             errors.append(err)
@@ -128,62 +127,6 @@ def ring_causal(q, k, v, dout, cp: int) -> tuple[torch.Tensor, ...]:
         for full, part in zip(whole, results[r], strict=True):
             full[:, :, at[r]] = part
     return tuple(whole)
-
-
-def _block_forward(q, k, v, bias, scale):
-    """One block's output and fp32 log-sum-exp with an attention bias, by the kernel the ring runs."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                              scale=scale)  # fmt: skip
-        return out, lse.float()
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False,
-                                                                             scale=scale)  # fmt: skip
-    return out, lse[..., : q.shape[2]].float()
-
-
-def _block_backward(dout, q, k, v, out, lse, bias, scale):
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
-        )
-    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, bias, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], False, scale=scale
-    )
-    return dq, dk, dv
-
-
-def ring_documents(q, k, v, dout, documents, cp: int) -> tuple[torch.Tensor, ...]:
-    """The per-block kernels with document masks, each simulated rank's blocks in ring order (no exchange:
-    nothing overlaps here): (out, dq, dk, dv) for the whole sequence."""
-    seq, heads, scale = q.shape[2], q.shape[1], q.shape[-1] ** -0.5
-    at = [SequenceShard(cp, r, zigzag=True).positions(seq // cp, q.device) for r in range(cp)]
-    allowed = document_mask(documents)  # (batch, 1, seq, seq): causal, inside a document
-    out_all, dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, q, k, v))
-    for r in range(cp):
-        qr = q[:, :, at[r]].contiguous()
-        out = torch.zeros(qr.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(qr.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        blocks = []
-        for step in range(cp):
-            source = (r - step) % cp
-            visible = allowed[:, :, at[r]][:, :, :, at[source]]
-            if not visible.any():
-                continue
-            bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, MASKED)
-            bias = bias.expand(-1, heads, -1, -1)
-            bk, bv = repeat_kv(k[:, :, at[source]].contiguous(), v[:, :, at[source]].contiguous(), heads)
-            out, lse = _merge(out, lse, *_block_forward(qr, bk, bv, bias, scale))
-            blocks.append((source, bk, bv, bias))
-        out = out.to(q.dtype)
-        out_all[:, :, at[r]] = out.float()
-        for source, bk, bv, bias in blocks:
-            a, b, c = _block_backward(dout[:, :, at[r]].contiguous(), qr, bk, bv, out, lse, bias, scale)
-            dq[:, :, at[r]] += a.float()
-            group = heads // k.shape[1]  # grouped-query: a kv head's gradient sums over its q heads
-            dk[:, :, at[source]] += b.float().unflatten(1, (k.shape[1], group)).sum(2)
-            dv[:, :, at[source]] += c.float().unflatten(1, (k.shape[1], group)).sum(2)
-    return tuple(t.to(q.dtype) for t in (out_all, dq, dk, dv))
 
 
 def whole(q, k, v, dout, documents=None) -> tuple[torch.Tensor, ...]:
@@ -228,10 +171,7 @@ def run(check: Check) -> None:
             t_whole = best_seconds(lambda docs=docs, q=q, k=k, v=v, dout=dout: whole(q, k, v, dout, docs), device,
                                    repeats)  # fmt: skip
             for cp in (2, 4):
-                if docs is None:
-                    fn = lambda q=q, k=k, v=v, dout=dout, cp=cp: ring_causal(q, k, v, dout, cp)
-                else:
-                    fn = lambda q=q, k=k, v=v, dout=dout, cp=cp, docs=docs: ring_documents(q, k, v, dout, docs, cp)
+                fn = lambda q=q, k=k, v=v, dout=dout, cp=cp, docs=docs: ring(q, k, v, dout, cp, docs)
                 got = fn()
                 errors = [relative_error(a, w) for a, w in zip(got, reference, strict=True)]
                 t_ring = best_seconds(fn, device, repeats)

@@ -4,21 +4,23 @@ refusals, and what it adds to the plan (plan.py)."""
 
 from __future__ import annotations
 
-from hpc_train.config import DataConfig, ModelConfig
+import dataclasses
+
+from hpc_train.config import ModelConfig
 from hpc_train.features.context_parallel import plan
 from hpc_train.features.context_parallel.attention import ShardSequences, sequence_shard, split_attention
 from hpc_train.features.context_parallel.options import ContextParallelOptions
 from hpc_train.features.feature import Feature
+from hpc_train.models.spec import ActivationShape
 
 
 def enabled(*, parallel: ContextParallelOptions) -> bool:
     return parallel.cp > 1
 
 
-def check(*, model: ModelConfig, parallel: ContextParallelOptions, data: DataConfig) -> list[str]:
+def check(*, model: ModelConfig, parallel: ContextParallelOptions) -> list[str]:
     """The sequence splits into equal shards (2 chunks per rank for the ring's zig-zag split), each further
-    split over tp under sequence parallelism; Ulysses splits each tp rank's heads over cp. Packed-document
-    positions and masks are not split over the sequence yet."""
+    split over tp under sequence parallelism; Ulysses splits each tp rank's heads over cp."""
     p, problems = parallel, []
     if p.cp == 1:
         return []
@@ -34,10 +36,15 @@ def check(*, model: ModelConfig, parallel: ContextParallelOptions, data: DataCon
         problems.append(f"parallel.cp_mode=ulysses splits each tp rank's {heads} heads (model.n_heads="
                         f"{model.n_heads} / parallel.tp={p.tp}) over parallel.cp={p.cp}: pick a cp dividing them, or "
                         "parallel.cp_mode=ring")  # fmt: skip
-    if on := [f"data.{key}" for key in ("reset_position_ids", "document_mask") if getattr(data, key)]:
-        problems.append(f"{' and '.join(on)} with parallel.cp={p.cp}: context parallelism does not split document "
-                        "positions and masks yet; use parallel.cp=1 or turn them off")  # fmt: skip
     return problems
+
+
+def activation_shape(shape: ActivationShape, *, parallel: ContextParallelOptions) -> ActivationShape:
+    """The ring keeps no document mask (it builds each block's from the document ids, again in backward);
+    Ulysses' SDPA keeps its output in head shards, beside the sequence shard the output projection reads."""
+    if parallel.cp_mode == "ring":
+        return dataclasses.replace(shape, document_mask=0)
+    return dataclasses.replace(shape, core_output_copy=True)
 
 
 def hooks(built, *, parallel: ContextParallelOptions) -> ShardSequences:
@@ -51,6 +58,7 @@ FEATURE = Feature(
     check=check,
     transform=split_attention,
     hooks=hooks,
+    activation_shape=activation_shape,
     memory=plan.memory,
     traffic=plan.traffic,
     step_time=plan.step_time,

@@ -43,7 +43,7 @@ def split_attention(stage: StageModule, plan: StagePlan, *, parallel: ContextPar
     core = functools.partial(CORES[parallel.cp_mode], group=plan.mesh.group("cp"))
     stage.shard = shard
     for block in stage.layers.values():
-        block.attn.shard, block.attn.core = shard, core
+        block.attn.core = core
 
 
 class ShardSequences(StepHooks):

@@ -12,16 +12,25 @@ output by its log-sum-exp (online softmax). Sequences are split zig-zag (data/ba
 at every step each rank computes the same amount: its own block causally, a block from a lower rank against
 its first half of keys, a block from a higher rank with its second half of queries. Backward goes around the
 ring again with the blocks and their key-value gradients, from the saved output and log-sum-exp (the
-flash-attention backward of each block, as FlashAttention's ring variants do).
+flash-attention backward of each block, as FlashAttention's ring variants do); a block's gradient is sent on
+after its step and waited for only after the next block's backward has computed.
+
+Packed documents (data.document_mask): every rank has the whole sample's document ids. Ulysses masks the
+whole sequence it attends over; the ring gives each block a bias from the documents and global positions of
+its queries and keys, and skips a block that no query may see (its k, v still pass on).
 """
 
 from __future__ import annotations
 
+import time
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
+from hpc_train.data.batch import SequenceShard
 from hpc_train.models.common.all_to_all import all_to_all
-from hpc_train.models.common.decoder import repeat_kv
+from hpc_train.models.common.decoder import causal_attention, repeat_kv
 
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -48,39 +57,52 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Causal attention of contiguous sequence shards, through head shards (all-to-all)."""
+# Both cores run eagerly inside compiled blocks (train.compile): dynamo cannot trace their process-group
+# calls, and stopping at the call gives one graph break per attention, not several inside it.
+@torch.compiler.disable
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal attention of contiguous sequence shards, through head shards (all-to-all). `documents` (the
+    whole sample's, (batch, seq)) mask the whole sequence each rank holds after the exchange."""
     cp = dist.get_world_size(group)
     if k.shape[1] % cp:  # too few kv heads to split: share them out repeated
         k, v = repeat_kv(k, v, q.shape[1])
     q, k, v = (_seq_to_heads(t, group) for t in (q, k, v))
-    k, v = repeat_kv(k, v, q.shape[1])
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return _heads_to_seq(out, group)
+    return _heads_to_seq(causal_attention(q, k, v, documents), group)
 
 
 # ---------------------------------------------------------------------------------------------------- ring
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """One block's attention output and log-sum-exp (fp32), by the device's flash kernel."""
+# a block's bias where a query may not look: finite, so that a row seeing no key of a block gets a weight of
+# exp(-1e30) in the merge, never NaN (the kernels give such a row an undefined log-sum-exp with -inf)
+MASKED = -1e30
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, bias: torch.Tensor | None = None):
+    """One block's attention output and log-sum-exp (fp32), by the device's flash kernel; `bias`: added to
+    the scores (packed documents: `MASKED` where a query may not look)."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                              scale=scale)  # fmt: skip
         return out, lse.float()
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+    bias = None if bias is None else bias.expand(-1, q.shape[1], -1, -1)  # the CUDA kernel takes every head's
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
                                                                              scale=scale)  # fmt: skip
     return out, lse[..., : q.shape[2]].float()
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float) -> Triple:
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, bias: torch.Tensor | None = None) -> Triple:
     """One block's dq, dk, dv given the merged output and log-sum-exp (so each block's share is exact)."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    bias = None if bias is None else bias.expand(-1, q.shape[1], -1, -1)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+        dout, q, k, v, bias, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], causal, scale=scale
     )
     return dq, dk, dv
 
@@ -111,95 +133,134 @@ def _merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
     return out, new_lse
 
 
-def _ring_step_parts(step: int, source: int, rank: int) -> str:
-    """What of a step's key-value block (from `source`) the local queries see under the zig-zag split:
-    'causal' (its own), 'first_keys' (a lower rank's: its first chunk precedes both of ours), 'last_queries'
-    (a higher rank's: both its chunks precede our second)."""
+class _RingBlock(NamedTuple):
+    """What of a step's key-value block the local queries see under the zig-zag split, as (query rows, keys,
+    causal): all of their own, causally; all of a lower rank's first chunk (it precedes both of ours); all of
+    a higher rank's block from our second chunk (both its chunks precede it). With packed documents, `bias`
+    also keeps each query inside its document (None: no documents; the step is skipped where it sees none)."""
+
+    rows: slice
+    keys: slice
+    causal: bool
+    bias: torch.Tensor | None
+
+
+def _ring_block(ring: _Ring, step: int, local: int, documents: torch.Tensor | None, dtype) -> _RingBlock | None:
+    """Step `step`'s block of this rank's `local` queries (None: with documents, no query sees any of its
+    keys). Built again in backward: a block's bias lives only while its block computes."""
+    half, source = local // 2, (ring.rank - step) % ring.size
     if step == 0:
-        return "causal"
-    return "first_keys" if source < rank else "last_queries"
+        rows, keys, causal = slice(None), slice(None), True
+    elif source < ring.rank:
+        rows, keys, causal = slice(None), slice(None, half), False
+    else:
+        rows, keys, causal = slice(half, None), slice(None), False
+    if documents is None:
+        return _RingBlock(rows, keys, causal, None)
+    at = lambda rank: SequenceShard(ring.size, rank, zigzag=True).positions(local, documents.device)
+    queries, theirs = at(ring.rank)[rows], at(source)[keys]
+    seen = (documents[:, queries, None] == documents[:, None, theirs]) & (queries[:, None] >= theirs[None, :])
+    if not seen.any():
+        return None
+    masked = max(MASKED, torch.finfo(dtype).min)  # (fp16's range ends at -65504)
+    bias = torch.zeros(seen.shape, dtype=dtype, device=documents.device).masked_fill_(~seen, masked).unsqueeze(1)
+    return _RingBlock(rows, keys, False, bias)  # the bias holds the causal rule
+
+
+def _mark(timeline: list | None, event: str, step: int) -> None:
+    """Record when a ring event happens, as (event, step, seconds): what tests read the overlap from."""
+    if timeline is not None:
+        timeline.append((event, step, time.perf_counter()))
+
+
+def _arrive(pending: tuple[list[torch.Tensor], list], timeline: list | None, event: str, step: int):
+    """The tensors of a shift, once its transfers are done."""
+    received, requests = pending
+    for request in requests:
+        request.wait()
+    _mark(timeline, f"{event} end", step)
+    return received
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, q, k, v, group: dist.ProcessGroup, documents: torch.Tensor | None, timeline: list | None):
         ring = _Ring(group)
-        heads, half = q.shape[1], q.shape[2] // 2
         scale = q.shape[-1] ** -0.5
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # in the memory layout SDPA returns, (batch, seq, heads, head_dim): the output projection reads the
+        # result as a view, so the output saved here is the tensor it keeps too, not a second copy
+        batch, heads, seq, head_dim = q.shape
+        out = torch.zeros(batch, seq, heads, head_dim, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        block = [k, v]
+        kv = [k, v]
         for step in range(ring.size):
-            pending = ring.shift(block) if step < ring.size - 1 else None
-            bk, bv = repeat_kv(*block, heads)
-            part = _ring_step_parts(step, (ring.rank - step) % ring.size, ring.rank)
-            if part == "causal":
-                out, lse = _merge(out, lse, *_block_forward(q, bk, bv, True, scale))
-            elif part == "first_keys":
-                out, lse = _merge(out, lse, *_block_forward(q, bk[:, :, :half], bv[:, :, :half], False, scale))
-            else:
-                block_out = _block_forward(q[:, :, half:], bk, bv, False, scale)
-                tail, tail_lse = _merge(out[:, :, half:], lse[:, :, half:], *block_out)
-                out, lse = torch.cat([out[:, :, :half], tail], dim=2), torch.cat([lse[:, :, :half], tail_lse], dim=2)
+            _mark(timeline, "kv start", step)
+            pending = ring.shift(kv) if step < ring.size - 1 else None  # the next block, while this one computes
+            _mark(timeline, "forward start", step)
+            if (block := _ring_block(ring, step, q.shape[2], documents, q.dtype)) is not None:
+                bk, bv = (t[:, :, block.keys] for t in repeat_kv(*kv, heads))
+                part = _block_forward(q[:, :, block.rows], bk, bv, block.causal, scale, block.bias)
+                out[:, :, block.rows], lse[:, :, block.rows] = _merge(out[:, :, block.rows], lse[:, :, block.rows],
+                                                                      *part)  # fmt: skip
+            _mark(timeline, "forward end", step)
             if pending is not None:
-                block, requests = pending
-                for request in requests:
-                    request.wait()
+                kv = _arrive(pending, timeline, "kv", step)
         out = out.to(q.dtype)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.documents, ctx.timeline = group, scale, documents, timeline
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale, heads = _Ring(ctx.group), ctx.scale, q.shape[1]
-        half = q.shape[2] // 2
+        ring, scale, heads, timeline = _Ring(ctx.group), ctx.scale, q.shape[1], ctx.timeline
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        block = [k, v]
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros_like(dk)
+        kv = [k, v]
+        # the gradient of the block this rank holds: zero for its own, then what the previous rank summed of
+        # the one it passed on, sent along after the previous step (in flight while this step computes)
+        dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+        grads = None
         for step in range(ring.size):
-            pending = ring.shift(block) if step < ring.size - 1 else None
-            bk, bv = repeat_kv(*block, heads)
-            part = _ring_step_parts(step, (ring.rank - step) % ring.size, ring.rank)
-            gk = torch.zeros(bk.shape, dtype=torch.float32, device=k.device)
-            gv = torch.zeros_like(gk)
-            if part == "causal":
-                a, b, c = _block_backward(dout, q, bk, bv, out, lse, True, scale)
-                dq += a
-                gk += b
-                gv += c
-            elif part == "first_keys":
-                a, b, c = _block_backward(dout, q, bk[:, :, :half].contiguous(), bv[:, :, :half].contiguous(), out,
-                                          lse, False, scale)  # fmt: skip
-                dq += a
-                gk[:, :, :half] += b
-                gv[:, :, :half] += c
-            else:
-                rows = slice(half, None)
-                tail = [t[:, :, rows].contiguous() for t in (dout, q, out, lse)]
-                a, b, c = _block_backward(tail[0], tail[1], bk, bv, tail[2], tail[3], False, scale)
-                dq[:, :, rows] += a
-                gk += b
-                gv += c
-            if gk.shape[1] != k.shape[1]:  # grouped-query: each kv head's gradient sums over its q group
-                gk = gk.unflatten(1, (k.shape[1], -1)).sum(2)
-                gv = gv.unflatten(1, (k.shape[1], -1)).sum(2)
-            dk += gk
-            dv += gv
+            _mark(timeline, "kv start", step)
+            pending = ring.shift(kv) if step < ring.size - 1 else None
+            _mark(timeline, "backward start", step)
+            if (block := _ring_block(ring, step, q.shape[2], ctx.documents, q.dtype)) is not None:
+                bk, bv = repeat_kv(*kv, heads)
+                rows = [t[:, :, block.rows].contiguous() for t in (dout, q, out, lse)]
+                keys = [t[:, :, block.keys].contiguous() for t in (bk, bv)]
+                a, b, c = _block_backward(rows[0], rows[1], *keys, rows[2], rows[3], block.causal, scale, block.bias)
+                dq[:, :, block.rows] += a
+                block_grads = [torch.zeros(bk.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+                block_grads[0][:, :, block.keys] += b
+                block_grads[1][:, :, block.keys] += c
+                if bk.shape[1] != k.shape[1]:  # grouped-query: each kv head's gradient sums over its q group
+                    block_grads = [g.unflatten(1, (k.shape[1], -1)).sum(2) for g in block_grads]
+            _mark(timeline, "backward end", step)
+            if grads is not None:
+                dkv = _arrive(grads, timeline, "grads", step - 1)
+            if block is not None:
+                dkv = [d.add_(g) for d, g in zip(dkv, block_grads, strict=True)]
             # the block's gradient travels with it, and one hop further home after the last step
-            (dk, dv), grad_requests = ring.shift([dk, dv])
-            for request in grad_requests:
-                request.wait()
+            _mark(timeline, "grads start", step)
+            grads = ring.shift(dkv)
             if pending is not None:
-                block, requests = pending
-                for request in requests:
-                    request.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+                kv = _arrive(pending, timeline, "kv", step)
+        dk, dv = _arrive(grads, timeline, "grads", ring.size - 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Causal attention of zig-zag sequence shards, key-value blocks passed around the cp ring."""
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group)
+@torch.compiler.disable  # (as ulysses_attention)
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    documents: torch.Tensor | None = None,
+    timeline: list | None = None,
+) -> torch.Tensor:
+    """Causal attention of zig-zag sequence shards, key-value blocks passed around the cp ring; `documents`
+    (the whole sample's, (batch, seq)) mask each block by the global positions of its queries and keys.
+    `timeline`: a list the exchange appends its events to (when each transfer starts and arrives, when
+    each block computes)."""
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, documents, timeline)

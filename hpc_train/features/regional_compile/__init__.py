@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from hpc_train.config import ParallelConfig
 from hpc_train.distributed.hooks import StepHooks
 from hpc_train.distributed.transforms import StagePlan
 from hpc_train.features.feature import Feature
@@ -27,13 +26,6 @@ class CompileOptions:  # in the `train` section
 
 def enabled(*, train: CompileOptions) -> bool:
     return train.compile
-
-
-def check(*, train: CompileOptions, parallel: ParallelConfig) -> list[str]:
-    """The exchanges' autograd Functions of context parallelism inside compiled blocks have no parity test."""
-    if train.compile and parallel.cp > 1:
-        return [f"train.compile with parallel.cp={parallel.cp} is not tested yet: set train.compile=false"]
-    return []
 
 
 def compile_blocks(stage: StageModule, plan: StagePlan) -> None:
@@ -67,7 +59,6 @@ FEATURE = Feature(
     name="compile",
     options={"train": CompileOptions},
     enabled=enabled,
-    check=check,
     transform=compile_blocks,
     hooks=lambda built: CountRecompiles(),
     activation_shape=activation_shape,

@@ -118,7 +118,10 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
       two norms       arch.norm_saved_bytes each (the family's module says what its norm keeps)
       matmul inputs   2 (the normed input of attention and of the MLP, in the activation dtype)
       q, k, v         1 + 2 kv/a (after RoPE where rotary), kept by SDPA
-      attention out   1 (shared with wo's input), plus SDPA's fp32 logsumexp of T x a
+      attention out   1 (shared with wo's input; 2 with `shape.core_output_copy`), plus SDPA's fp32
+                      logsumexp of T x a
+      document mask   packed documents: SDPA's copy of the mask in the compute dtype (`shape.document_mask`
+                      elements, not split over tp or heads), unless the core is recomputed
       MLP             mlp.saved_widths x f/d (e.g. SwiGLU: w1 and w3 outputs, silu output, their product)
 
     Biases keep nothing; learned positions are a slice of a parameter. Fused SDPA never keeps the s x s
@@ -181,14 +184,20 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     moe_block = moe_extra_bytes(cfg, arch, shape, casts) if arch.moe and cfg.moe.num_experts else 0
     return StageActivations(
         layer={
-            "none": int(selective + attention_out + tokens * a * 4 // tp + weight_casts),
+            "none": int(
+                selective
+                + attention_out * (1 + shape.core_output_copy)
+                + tokens * a * 4 // tp
+                + weight_casts
+                + shape.document_mask * e
+            ),
             # compiled, the selective region's output is recomputed with it rather than kept for wo
             "selective": int(
                 selective + attention_out * (not targets or "wo" in targets) * (not shape.compiled) + weight_casts
             ),
             "full": norm_tokens * d * residual_bytes,
         },
-        every_stage=2 * cfg.seq_len * (d // a) * 4 if arch.rotary else 0,  # the RoPE tables
+        every_stage=2 * (shape.rope_rows or cfg.seq_len) * (d // a) * 4 if arch.rotary else 0,  # fp32 cos, sin
         first_stage=first,
         # the head's input (not for a frozen head), the loss's (none when chunked: each chunk is recomputed in
         # backward) and the targets

@@ -82,25 +82,25 @@ def repeat_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tenso
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Causal SDPA over (batch, heads, seq, head_dim); grouped-query k, v shared by their q heads. `mask`
-    (packed documents: causal and within one document) replaces the causal rule."""
+    """Causal SDPA over (batch, heads, seq, head_dim); grouped-query k, v shared by their q heads. With
+    packed `documents` (each token's document, (batch, seq)) attention also stays inside a document."""
     k, v = repeat_kv(k, v, q.shape[1])
+    mask = None if documents is None else document_mask(documents)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
-AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q, k, v, documents) -> attention output; `documents`: the whole sample's document of each token, or None
+AttentionCore = Callable[..., torch.Tensor]
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, arch: Architecture):
         super().__init__()
         self.recompute_core = False  # selective recompute: keep only q, k, v for the attention core
-        # context parallelism (features/context_parallel): the core that exchanges keys and
-        # values between cp ranks, and which sequence positions this rank's tokens are
+        # context parallelism (features/context_parallel): the core that exchanges keys and values between cp ranks
         self.core: AttentionCore = causal_attention
-        self.shard: SequenceShard | None = None
         self.rotary = arch.rotary
         self.head_dim = cfg.d_model // cfg.n_heads
         kv_heads = cfg.n_kv_heads or cfg.n_heads
@@ -111,25 +111,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`cos`, `sin`: the RoPE tables (or each row's, (batch, 1, seq, head_dim)), or None with learned
-        positions. `mask`: where attention may look (True), (batch, 1, seq, seq); None: causal."""
+        positions. `documents`: each token's document, (batch, seq) of the whole sample (under context
+        parallelism too: the core masks the keys it gets from other ranks); None: causal over the sample."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if cos is not None:
-            if cos.dim() == 2:  # one table for every row: this rank's positions of it
-                at = slice(None, seq) if self.shard is None else self.shard.positions(seq, cos.device)
-                cos, sin = cos[at], sin[at]
+            if cos.dim() == 2:  # one table for every row
+                cos, sin = cos[:seq], sin[:seq]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if mask is not None and self.core is not causal_attention:
-            # the exchanging core takes no mask, and local attention would see only this rank's shard
-            raise ConfigError("a document mask (data.document_mask) reached an attention that exchanges keys and "
-                            "values with other context-parallel ranks (parallel.cp > 1), which does not apply "
-                            "masks yet: set data.document_mask=false or parallel.cp=1")  # fmt: skip
-        core = self.core if mask is None else functools.partial(causal_attention, mask=mask)
+        core = self.core if documents is None else functools.partial(self.core, documents=documents)
         if self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(core, q, k, v, use_reentrant=False)
         else:
@@ -150,16 +145,17 @@ class Block(nn.Module):
             self.mlp = arch.mlp(cfg.d_model, arch.ffn_size(cfg), arch.linear_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
         if self.recompute_all and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
-        return self._forward(x, cos, sin, mask)
+            return checkpoint(self._forward, x, cos, sin, documents, use_reentrant=False)
+        return self._forward(x, cos, sin, documents)
 
     def _forward(
-        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask=mask)  # a keyword: the TP plan prepares (x, cos, sin)
+        # a keyword: the TP plan prepares (x, cos, sin)
+        x = x + self.attn(self.attn_norm(x), cos, sin, documents=documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -244,11 +240,13 @@ class Decoder(nn.Module):
         cos, sin = (self.rope_cos, self.rope_sin) if self.arch.rotary else (None, None)
         if cos is not None and positions is not None:  # each row's tables, broadcast over the heads
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        mask = None if documents is None else document_mask(documents)
+        elif cos is not None and self.shard is not None:  # this cp rank's rows, once for every block
+            at = self.shard.positions(self.cfg.seq_len // self.shard.size, cos.device)
+            cos, sin = cos[at], sin[at]
         if self.compiled and isinstance(x, AsyncCollectiveTensor):
             x = x.clone()  # wait for the embedding's tp collective: compiled regions mishandle its async wrapper
         for layer in self.layers.values():
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, documents)
         if self.output is None:
             return x
         hidden = self.norm(x)
@@ -296,7 +294,7 @@ class Decoder(nn.Module):
 
 def document_mask(documents: torch.Tensor) -> torch.Tensor:
     """(batch, 1, seq, seq) boolean SDPA mask from each token's document, (batch, seq): causal and inside one
-    document (a mask rules out SDPA's flash kernel: the memory-efficient or math kernel runs)."""
+    document (a mask rules out SDPA's CUDA flash kernel: the memory-efficient or math kernel runs)."""
     seq = documents.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
     return ((documents.unsqueeze(2) == documents.unsqueeze(1)) & causal).unsqueeze(1)
