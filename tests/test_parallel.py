@@ -187,6 +187,9 @@ def test_layout_matches_single_process(runs, arch, layout):
         assert abs(r["grad_norm"] - g["grad_norm"]) <= TOL * max(1.0, r["grad_norm"]), r["step"]
     assert max_param_diff(read_final_model(runs / layout), read_final_model(runs / reference)) <= TOL
     assert ref[-1]["loss"] < ref[0]["loss"]
+    # a compiled layout's records count its recompiles (the compile feature was on), and nothing recompiled
+    compiled = layout.endswith("_compiled")
+    assert [g.get("recompiles") for g in got] == ([0] * STEPS if compiled else [None] * STEPS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
