@@ -35,6 +35,7 @@ from hpc_train.features.lora.options import FinetuneConfig
 from hpc_train.features.tensor_parallel.sharding import sharded_parameter_names
 from hpc_train.job import JobConfig, block_policy, check_run, declared
 from hpc_train.models import get_spec
+from hpc_train.models.common.document_attention import document_tile
 from hpc_train.models.common.moe import is_moe_layer, moe_layers
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen, projections
 from hpc_train.optim import optimizer_class, precision_policy
@@ -216,7 +217,8 @@ def activation_parts(cfg: JobConfig) -> StageActivations:
                             sequence_parallel=p.sequence_parallel and p.tp > 1,
                             element_bytes=policy.frozen_dtype.itemsize if casts else compute,
                             autocast_casts=casts,
-                            document_mask=cfg.train.micro_batch_size * m.seq_len**2 * cfg.data.document_mask,
+                            document_tile=document_tile(cfg.train.micro_batch_size, m.seq_len, m.seq_len)
+                            * cfg.data.document_mask,
                             rope_rows=rows * m.seq_len // p.cp)  # fmt: skip
     for _, adjust in declared(cfg, "activation_shape"):
         shape = adjust(shape)

@@ -6,6 +6,7 @@ gets by their global documents and positions). The differentiable all-to-all und
 torch.distributed.nn.functional.all_to_all_single's, also with uneven splits, and that one is deprecated.
 The whole-model parity of every cp layout is tests/test_parallel.py's."""
 
+import functools
 import types
 import warnings
 
@@ -18,11 +19,11 @@ from hpc_train.bootstrap import RankEnv, distributed
 from hpc_train.data.batch import SequenceShard
 from hpc_train.errors import UserError
 from hpc_train.features.context_parallel.attention import split_attention
-from hpc_train.features.context_parallel.exchange import _ring_block, ring_attention, ulysses_attention
+from hpc_train.features.context_parallel.exchange import _ring_tiles, ring_attention, ulysses_attention
 from hpc_train.features.context_parallel.options import ContextParallelOptions
 from hpc_train.launch.local import launch_local
 from hpc_train.models.common.all_to_all import all_to_all
-from hpc_train.models.common.decoder import document_mask
+from hpc_train.models.common.document_attention import document_mask
 
 TOL = 1e-5
 
@@ -70,12 +71,13 @@ def _check(rank_env: RankEnv) -> None:
                 attn_mask=mask, is_causal=mask is None,
             )  # fmt: skip
             ref.backward(dout)
-            for core, zigzag in ((ring_attention, True), (ulysses_attention, False)):
+            tiled_ring = functools.partial(ring_attention, tile_rows=3)  # several tiles per block, some skipped
+            for core, zigzag in ((ring_attention, True), (tiled_ring, True), (ulysses_attention, False)):
                 at = SequenceShard(cp, rank, zigzag).positions(32 // cp)
                 mine = [t[:, :, at].clone().requires_grad_() for t in (q, k, v)]
                 out = core(*mine, group=dist.group.WORLD, documents=documents)
                 out.backward(dout[:, :, at])
-                case = (core.__name__, kv_heads, documents is not None)
+                case = (getattr(core, "keywords", None), zigzag, kv_heads, documents is not None)
                 assert (out - ref[:, :, at]).abs().max() <= TOL, case
                 for got, full in zip(mine, whole, strict=True):
                     assert (got.grad - full.grad[:, :, at]).abs().max() <= TOL, case
@@ -120,16 +122,17 @@ def test_the_ring_is_refused_on_cuda_until_its_gpu_check_passes():
 
 
 def test_a_ring_block_where_no_query_sees_a_key_is_skipped():
-    """With packed documents each ring step's block is masked by the global positions and documents of its
-    queries and keys; a block that no query may see is not computed (`_ring_block` gives None)."""
+    """With packed documents each ring step's block is tiled and masked by the global positions and
+    documents of its queries and keys; a block that no query may see gives no tile: it is not computed."""
     ring = lambda rank: types.SimpleNamespace(size=2, rank=rank)
+    tiles = lambda rank, documents: list(_ring_tiles(ring(rank), 1, 8, documents, torch.float32))
     # zig-zag at cp2, seq 16: rank 0 holds 0-3 and 12-15, rank 1 holds 4-11
     separate = torch.arange(16).div(4, rounding_mode="floor").unsqueeze(0)  # a document per chunk
-    assert _ring_block(ring(0), 1, 8, separate, torch.float32) is None  # rank 1's keys, none of our documents
-    assert _ring_block(ring(1), 1, 8, separate, torch.float32) is None
+    assert tiles(0, separate) == [] and tiles(1, separate) == []  # the other rank's keys: none of our documents
     one = torch.zeros(1, 16, dtype=torch.long)
-    block = _ring_block(ring(1), 1, 8, one, torch.float32)  # rank 0's first chunk: seen by all of ours
-    assert block.rows == slice(None) and block.keys == slice(None, 4) and bool((block.bias == 0).all())
-    block = _ring_block(ring(0), 1, 8, one, torch.float32)  # rank 1's block: seen from our second chunk
-    assert block.rows == slice(4, None) and block.keys == slice(None) and bool((block.bias == 0).all())
-    assert _ring_block(ring(0), 1, 8, None, torch.float32).bias is None  # causal only: no bias, never skipped
+    (tile,) = tiles(1, one)  # rank 0's first chunk: seen by all of ours
+    assert tile.rows == slice(0, 8) and tile.keys == slice(0, 4) and bool((tile.bias == 0).all())
+    (tile,) = tiles(0, one)  # rank 1's block: seen from our second chunk
+    assert tile.rows == slice(4, 8) and tile.keys == slice(0, 8) and bool((tile.bias == 0).all())
+    (tile,) = tiles(0, None)  # causal only: no bias, never skipped
+    assert tile.bias is None and not tile.causal

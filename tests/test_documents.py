@@ -1,16 +1,24 @@
 """Document boundaries inside packed samples (data.reset_position_ids, data.document_mask): with both on,
 every document of a packed sample gets the logits it gets when forwarded alone; with them off it does not.
-The documents come from the dataset's offsets (the test slices them from the documents' own lengths)."""
+The documents come from the dataset's offsets (the test slices them from the documents' own lengths).
+Attention with documents never builds the S x S mask: query tiles on the CPU (FlexAttention on CUDA) give
+the explicit mask's output and gradients."""
 
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from hpc_train.config import ModelConfig
 from hpc_train.data.batch import collate
 from hpc_train.data.blend import BlendedSource
 from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter
-from hpc_train.models.common.decoder import init_weights
+from hpc_train.models.common.decoder import causal_attention, init_weights
+from hpc_train.models.common.document_attention import (
+    document_mask,
+    flex_document_attention,
+    tiled_document_attention,
+)
 from hpc_train.models.gpt2 import GPT2
 from hpc_train.models.llama import LLAMA
 
@@ -79,3 +87,41 @@ def test_document_ids_and_positions_come_from_the_offsets(packed, tmp_path):
     blend = BlendedSource({"a": ds, "b": ds})
     indices = np.array([blend.offsets[1] + 2, 1])
     assert np.array_equal(blend.documents(indices), ds.documents(np.array([2, 1])))
+
+
+def test_document_attention_keeps_no_mask_and_matches_the_explicit_one():
+    """Query tiles of 8 and 13 rows (every tile spans its documents' keys; one ends mid-document, one holds
+    a one-token document), and causal_attention's default path with grouped-query k, v: the explicit mask's
+    output and gradients, while autograd keeps nothing of seq x seq. FlexAttention's block mask (the CUDA
+    path; its CPU backward does not exist) gives the same forward."""
+    seq = 48
+    first = torch.cat([torch.full((n,), i) for i, n in enumerate([27, 1, 5, seq])])[:seq]
+    documents = torch.stack([first, torch.arange(seq) // 3])
+    gen = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(2, 4, seq, 8, generator=gen), torch.randn(2, 4, seq, 8, generator=gen)
+    k, v = torch.randn(2, 2, seq, 8, generator=gen), torch.randn(2, 2, seq, 8, generator=gen)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    mask = document_mask(documents)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        ref_in[0], *(t.repeat_interleave(2, 1) for t in ref_in[1:]), attn_mask=mask
+    )
+    ref.backward(dout)
+    cores = {"tiles of 8": lambda *t: tiled_document_attention(t[0], *(x.repeat_interleave(2, 1) for x in t[1:]),
+                                                               documents, 8),
+             "tiles of 13": lambda *t: tiled_document_attention(t[0], *(x.repeat_interleave(2, 1) for x in t[1:]),
+                                                                documents, 13),
+             "causal_attention": lambda *t: causal_attention(*t, documents)}  # fmt: skip
+    saved: list[int] = []
+    for name, core in cores.items():
+        saved.clear()
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = core(*mine)
+        out.backward(dout)
+        assert max(saved) < mask.numel(), (name, saved)  # q, k, v, the output: nothing seq x seq
+        assert (out - ref).abs().max() <= TOL, name
+        for got, want in zip(mine, ref_in, strict=True):
+            assert (got.grad - want.grad).abs().max() <= TOL, name
+    with torch.no_grad():
+        flex = flex_document_attention(q, k, v, documents, kernel=flex_attention)
+    assert (flex - ref).abs().max() <= TOL

@@ -4,9 +4,11 @@ steps is reported, with the overhead ratio layout / single process. Context-para
 the bytes a rank sent over cp per step (counted at the primitives: all_to_all_single and the ring's
 batched isends) against the planner's cp traffic (`planner.traffic`).
 
---long: the tiny model at model.seq_len=16384 (one sample per step) at cp=1 and cp=4 (ring and Ulysses):
-rank 0's saved activations and its step's peak of live tensor bytes (logging.measure_peak_step), and the
-largest resident set size over ranks.
+--long: long sequences with packed documents (data.document_mask, data.reset_position_ids; the embedded
+corpus's documents are standard-library files), the tiny model, one sample per step: seq 8192 at cp=1
+against seq 32768 at cp=4 (ring and Ulysses). Per rank: tokens/s, the step's peak of live tensor bytes
+(logging.measure_peak_step) beside the planner's total, saved activations, and the bytes sent over cp
+beside the planner's cp traffic; and the largest resident set size over ranks.
 
 On CPU the layouts share the machine's cores (the single process gets all of them, each of N ranks
 1/N), so the ratio measures what parallelism costs here: communication, pipeline bubble, per-rank
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from hpc_train.bootstrap import RankEnv
 from hpc_train.job import JobConfig, check_run, load_config
 from hpc_train.launch.local import launch_local
-from hpc_train.planner import traffic
+from hpc_train.planner import stage_estimate, traffic
 from hpc_train.train.loop import run_training
 
 SP = "parallel.sequence_parallel=true"
@@ -56,11 +58,12 @@ LAYOUTS = {
     "cp4_ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses", "train.micro_batch_size=16"]),
 }
 TINY = ["model.n_layers=2", "model.n_heads=4", "model.d_model=64"]
-LONG = {  # name -> (world size, overrides): one sample of 16384 tokens per step
-    "long_cp1": (1, []),
-    "long_cp4_ring": (4, ["parallel.cp=4", "parallel.cp_mode=ring"]),
-    "long_cp4_ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses"]),
+LONG = {  # name -> (world size, overrides): one sample per step, packed documents
+    "seq8k_cp1": (1, ["model.seq_len=8192"]),
+    "seq32k_cp4_ring": (4, ["model.seq_len=32768", "parallel.cp=4", "parallel.cp_mode=ring"]),
+    "seq32k_cp4_ulysses": (4, ["model.seq_len=32768", "parallel.cp=4", "parallel.cp_mode=ulysses"]),
 }
+DOCUMENTS = ["data.document_mask=true", "data.reset_position_ids=true"]
 MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "model.seq_len=128"]
 
 
@@ -88,25 +91,31 @@ def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
 
 
 def bench_long(steps: int, overrides: list[str]) -> None:
-    """The long-sequence run: per-rank memory at cp=1 and cp=4."""
-    print(
-        f"{'layout':<18} {'ranks':>5} {'step s':>8} {'activations MiB':>16} {'step peak MiB':>14} {'max RSS MiB':>12}"
-    )
+    """The long-sequence rows: seq 8k at cp=1 against seq 32k at cp=4, with packed documents."""
+    print(f"{'layout':<20} {'ranks':>5} {'step s':>7} {'tokens/s/rank':>13} {'step peak MiB, measured / planned':>34} "
+          f"{'activations MiB':>16} {'cp MiB/step sent, measured / planned':>37} {'max RSS MiB':>12}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for name, (world, extra) in LONG.items():
-            cfg = load_config(None, [*TINY, "model.seq_len=16384", f"train.steps={steps}", "train.eval_interval=0",
+            cfg = load_config(None, [*TINY, *DOCUMENTS, f"train.steps={steps}", "train.eval_interval=0",
                                      "train.micro_batch_size=1", "logging.progress=none",
                                      "train.save_final_model=false", "logging.measure_peak_step=2",
                                      f"run_dir={Path(tmp) / name}", f"parallel.nproc={world}", *extra,
                                      *overrides])  # fmt: skip
-            launch_local(run_training, world, cfg)
+            launch_local(counted_training if cfg.parallel.cp > 1 else run_training, world, cfg)
             records = [json.loads(line) for line in (Path(tmp) / name / "metrics.jsonl").read_text().splitlines()]
             memory = records[1]["memory_bytes"]
             step_s = statistics.median(r["step_time_s"] for r in records[1:])
-            print(
-                f"{name:<18} {world:>5} {step_s:>8.2f} {memory['activations_peak'] / 2**20:>16.1f} "
-                f"{memory['step_peak'] / 2**20:>14.1f} {max(r['memory_gb'] for r in records) * 1e9 / 2**20:>12.0f}"
-            )
+            tokens_per_rank = cfg.model.seq_len / cfg.parallel.cp / step_s
+            layout = check_run(cfg, world, check_paths=False)
+            planned_peak = stage_estimate(cfg, layout).total
+            sent = "-"
+            if cfg.parallel.cp > 1:
+                measured = float((Path(tmp) / name / "cp_bytes_0").read_text())
+                sent = f"{measured / 2**20:.1f} / {traffic(cfg, layout)['cp'] / 2**20:.1f}"
+            peak = f"{memory['step_peak'] / 2**20:.1f} / {planned_peak / 2**20:.1f}"
+            print(f"{name:<20} {world:>5} {step_s:>7.2f} {tokens_per_rank:>13,.0f} {peak:>34} "
+                  f"{memory['activations_peak'] / 2**20:>16.1f} {sent:>37} "
+                  f"{max(r['memory_gb'] for r in records) * 1e9 / 2**20:>12.0f}")  # fmt: skip
 
 
 def main() -> None:

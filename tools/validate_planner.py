@@ -31,7 +31,7 @@ QLORA = ["finetune.method=qlora", "finetune.lora_targets=[wq,wk,wv,wo,w1,w2,w3]"
 # compiled blocks by 5-9% (+6.1%, +8.6% ring, +5.5% Ulysses, +6.7%; compiled, a fixed ~750 KiB, about three
 # fp32 logits tensors, at 2 layers and at 4), which 4 layers dilute below 5%
 DEEP = "model.n_layers=4"
-# (a narrow model: the masks, seq x seq per block, weigh more than 5% of its activations)
+# (a narrow model: a seq x seq mask kept per block would be more than 5% of its activations, as SDPA's was)
 DOCUMENTS = ["data.document_mask=true", "data.reset_position_ids=true", "model.d_model=32"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=128",
        "model.moe.num_shared_experts=1", "model.moe.first_dense_layers=1"]  # fmt: skip
@@ -73,8 +73,8 @@ LAYOUTS = {  # name -> (world size, overrides)
     "cp2_ulysses": (2, ["parallel.cp=2", "parallel.cp_mode=ulysses", DEEP]),
     "cp4_ring": (4, ["parallel.cp=4", "parallel.cp_mode=ring"]),
     "cp4_ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses"]),
-    # packed documents: SDPA keeps its copy of the seq x seq mask in every block, of the whole sample under
-    # Ulysses; the ring keeps none (it builds each block's from the document ids); RoPE rows per position
+    # packed documents: no block keeps a mask (each attention builds its tiles' or ring blocks' from the
+    # document ids, again in backward); RoPE rows per position
     "documents": (1, DOCUMENTS),
     "cp2_ring_documents": (2, ["parallel.cp=2", "parallel.cp_mode=ring", *DOCUMENTS]),
     "cp2_ulysses_documents": (2, ["parallel.cp=2", "parallel.cp_mode=ulysses", *DOCUMENTS]),

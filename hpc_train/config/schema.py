@@ -173,7 +173,7 @@ class DataConfig:
     valid_sources: list[DataSource] = field(default_factory=list)  # each evaluated alone: eval_loss/<name>
     cache_dir: str = "${oc.env:HPC_TRAIN_CACHE,'~/.cache/hpc_train'}"  # where the embedded corpus is built
     # documents packed in a sample (from the datasets' document offsets): positions restart at each document
-    # start; attention stays inside each document (a boolean SDPA mask: not the flash kernel). Not with pp > 1
+    # start; attention stays inside each document (FlexAttention on CUDA, query tiles on CPU: no seq x seq mask)
     reset_position_ids: bool = False
     document_mask: bool = False
 

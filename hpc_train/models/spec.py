@@ -41,9 +41,9 @@ class ActivationShape:
     # of the parameter) for backward, never a cast of the weight
     float8: bool = False
     first_block_recompute: str = "none"  # the recompute choice of a stage's first block (none, selective, full)
-    # data.document_mask: elements of the (micro-batch, 1, seq, seq) mask each attention keeps for backward in
-    # the compute dtype (SDPA's copy of it): the whole sample's, whatever the rank holds of it; 0 for none
-    document_mask: int = 0
+    # data.document_mask: elements of the bias one query tile of an attention builds, alive while it computes
+    # (models/common/document_attention.py; nothing seq x seq is kept); 0 for none
+    document_tile: int = 0
     # the attention core keeps its output apart from the copy the output projection reads (context
     # parallelism's Ulysses: SDPA's, in head shards)
     core_output_copy: bool = False

@@ -6,7 +6,10 @@ Causal, and causal with packed documents: the library's own ring (`_RingAttentio
 zig-zag shards, each block's document mask as an attention bias and blocks that no query sees skipped) runs
 for each simulated rank in a thread of its own, the ring's exchange (`_Ring`) replaced by one between the
 threads (`SimulatedRing`): every block, merge and gradient hop is the library's code. Times are the
-simulated ranks' work one after another on one device (so cp x a rank's time), forward plus backward."""
+simulated ranks' work one after another on one device (so cp x a rank's time), forward plus backward.
+
+Without context parallelism, packed documents take `causal_attention`'s own path (FlexAttention on CUDA,
+query tiles on the CPU): against the same reference, with its peak memory beside the explicit mask's."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import torch.nn.functional as F
 from hpc_train.data.batch import SequenceShard
 from hpc_train.features.context_parallel import exchange as context_attention
 from hpc_train.features.context_parallel.exchange import _RingAttention
-from hpc_train.models.common.decoder import document_mask, repeat_kv
+from hpc_train.models.common.decoder import causal_attention, repeat_kv
+from hpc_train.models.common.document_attention import document_mask
 from tools.gpu_checks.common import Check, best_seconds, relative_error
 
 WAIT_S = 120
@@ -129,14 +133,31 @@ def ring(q, k, v, dout, cp: int, documents: torch.Tensor | None = None) -> tuple
     return tuple(whole)
 
 
-def whole(q, k, v, dout, documents=None) -> tuple[torch.Tensor, ...]:
-    """SDPA over the whole sequence (causal, or the document mask): (out, dq, dk, dv)."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    bk, bv = repeat_kv(k, v, q.shape[1])
+def explicit(q, k, v, documents=None) -> torch.Tensor:
+    """SDPA over the whole sequence, causal or with the explicit (batch, 1, seq, seq) document mask."""
+    k, v = repeat_kv(k, v, q.shape[1])
     mask = None if documents is None else document_mask(documents)
-    out = F.scaled_dot_product_attention(q, bk, bv, attn_mask=mask, is_causal=mask is None)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+
+def whole(q, k, v, dout, documents=None, core=explicit) -> tuple[torch.Tensor, ...]:
+    """`core` over the whole sequence: (out, dq, dk, dv)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = core(q, k, v, documents)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def peak_mib(fn, device: torch.device) -> float | None:
+    """CUDA's allocator peak while `fn` runs, above what was allocated before (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 def random_documents(batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
@@ -170,6 +191,8 @@ def run(check: Check) -> None:
             own_error = max(relative_error(a, w) for a, w in zip(own, reference, strict=True))
             t_whole = best_seconds(lambda docs=docs, q=q, k=k, v=v, dout=dout: whole(q, k, v, dout, docs), device,
                                    repeats)  # fmt: skip
+            if docs is not None:
+                document_path(check, name, (q, k, v, dout), docs, reference, own_error, t_whole, repeats)
             for cp in (2, 4):
                 fn = lambda q=q, k=k, v=v, dout=dout, cp=cp, docs=docs: ring(q, k, v, dout, cp, docs)
                 got = fn()
@@ -184,3 +207,26 @@ def run(check: Check) -> None:
                           whole_error=own_error, allowed=allowed)  # fmt: skip
                 if not ok:
                     check.fail(f"{row}: error {max(errors):.1e} > {allowed:.1e} against fp32 SDPA over the sequence")
+
+
+def document_path(check: Check, name: str, inputs, documents, reference, own_error: float, t_whole: float,
+                  repeats: int) -> None:  # fmt: skip
+    """The row of `causal_attention`'s document path at cp 1 (FlexAttention on CUDA, tiles on the CPU)."""
+    device = check.device
+    fn = lambda: whole(*inputs, documents, core=causal_attention)
+    errors = [relative_error(a, w) for a, w in zip(fn(), reference, strict=True)]
+    t_path = best_seconds(fn, device, repeats)
+    memory = ""
+    if (path_mib := peak_mib(fn, device)) is not None:
+        mask_mib = peak_mib(lambda: whole(*inputs, documents), device)
+        memory = f", peak {path_mib:.0f} MiB vs the explicit mask's {mask_mib:.0f} MiB"
+    allowed = 2 * own_error + 1e-3 if inputs[0].dtype == torch.bfloat16 else 2e-4
+    ok = max(errors) <= allowed
+    kernel = "FlexAttention" if check.cuda else "query tiles"
+    row = f"cp1 documents ({kernel}) {name}"
+    check.row(row, f"{t_path * 1e3:.2f} ms, error out {errors[0]:.1e}, grads {max(errors[1:]):.1e}{memory}",
+              f"{t_path / t_whole:.2f}x SDPA with the explicit mask ({t_whole * 1e3:.2f} ms)",
+              "ok" if ok else "failed: parity", path_s=t_path, whole_s=t_whole, errors=errors,
+              allowed=allowed)  # fmt: skip
+    if not ok:
+        check.fail(f"{row}: error {max(errors):.1e} > {allowed:.1e} against fp32 SDPA with the explicit mask")

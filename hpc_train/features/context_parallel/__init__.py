@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from hpc_train.config import ModelConfig
+from hpc_train.config import ModelConfig, TrainConfig
 from hpc_train.features.context_parallel import plan
 from hpc_train.features.context_parallel.attention import ShardSequences, sequence_shard, split_attention
 from hpc_train.features.context_parallel.options import ContextParallelOptions
 from hpc_train.features.feature import Feature
+from hpc_train.models.common.document_attention import document_tile
 from hpc_train.models.spec import ActivationShape
 
 
@@ -39,12 +40,17 @@ def check(*, model: ModelConfig, parallel: ContextParallelOptions) -> list[str]:
     return problems
 
 
-def activation_shape(shape: ActivationShape, *, parallel: ContextParallelOptions) -> ActivationShape:
-    """The ring keeps no document mask (it builds each block's from the document ids, again in backward);
-    Ulysses' SDPA keeps its output in head shards, beside the sequence shard the output projection reads."""
-    if parallel.cp_mode == "ring":
-        return dataclasses.replace(shape, document_mask=0)
-    return dataclasses.replace(shape, core_output_copy=True)
+def activation_shape(
+    shape: ActivationShape, *, parallel: ContextParallelOptions, model: ModelConfig, train: TrainConfig
+) -> ActivationShape:
+    """Ulysses' SDPA keeps its output in head shards, beside the sequence shard the output projection reads
+    (the ring's running output is that shard itself). With packed documents Ulysses' query tiles span the
+    whole sequence, the ring's only its shard: their queries and keys."""
+    if parallel.cp_mode == "ulysses":
+        return dataclasses.replace(shape, core_output_copy=True)
+    local = model.seq_len // parallel.cp
+    tile = document_tile(train.micro_batch_size, local, local) if shape.document_tile else 0
+    return dataclasses.replace(shape, document_tile=tile)
 
 
 def hooks(built, *, parallel: ContextParallelOptions) -> ShardSequences:

@@ -15,15 +15,16 @@ ring again with the blocks and their key-value gradients, from the saved output 
 flash-attention backward of each block, as FlashAttention's ring variants do); a block's gradient is sent on
 after its step and waited for only after the next block's backward has computed.
 
-Packed documents (data.document_mask): every rank has the whole sample's document ids. Ulysses masks the
-whole sequence it attends over; the ring gives each block a bias from the documents and global positions of
-its queries and keys, and skips a block that no query may see (its k, v still pass on).
+Packed documents (data.document_mask): every rank has the whole sample's document ids. Ulysses attends
+over the whole sequence by causal_attention's document path; the ring splits each block into query tiles
+(models/common/document_attention.py), each with a bias from the documents and global positions of its
+queries and keys, and skips a tile, or a whole block, that no query may see (its k, v still pass on).
 """
 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,9 +32,13 @@ import torch.distributed as dist
 from hpc_train.data.batch import SequenceShard
 from hpc_train.models.common.all_to_all import all_to_all
 from hpc_train.models.common.decoder import causal_attention, repeat_kv
-
-Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
+from hpc_train.models.common.document_attention import (
+    TILE_ROWS,
+    Tile,
+    block_backward,
+    block_forward,
+    document_tiles,
+)
 
 # ---------------------------------------------------------------------------------------------- Ulysses
 
@@ -75,38 +80,6 @@ def ulysses_attention(
 # ---------------------------------------------------------------------------------------------------- ring
 
 
-# a block's bias where a query may not look: finite, so that a row seeing no key of a block gets a weight of
-# exp(-1e30) in the merge, never NaN (the kernels give such a row an undefined log-sum-exp with -inf)
-MASKED = -1e30
-
-
-def _block_forward(q, k, v, causal: bool, scale: float, bias: torch.Tensor | None = None):
-    """One block's attention output and log-sum-exp (fp32), by the device's flash kernel; `bias`: added to
-    the scores (packed documents: `MASKED` where a query may not look)."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
-                                                                              scale=scale)  # fmt: skip
-        return out, lse.float()
-    bias = None if bias is None else bias.expand(-1, q.shape[1], -1, -1)  # the CUDA kernel takes every head's
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
-                                                                             scale=scale)  # fmt: skip
-    return out, lse[..., : q.shape[2]].float()
-
-
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, bias: torch.Tensor | None = None) -> Triple:
-    """One block's dq, dk, dv given the merged output and log-sum-exp (so each block's share is exact)."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
-        )
-    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
-    bias = None if bias is None else bias.expand(-1, q.shape[1], -1, -1)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, bias, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], causal, scale=scale
-    )
-    return dq, dk, dv
-
-
 class _Ring:
     """The cp group as a ring: send to the next rank while receiving from the previous one."""
 
@@ -133,38 +106,33 @@ def _merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
     return out, new_lse
 
 
-class _RingBlock(NamedTuple):
-    """What of a step's key-value block the local queries see under the zig-zag split, as (query rows, keys,
-    causal): all of their own, causally; all of a lower rank's first chunk (it precedes both of ours); all of
-    a higher rank's block from our second chunk (both its chunks precede it). With packed documents, `bias`
-    also keeps each query inside its document (None: no documents; the step is skipped where it sees none)."""
-
-    rows: slice
-    keys: slice
-    causal: bool
-    bias: torch.Tensor | None
-
-
-def _ring_block(ring: _Ring, step: int, local: int, documents: torch.Tensor | None, dtype) -> _RingBlock | None:
-    """Step `step`'s block of this rank's `local` queries (None: with documents, no query sees any of its
-    keys). Built again in backward: a block's bias lives only while its block computes."""
+def _ring_tiles(
+    ring: _Ring, step: int, local: int, documents: torch.Tensor | None, dtype, tile_rows: int = TILE_ROWS
+) -> Iterator[Tile]:
+    """What of step `step`'s key-value block this rank's `local` queries see under the zig-zag split: all of
+    their own, causally; all of a lower rank's first chunk (it precedes both of ours); all of a higher
+    rank's block from our second chunk (both its chunks precede it). With packed documents, that part in
+    query tiles (models/common/document_attention.py) by the global positions and documents of its queries
+    and keys, each tile's bias alive only while the tile computes (built again in backward); no tile where
+    no query sees a key, so a block no query sees is not computed."""
     half, source = local // 2, (ring.rank - step) % ring.size
     if step == 0:
-        rows, keys, causal = slice(None), slice(None), True
+        rows, keys, causal = slice(0, local), slice(0, local), True
     elif source < ring.rank:
-        rows, keys, causal = slice(None), slice(None, half), False
+        rows, keys, causal = slice(0, local), slice(0, half), False
     else:
-        rows, keys, causal = slice(half, None), slice(None), False
+        rows, keys, causal = slice(half, local), slice(0, local), False
     if documents is None:
-        return _RingBlock(rows, keys, causal, None)
+        yield Tile(rows, keys, None, causal)
+        return
     at = lambda rank: SequenceShard(ring.size, rank, zigzag=True).positions(local, documents.device)
-    queries, theirs = at(ring.rank)[rows], at(source)[keys]
-    seen = (documents[:, queries, None] == documents[:, None, theirs]) & (queries[:, None] >= theirs[None, :])
-    if not seen.any():
-        return None
-    masked = max(MASKED, torch.finfo(dtype).min)  # (fp16's range ends at -65504)
-    bias = torch.zeros(seen.shape, dtype=dtype, device=documents.device).masked_fill_(~seen, masked).unsqueeze(1)
-    return _RingBlock(rows, keys, False, bias)  # the bias holds the causal rule
+    for tile in document_tiles(documents, at(ring.rank)[rows], at(source)[keys], dtype, tile_rows):
+        # (not causal: the tile's bias holds the causal rule too)
+        yield tile._replace(rows=_offset(tile.rows, rows.start), keys=_offset(tile.keys, keys.start))
+
+
+def _offset(part: slice, start: int) -> slice:
+    return slice(part.start + start, part.stop + start)
 
 
 def _mark(timeline: list | None, event: str, step: int) -> None:
@@ -184,7 +152,8 @@ def _arrive(pending: tuple[list[torch.Tensor], list], timeline: list | None, eve
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: dist.ProcessGroup, documents: torch.Tensor | None, timeline: list | None):
+    def forward(ctx, q, k, v, group: dist.ProcessGroup, documents: torch.Tensor | None, timeline: list | None,
+                tile_rows: int = TILE_ROWS):  # fmt: skip
         ring = _Ring(group)
         scale = q.shape[-1] ** -0.5
         # in the memory layout SDPA returns, (batch, seq, heads, head_dim): the output projection reads the
@@ -197,16 +166,17 @@ class _RingAttention(torch.autograd.Function):
             _mark(timeline, "kv start", step)
             pending = ring.shift(kv) if step < ring.size - 1 else None  # the next block, while this one computes
             _mark(timeline, "forward start", step)
-            if (block := _ring_block(ring, step, q.shape[2], documents, q.dtype)) is not None:
-                bk, bv = (t[:, :, block.keys] for t in repeat_kv(*kv, heads))
-                part = _block_forward(q[:, :, block.rows], bk, bv, block.causal, scale, block.bias)
-                out[:, :, block.rows], lse[:, :, block.rows] = _merge(out[:, :, block.rows], lse[:, :, block.rows],
-                                                                      *part)  # fmt: skip
+            block_k, block_v = repeat_kv(*kv, heads)
+            for tile in _ring_tiles(ring, step, q.shape[2], documents, q.dtype, tile_rows):
+                rows, keys = tile.rows, tile.keys
+                part = block_forward(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], tile.causal, scale,
+                                     tile.bias)  # fmt: skip
+                out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *part)
             _mark(timeline, "forward end", step)
             if pending is not None:
                 kv = _arrive(pending, timeline, "kv", step)
         out = out.to(q.dtype)
-        ctx.group, ctx.scale, ctx.documents, ctx.timeline = group, scale, documents, timeline
+        ctx.group, ctx.scale, ctx.documents, ctx.timeline, ctx.tile_rows = group, scale, documents, timeline, tile_rows
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -225,21 +195,23 @@ class _RingAttention(torch.autograd.Function):
             _mark(timeline, "kv start", step)
             pending = ring.shift(kv) if step < ring.size - 1 else None
             _mark(timeline, "backward start", step)
-            if (block := _ring_block(ring, step, q.shape[2], ctx.documents, q.dtype)) is not None:
-                bk, bv = repeat_kv(*kv, heads)
-                rows = [t[:, :, block.rows].contiguous() for t in (dout, q, out, lse)]
-                keys = [t[:, :, block.keys].contiguous() for t in (bk, bv)]
-                a, b, c = _block_backward(rows[0], rows[1], *keys, rows[2], rows[3], block.causal, scale, block.bias)
-                dq[:, :, block.rows] += a
-                block_grads = [torch.zeros(bk.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
-                block_grads[0][:, :, block.keys] += b
-                block_grads[1][:, :, block.keys] += c
-                if bk.shape[1] != k.shape[1]:  # grouped-query: each kv head's gradient sums over its q group
-                    block_grads = [g.unflatten(1, (k.shape[1], -1)).sum(2) for g in block_grads]
+            block_k, block_v = repeat_kv(*kv, heads)
+            block_grads = None
+            for tile in _ring_tiles(ring, step, q.shape[2], ctx.documents, q.dtype, ctx.tile_rows):
+                rows = [t[:, :, tile.rows].contiguous() for t in (dout, q, out, lse)]
+                keys = [t[:, :, tile.keys].contiguous() for t in (block_k, block_v)]
+                a, b, c = block_backward(rows[0], rows[1], *keys, rows[2], rows[3], tile.causal, scale, tile.bias)
+                dq[:, :, tile.rows] += a
+                if block_grads is None:
+                    block_grads = [torch.zeros(block_k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+                block_grads[0][:, :, tile.keys] += b
+                block_grads[1][:, :, tile.keys] += c
+            if block_grads is not None and block_k.shape[1] != k.shape[1]:  # grouped-query: sum over the q group
+                block_grads = [g.unflatten(1, (k.shape[1], -1)).sum(2) for g in block_grads]
             _mark(timeline, "backward end", step)
             if grads is not None:
                 dkv = _arrive(grads, timeline, "grads", step - 1)
-            if block is not None:
+            if block_grads is not None:
                 dkv = [d.add_(g) for d, g in zip(dkv, block_grads, strict=True)]
             # the block's gradient travels with it, and one hop further home after the last step
             _mark(timeline, "grads start", step)
@@ -247,7 +219,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = _arrive(pending, timeline, "kv", step)
         dk, dv = _arrive(grads, timeline, "grads", ring.size - 1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 @torch.compiler.disable  # (as ulysses_attention)
@@ -258,9 +230,11 @@ def ring_attention(
     group: dist.ProcessGroup,
     documents: torch.Tensor | None = None,
     timeline: list | None = None,
+    tile_rows: int = TILE_ROWS,
 ) -> torch.Tensor:
     """Causal attention of zig-zag sequence shards, key-value blocks passed around the cp ring; `documents`
     (the whole sample's, (batch, seq)) mask each block by the global positions of its queries and keys.
     `timeline`: a list the exchange appends its events to (when each transfer starts and arrives, when
-    each block computes)."""
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, documents, timeline)
+    each block computes). `tile_rows`: query rows per tile of a block with documents."""
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, documents, timeline,
+                                tile_rows)  # fmt: skip

@@ -120,8 +120,9 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
       q, k, v         1 + 2 kv/a (after RoPE where rotary), kept by SDPA
       attention out   1 (shared with wo's input; 2 with `shape.core_output_copy`), plus SDPA's fp32
                       logsumexp of T x a
-      document mask   packed documents: SDPA's copy of the mask in the compute dtype (`shape.document_mask`
-                      elements, not split over tp or heads), unless the core is recomputed
+      document mask   packed documents: nothing kept (the core builds each query tile's bias again in
+                      backward); one tile's bias and its boolean (`shape.document_tile` elements, e + 2
+                      bytes each) live while a block's backward runs
       MLP             mlp.saved_widths x f/d (e.g. SwiGLU: w1 and w3 outputs, silu output, their product)
 
     Biases keep nothing; learned positions are a slice of a parameter. Fused SDPA never keeps the s x s
@@ -184,13 +185,7 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     moe_block = moe_extra_bytes(cfg, arch, shape, casts) if arch.moe and cfg.moe.num_experts else 0
     return StageActivations(
         layer={
-            "none": int(
-                selective
-                + attention_out * (1 + shape.core_output_copy)
-                + tokens * a * 4 // tp
-                + weight_casts
-                + shape.document_mask * e
-            ),
+            "none": int(selective + attention_out * (1 + shape.core_output_copy) + tokens * a * 4 // tp + weight_casts),
             # compiled, the selective region's output is recomputed with it rather than kept for wo
             "selective": int(
                 selective + attention_out * (not targets or "wo" in targets) * (not shape.compiled) + weight_casts
@@ -207,6 +202,6 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         + tokens * 8
         + (vocab * d * e // tp if casts else 0),  # the head weight's cast
         loss_backward=loss_backward,
-        block_backward=tokens * f * e // tp + norm_tokens * d * residual_bytes,
+        block_backward=tokens * f * e // tp + norm_tokens * d * residual_bytes + shape.document_tile * (e + 2),
         moe_block=moe_block,
     )

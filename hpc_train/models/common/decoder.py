@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.data.batch import SequenceShard
+from hpc_train.models.common.document_attention import flex_document_attention, tiled_document_attention
 from hpc_train.models.common.moe import MoE, is_moe_layer
 from hpc_train.models.spec import param_generator
 from hpc_train.placement import distribute_like
@@ -85,10 +86,14 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal SDPA over (batch, heads, seq, head_dim); grouped-query k, v shared by their q heads. With
-    packed `documents` (each token's document, (batch, seq)) attention also stays inside a document."""
+    packed `documents` (each token's document, (batch, seq)) attention also stays inside a document, without
+    an S x S mask (document_attention.py: FlexAttention on CUDA, query tiles on CPU)."""
+    if documents is not None and q.device.type == "cuda":
+        return flex_document_attention(q, k, v, documents)
     k, v = repeat_kv(k, v, q.shape[1])
-    mask = None if documents is None else document_mask(documents)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    if documents is not None:
+        return tiled_document_attention(q, k, v, documents)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 # (q, k, v, documents) -> attention output; `documents`: the whole sample's document of each token, or None
@@ -290,14 +295,6 @@ class Decoder(nn.Module):
             block.compile()
         if self.output is not None and not isinstance(self.output.weight, DTensor):  # loss_parallel does not compile
             self.summed_loss = torch.compile(self.summed_loss)
-
-
-def document_mask(documents: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, seq, seq) boolean SDPA mask from each token's document, (batch, seq): causal and inside one
-    document (a mask rules out SDPA's CUDA flash kernel: the memory-efficient or math kernel runs)."""
-    seq = documents.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
-    return ((documents.unsqueeze(2) == documents.unsqueeze(1)) & causal).unsqueeze(1)
 
 
 def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, tp: int = 1, *, arch: Architecture) -> Decoder:
