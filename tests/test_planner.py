@@ -32,14 +32,14 @@ def test_planner_matches_measurement_within_5_percent(measured, layout):
 
 def test_the_total_is_asserted_on_every_kind_of_layout():
     """At least 20 layouts, with ZeRO-2 and ZeRO-3, offload, LoRA and QLoRA, compile, the chunked loss, fp8,
-    context parallelism in both modes (with packed documents too), MoE, and MoE with LoRA, with float8 and
-    with sequence parallelism."""
+    context parallelism in both modes (with packed documents too), MoE, and MoE with LoRA, with float8, with
+    sequence parallelism and with expert parallelism."""
     asserted = [overrides for name, (_, overrides) in LAYOUTS.items() if name not in TOTAL_LEFT_OUT]
     assert len(asserted) >= 20
     for setting in ("optim.zero_stage=2", "optim.zero_stage=3", "optim.offload=cpu", "finetune.method=lora",
                     "finetune.method=qlora", "train.compile=true", "model.loss_chunk_tokens=64", "train.fp8=tensorwise",
                     "train.fp8=rowwise", "model.moe.num_experts=4", "parallel.cp_mode=ring",
-                    "parallel.cp_mode=ulysses"):  # fmt: skip
+                    "parallel.cp_mode=ulysses", "parallel.ep=2"):  # fmt: skip
         assert any(setting in overrides for overrides in asserted), setting
     for mode in ("parallel.cp_mode=ring", "parallel.cp_mode=ulysses"):
         assert any(mode in o and "data.document_mask=true" in o for o in asserted), mode

@@ -46,12 +46,16 @@ def traffic(*, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     return {"ep": (rows + counts) / parallel.pp * train.grad_accum}
 
 
-def memory(*, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> Memory:
+def memory(*, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, parts) -> Memory:
     """What expert parallelism adds while an MoE layer runs (balanced load): the rows received from the ep
-    group and their copy regrouped by expert, in the compute dtype."""
+    group and their copy regrouped by expert, in the compute dtype. In backward they live while the routed
+    experts' backward runs, after the block's output gradient has passed the shared experts and FSDP's
+    gathers for the block are done: in place of the MLP's working set the family counts for a block's
+    backward (`parts.block_backward`), not on top of it (measured on CPU: the step's peak never holds them)."""
     if parallel.ep == 1:
         return Memory()
-    return Memory(block=2 * ep_rows(model, parallel, train) * model.d_model * _element_bytes(train))
+    buffers = 2 * ep_rows(model, parallel, train) * model.d_model * _element_bytes(train)
+    return Memory(working=max(0, buffers - parts.block_backward))
 
 
 def step_time(*, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, links: Links,
