@@ -90,6 +90,10 @@ class LocalParams:
     # (the head's sharded gradient accumulates into it)
     full_size_embedding_grad: bool
     experts: int = 0  # of the trainable elements, the routed experts' (their 1/ep under expert parallelism)
+    # elements FSDP gathers for the stage's last block (its unit, and its experts' own unit under ep unless
+    # that spans one rank, edp = 1, where they stay whole and are never gathered): the running block at
+    # backward's start
+    last_block: int = 0
 
 
 def local_param_count(cfg: JobConfig, pp_rank: int = 0, dp: int = 1) -> LocalParams:
@@ -124,6 +128,7 @@ def _param_count(
     full_grad = False
     sizes = []
     units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
+    gathered: dict[str, int] = {}  # block -> the elements FSDP gathers for it
     for stage in stage_ids(pp_rank, pp, virtual_stages):
         chunk = _meta_stage(model, stage, pp * virtual_stages, tp)
         plan = spec.tp_plan(chunk, False) if tp > 1 else {}
@@ -164,12 +169,15 @@ def _param_count(
                     matrices, shard_matrices = matrices + count, shard_matrices + shard
             unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
             units[unit] = units.get(unit, 0) + count
+            if unit and not (name in routed and ep > 1 and dp // ep <= 1):
+                gathered[unit] = gathered.get(unit, 0) + count
             if name == "tok_embeddings.weight" and tp > 1 and trains[name]:
                 full_grad = not (chunk.tied and chunk.output is not None)
     root = units.pop("", 0)
     return LocalParams(total, trainable, shard_total, shard_trainable, matrices, shard_matrices,
                        max(units.values(), default=0), root,
-                       quantized, quantized_bytes, largest_projection, tuple(sizes), full_grad, experts)  # fmt: skip
+                       quantized, quantized_bytes, largest_projection, tuple(sizes), full_grad, experts,
+                       list(gathered.values())[-1] if gathered else 0)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)

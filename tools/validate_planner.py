@@ -162,10 +162,6 @@ CATEGORIES = ("params", "grads", "optimizer", "activations_per_microbatch", "act
 PEAK = ("params", "grads", "optimizer", "activations_peak")  # what a rank holds at its peak
 # layouts whose measured peak the planned total is not asserted against, and why
 TOTAL_LEFT_OUT = {
-    "ep2_zero3": "measured 12574 KiB, planned 13285 (+5.7%): the step's peak is FSDP's prefetch of the dense "
-    "first block when the MoE block's backward starts; the planner counts the running block as the largest "
-    "(the dense one, 833 KiB gathered; the MoE block gathers 451: its experts are their own unit, not "
-    "gathered at edp 1) and the block's backward working set on top of that moment, as for a dense model",
     "dp2_zero3_offload": "measured 12070 KiB, planned 9058 on the device + 4101 on the host = 13158 (+9.0%); "
     "12133 (+0.5%) without the host's gradient shards (1025), which arrive with each block's reduce-scatter, "
     "after the device's peak: on CPU host and device are one memory, and their two peaks do not add",

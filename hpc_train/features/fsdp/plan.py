@@ -12,15 +12,19 @@ def memory(*, optim: OptimConfig, parallel: ParallelConfig, local, parts, comput
     """Gathered in the compute dtype (`compute` bytes): the root unit and the running block with the next one
     prefetched (`static`), and, while a block's backward runs (`block`), the block it gathers and its
     gradients, growing in the compute dtype and then copied to fp32 for the reduce-scatter once the block's
-    activations are freed. Without reshard_after_forward every block stays gathered from its forward to its
-    backward; under pipeline parallelism torch's schedules keep the whole stage gathered, its fp32 gradients
-    whole, to the last backward."""
+    activations are freed; the running block then is the stage's last (`local.last_block`). Without
+    reshard_after_forward every block stays gathered from its forward to its backward; under pipeline
+    parallelism torch's schedules keep the whole stage gathered, its fp32 gradients whole, to the last
+    backward."""
     if parallel.pp > 1:
         return Memory(static=(compute + 4) * local.total)
     reduced = max(compute * local.largest_block, (compute + 4) * local.largest_block - parts.layer["none"])
     if reshards_after_forward(optim, parallel):
         gathered = compute * local.largest_block  # the running block, and the next one prefetched
-        return Memory(static=compute * local.root + gathered, block=gathered + reduced)
+        # at backward's start the running block is the stage's last (an MoE block under ep gathers less than
+        # a dense one: its experts are a unit of their own, not gathered at edp 1)
+        last = compute * (local.last_block - local.largest_block)
+        return Memory(static=compute * local.root + gathered, block=gathered + reduced + last)
     return Memory(static=compute * local.total, block=reduced)
 
 
