@@ -107,7 +107,12 @@ def document_tiles(
         seen &= positions[:, None] >= theirs[None, :]
         if not seen.any():
             continue
-        bias = torch.full(seen.shape, masked_value(dtype), dtype=dtype, device=seen.device).masked_fill_(seen, 0)
+        # its rows padded to 16 elements: CUDA's efficient-attention kernel takes only aligned bias strides
+        # (the ring's blocks on CUDA), which SDPA would pad itself but the kernel called directly does not
+        batch, rows_count, keys_count = seen.shape
+        padded = -(-keys_count // 16) * 16
+        bias = torch.full((batch, rows_count, padded), masked_value(dtype), dtype=dtype, device=seen.device)
+        bias = bias[..., :keys_count].masked_fill_(seen, 0)
         del seen
         yield Tile(rows, slice(first, stop), bias.unsqueeze(1))
 
@@ -159,14 +164,16 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return ((documents.unsqueeze(2) == documents.unsqueeze(1)) & causal).unsqueeze(1)
 
 
-def document_block_mask(documents: torch.Tensor) -> BlockMask:
-    """FlexAttention's block mask of causal attention inside each packed document."""
+def document_block_mask(documents: torch.Tensor, compiled: bool = True) -> BlockMask:
+    """FlexAttention's block mask of causal attention inside each packed document. `compiled`: built by a
+    compiled kernel block by block (eager, `create_block_mask` first builds the whole S x S mask: the CPU
+    tests' forward only)."""
 
     def inside_document(b, h, query, key):
         return (query >= key) & (documents[b, query] == documents[b, key])
 
     batch, seq = documents.shape
-    return create_block_mask(inside_document, batch, None, seq, seq, device=documents.device)
+    return create_block_mask(inside_document, batch, None, seq, seq, device=documents.device, _compile=compiled)
 
 
 @functools.cache
@@ -179,9 +186,11 @@ def compiled_flex_attention():
 def flex_document_attention(q, k, v, documents: torch.Tensor, kernel=None) -> torch.Tensor:
     """Causal attention inside documents by FlexAttention (`kernel`: the compiled one unless given; the CPU
     tests give eager `flex_attention` and run its forward only)."""
+    compiled = kernel is None
     if kernel is None:  # inside a compiled block (train.compile) the block's graph compiles it
         kernel = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
-    return kernel(q, k, v, block_mask=document_block_mask(documents), enable_gqa=k.shape[1] != q.shape[1])
+    mask = document_block_mask(documents, compiled)
+    return kernel(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 @torch.compiler.disable  # inside compiled blocks (train.compile) the tiles run eagerly, one graph break each
