@@ -7,8 +7,8 @@ group) -> per-rank RNG -> data -> model family -> precision policy (needs the op
 optimizer with fp32 master weights lets the model hold bf16/fp16 weights) -> parallel model (meta build,
 tp, adapters, local init, pipeline schedule) -> the weights of `model.init_from`, if any -> QLoRA's NF4
 base -> optimizer (takes its fp32 master copy) -> cast the weights to the policy's dtype (LoRA's frozen
-base to the compute dtype) -> loss scaler -> sampler -> metrics -> checkpointer, with every part it saves
-registered.
+base to the compute dtype) -> loss scaler -> sampler -> spike detector -> metrics -> checkpointer, with every
+part it saves registered.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hpc_train.checkpoint.state import ModelState, OptimizerState, RNGState
 from hpc_train.data.blend import BlendedSampler, BlendedSource
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import load_datasets, load_valid_sources
-from hpc_train.data.sampler import ResumableSampler
+from hpc_train.data.sampler import ResumableSampler, merge_ranges
 from hpc_train.distributed.mesh import Mesh
 from hpc_train.distributed.parallelize import ParallelModel, parallelize
 from hpc_train.distributed.transforms import StagePlan
@@ -40,6 +40,7 @@ from hpc_train.optim import build_optimizer, optimizer_class, precision_policy
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
+from hpc_train.resilience.spikes import SpikeDetector
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Run:
     checkpointer: Checkpointer
     report: Callable[[str], None]  # events everyone should see: printed by rank 0 only
     valid_sources: dict[str, IndexedDataset] = field(default_factory=dict)  # data.valid_sources, by name
+    spikes: SpikeDetector | None = None  # train.spike_guard's running medians, when on
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -114,14 +116,16 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
     sampler = None
     if isinstance(train_set, BlendedSource):
         sampler = BlendedSampler(train_set, [s.weight for s in cfg.data.sources], global_batch, t.micro_batch_size,
-                                 mesh.rank("dp"), dims.dp, t.seed, report)  # fmt: skip
+                                 mesh.rank("dp"), dims.dp, t.seed, report, cfg.data.skip_samples)  # fmt: skip
     elif train_set is not None:
-        sampler = ResumableSampler(len(train_set), global_batch, t.micro_batch_size, mesh.rank("dp"), dims.dp, t.seed)
+        sampler = ResumableSampler(len(train_set), global_batch, t.micro_batch_size, mesh.rank("dp"), dims.dp, t.seed,
+                                   skipped=merge_ranges(cfg.data.skip_samples))  # fmt: skip
+    spikes = SpikeDetector(t.spike_guard, device) if t.spike_guard.enabled else None
     metrics = MetricsLog(cfg.run_dir, t.steps, cfg.logging.progress, cfg.logging.tensorboard) if is_logger else None
 
     layout = {**dims.as_dict(), "ep": cfg.parallel.ep, "world_size": dims.world_size,
               "zero_stage": cfg.optim.zero_stage, "precision": t.precision}  # fmt: skip
-    shared = {"sampler": sampler, "loss_scaler": scaler, "metrics": metrics}
+    shared = {"sampler": sampler, "loss_scaler": scaler, "metrics": metrics, "spike_guard": spikes}
     for note in train_set.identity_notes() if train_set else []:
         report(note)
     identity = RunIdentity(
@@ -140,4 +144,4 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         report=report,
     )
     return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,
-               sampler, metrics, checkpointer, report, valid_sources)  # fmt: skip
+               sampler, metrics, checkpointer, report, valid_sources, spikes)  # fmt: skip

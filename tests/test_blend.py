@@ -5,6 +5,7 @@ token counts, and bad sources refused before any rank starts."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.train.loop import run_training
-from tests.conftest import TINY_MODEL, read_metrics
+from tests.conftest import TINY_MODEL, read_metrics, run_cli
 
 
 def test_realised_shares_stay_within_the_stated_bound():
@@ -72,8 +73,15 @@ def test_every_layout_reads_the_same_global_sequence_and_resumes_it(blend):
         batches, _ = stream(blend, weights, 20, dp, micro)
         assert all(np.array_equal(a, b) for a, b in zip(batches, reference, strict=True))
     _, state = stream(blend, weights, 7)
-    resumed, _ = stream(blend, weights, 13, dp=2, state=state)
-    assert all(np.array_equal(a, b) for a, b in zip(resumed, reference[7:], strict=True))
+    for dp in (2, 8):
+        resumed, _ = stream(blend, weights, 13, dp=dp, micro=8 // dp, state=state)
+        assert all(np.array_equal(a, b) for a, b in zip(resumed, reference[7:], strict=True))
+    # skipped ranges (data.skip_samples, spike rollbacks) are read past at any dp: the batches after them are
+    # the same, and the range stays skipped after a resume
+    skipping = [BlendedSampler(blend, weights, 8, 2, r, 2, 3, skipped=[[24, 40]]) for r in range(2)]
+    batches = [np.concatenate([np.concatenate(r.next_micro_batches()) for r in skipping]) for _ in range(3)]
+    later, _ = stream(blend, weights, 15, dp=4, state=skipping[0].state_dict())
+    assert all(np.array_equal(a, b) for a, b in zip(batches + later, reference[:3] + reference[5:], strict=True))
     sources = np.array([blend.source_of(int(i)) for i in np.concatenate(reference)])
     assert np.bincount(sources).tolist() == [80, 48, 32]  # 160 samples at 0.5 / 0.3 / 0.2
     other_seed = BlendedSampler(blend, weights, 8, 8, 0, 1, seed=4).next_global_batch()
@@ -182,6 +190,31 @@ def test_plot_run_shows_per_source_curves(blend_runs, tmp_path):
     plt.close(fig)
     png = plot([blend_runs["full_dir"]], tmp_path / "run.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_blend_resumes_at_another_dp_size_reading_the_same_samples(two_corpora, tmp_path):
+    """A dp4 blend (global batch 8) saved at step 4 resumes at dp2 (train.grad_accum=2 keeps the global batch)
+    and at dp8 (micro-batches of 1), each through `hpc-train train`: each reads on the samples the dp4 run
+    read, none repeated, none skipped (each source's tokens and the samples consumed agree at every step; the
+    losses, the same global batch's mean summed in another order, within 1e-5), and records where it resumed."""
+    sources = ", ".join(f"{{path: {p}, weight: {w}}}" for p, w in zip(two_corpora.values(), (3, 1), strict=True))
+    common = [*TINY_MODEL, f"data.sources=[{sources}]", "train.steps=6", "checkpoint.interval=4"]
+    layouts = {"dp4": ["parallel.nproc=4", "train.micro_batch_size=2"],
+               "dp2": ["parallel.nproc=2", "train.micro_batch_size=2", "train.grad_accum=2"],
+               "dp8": ["parallel.nproc=8", "train.micro_batch_size=1"]}  # fmt: skip
+    run_cli("train", *common, *layouts["dp4"], f"run_dir={tmp_path / 'dp4'}")
+    full = read_metrics(tmp_path / "dp4")
+    for name in ("dp2", "dp8"):
+        shutil.copytree(tmp_path / "dp4/checkpoints/step_0000004", tmp_path / name / "checkpoints/step_0000004")
+        run_cli("train", *common, *layouts[name], f"run_dir={tmp_path / name}")
+        records = read_metrics(tmp_path / name)
+        assert [r["step"] for r in records] == [5, 6]
+        resumed = records[0]["resumed_from"]
+        assert (resumed["step"], resumed["layout"]["dp"], resumed["consumed_samples"]) == (4, 4, 32)
+        for r, ref in zip(records, full[4:], strict=True):
+            counts = ("consumed_samples", "train_tokens/small", "train_tokens/other")
+            assert [r[k] for k in counts] == [ref[k] for k in counts]
+            assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5)
 
 
 BAD_SOURCES = [

@@ -58,6 +58,18 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
         (["optim.offload=cpu"], 2, ["optim.offload=cpu offloads the sharded optimizer state", "zero_stage=1"]),
         (["optim.zero_stage=4"], 2, ["optim.zero_stage=4 is not supported; use 0, 1, 2 or 3"]),
         (["steps"], 1, ["override 'steps' is not of the form key=value"]),
+        (
+            ["train.spike_guard.enabled=true"],
+            1,
+            ["train.spike_guard.enabled rolls a spike back", "checkpoint.interval"],
+        ),
+        (["train.spike_guard.window=0"], 1, ["train.spike_guard.window=0 must be > 0"]),  # a section's section
+        (["train.spike_guard.skip=all"], 1, ["train.spike_guard.skip='all' is not one of step, since_checkpoint"]),
+        (
+            ["data.skip_samples=[[4,6]]", "train.micro_batch_size=4"],
+            1,
+            ["data.skip_samples=[[4, 6]]", "multiples of the global batch (4 samples), e.g. [[4, 8]]"],
+        ),
     ],
 )
 def test_bad_input_names_the_problem(overrides, world, expected):

@@ -1,6 +1,7 @@
 """Operating at scale: the slow rank is named, a hung rank is located with the stacks of every rank, the
-doctor tests an allocation, a rendezvous that cannot complete says why (the in-job restart after a rank
-dies is in test_checkpoint, next to the other resume tests; under Slurm in test_slurm)."""
+doctor tests an allocation, a rendezvous that cannot complete says why, a loss spike is rolled back past
+its data (the in-job restart after a rank dies is in test_checkpoint, next to the other resume tests; under
+Slurm in test_slurm)."""
 
 import re
 import socket
@@ -9,13 +10,18 @@ import sys
 import time
 
 import pytest
+import torch
 
 from hpc_train.checkpoint.store import CheckpointStore
+from hpc_train.config.schema import SpikeGuardConfig
+from hpc_train.data.prepare import load_datasets
+from hpc_train.data.sampler import ResumableSampler
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
+from hpc_train.resilience.spikes import Rollbacks, SpikeDetector, SpikeStop
 from hpc_train.resilience.stragglers import find_stragglers
 from hpc_train.train.loop import run_training
-from tests.conftest import ROOT, TINY_MODEL, read_metrics, run_cli
+from tests.conftest import ROOT, TINY_MODEL, max_param_diff, read_final_model, read_metrics, run_cli
 
 
 def test_a_rank_is_compared_with_its_peers_not_itself():
@@ -150,3 +156,72 @@ def test_rendezvous_names_the_missing_rank_and_the_unreachable_master(make_cfg):
         assert out.returncode == 2 and expected in out.stderr, out.stderr
         assert "usual causes: the master's host name resolves differently" in out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_the_spike_detector_watches_medians_of_clean_steps():
+    """A step is a spike when its loss (or gradient norm) exceeds the ratio x the median of the last `window`
+    clean steps, once that many were seen; spikes and skipped steps never join the history; ratio 0 unwatches."""
+    detector = SpikeDetector(SpikeGuardConfig(enabled=True, window=3, loss_ratio=1.5, grad_norm_ratio=0), "cpu")
+
+    def seen(loss: float, skipped: bool = False, grad_norm: float = 1.0) -> bool:
+        return bool(detector.observe(torch.tensor(loss), torch.tensor(grad_norm), torch.tensor(skipped)))
+
+    assert [seen(x) for x in (4.0, 2.0, 3.0)] == [False] * 3  # filling the window
+    assert seen(4.4) is False and seen(5.0, skipped=True) is False  # median 3 (then 3: the skipped one left out)
+    assert seen(4.6) is True and seen(4.6) is True  # 4.6 > 1.5 x 3, and still: a spike is not kept
+    assert seen(3.0, grad_norm=1e9) is False  # the gradient norm is not watched (ratio 0)
+    assert detector.medians() == {"loss_median": 3.0, "grad_norm_median": 1.0}
+    restored = SpikeDetector(SpikeGuardConfig(enabled=True, window=3), "cpu")
+    restored.load_state_dict(detector.state_dict())  # a checkpoint part: a rollback restores the medians
+    assert restored.medians() == detector.medians() and int(restored.kept) == int(detector.kept) == 5
+
+
+def test_too_many_rollbacks_stop_the_run_naming_them():
+    rollbacks = Rollbacks(SpikeGuardConfig(enabled=True, max_rollbacks=2, rollback_window=100))
+    rollbacks.done += [{"step": 10, "samples": (72, 80)}, {"step": 150, "samples": (1192, 1200)}]
+    rollbacks.check(170, (1352, 1360))  # the one at step 10 is out of the window
+    rollbacks.done.append({"step": 170, "samples": (1352, 1360)})
+    with pytest.raises(
+        SpikeStop,
+        match=r"3 spikes within .*rollback_window=100 steps, more than .*max_rollbacks=2: "
+        r"step 150 \(samples 1192-1200\); step 170 .*; step 180 \(samples 1432-1440\)",
+    ):
+        rollbacks.check(180, (1432, 1440))
+    assert Rollbacks(SpikeGuardConfig(skip="since_checkpoint")).skipped_range(56, 8, 32) == (32, 56)
+    assert Rollbacks(SpikeGuardConfig(skip="step")).skipped_range(56, 8, 32) == (48, 56)
+
+
+SPIKE_RUN = ["train.steps=12", "train.micro_batch_size=2", "checkpoint.interval=4", "logging.log_interval=4"]
+POISONED = {"HPC_TRAIN_FAULT": "batch@7@0@spike"}  # the stream's 7th global batch: loss and gradients x 1000
+
+
+@pytest.mark.parametrize(
+    "layout, skip, skipped",
+    [([], "since_checkpoint", [8, 14]), (["parallel.nproc=4", "parallel.tp=2", "parallel.sequence_parallel=true"],
+                                         "step", [24, 28])],
+    ids=["one_process", "tp2_dp2"],
+)  # fmt: skip
+def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, tmp_path, small_corpus):
+    """A poisoned batch read at step 7 spikes the loss: every rank rolls back to step 4's checkpoint, skips
+    the spiking step's batch (or every batch since the checkpoint), and trains on to step 12. Its weights are
+    those of a run told to skip the same samples from the start (data.skip_samples: it never reads the
+    poisoned batch), exactly, and metrics.jsonl names what was skipped, by dataset index."""
+    base = [*TINY_MODEL, f"data.train_path={small_corpus}", *SPIKE_RUN, *layout]
+    guard = ["train.spike_guard.enabled=true", "train.spike_guard.window=4", f"train.spike_guard.skip={skip}"]
+    guarded = run_cli("train", *base, *guard, f"run_dir={tmp_path / 'guarded'}", env=POISONED)
+    assert guarded.returncode == 0 and "loss spike at step 7: loss " in guarded.stdout, guarded.stderr
+    assert f"rolled back to the checkpoint of step 4, samples {skipped[0]}-{skipped[1]} of the stream" in guarded.stdout
+    run_cli("train", *base, f"data.skip_samples=[{skipped}]", f"run_dir={tmp_path / 'reference'}", env=POISONED)
+    assert max_param_diff(read_final_model(tmp_path / "guarded"), read_final_model(tmp_path / "reference")) == 0.0
+    records, reference = read_metrics(tmp_path / "guarded"), read_metrics(tmp_path / "reference")
+    assert [r["step"] for r in records] == list(range(1, 13))  # the rolled-back steps' records replaced
+    assert [r["loss"] for r in records] == [r["loss"] for r in reference]
+    assert [r["consumed_samples"] for r in records] == [r["consumed_samples"] for r in reference]
+    (rollback,) = [r["rollback"] for r in records if "rollback" in r]
+    assert records[4]["rollback"] == rollback  # on the first step trained again
+    assert rollback["spike_step"] == 7 and rollback["to_step"] == 4 and rollback["skipped_samples"] == skipped
+    assert rollback["loss"] > 100 * rollback["loss_median"]
+    assert rollback["grad_norm"] > 100 * rollback["grad_norm_median"]
+    cfg = load_config(None, base)
+    sampler = ResumableSampler(len(load_datasets(cfg.data, cfg.model, progress=False)[0]), 1, 1, 0, 1, cfg.train.seed)
+    assert rollback["skipped_indices"] == sampler.global_indices(skipped[0], skipped[1] - skipped[0]).tolist()

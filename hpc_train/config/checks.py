@@ -10,6 +10,7 @@ import math
 import re
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 from hpc_train.config.fields import RANGES, ConfigError
 from hpc_train.config.schema import BUILTIN_DATA, JobConfig
@@ -43,11 +44,16 @@ def derive_dp(cfg: JobConfig, world_size: int) -> int:
     return dp
 
 
-def _fields(cfg: JobConfig) -> list[tuple[str, dataclasses.Field]]:
-    """Every section's fields, by dotted key."""
-    return [(f"{section.name}.{f.name}", f) for section in dataclasses.fields(cfg)
-            if dataclasses.is_dataclass(getattr(cfg, section.name))
-            for f in dataclasses.fields(getattr(cfg, section.name))]  # fmt: skip
+def _fields(cfg: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """Every section's fields, by dotted key, those of sections within sections (train.spike_guard) too."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _fields(value, f"{prefix}{f.name}.")
+        elif prefix:
+            out.append((f"{prefix}{f.name}", f))
+    return out
 
 
 def _value_problems(cfg: JobConfig) -> list[str]:
@@ -77,6 +83,9 @@ def _value_problems(cfg: JobConfig) -> list[str]:
         problems.append(f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the ranks from the newest "
                         "checkpoint: set checkpoint.interval (e.g. 100) and checkpoint.resume=true, or "
                         "parallel.max_restarts=0")  # fmt: skip
+    if cfg.train.spike_guard.enabled and not cfg.checkpoint.interval:
+        problems.append("train.spike_guard.enabled rolls a spike back to the newest checkpoint: set "
+                        "checkpoint.interval (e.g. 100), or train.spike_guard.enabled=false")  # fmt: skip
     steps = cfg.logging.profile_steps
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
@@ -249,6 +258,7 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
                 f"set train.grad_accum={t.global_batch_size // (t.micro_batch_size * dp) or 1} or leave "
                 "global_batch_size out"
             )
+        check_skip_samples(cfg.data.skip_samples, derived_gbs)
 
     checks = [layout, lambda: check_pipeline(cfg)]
     if check_paths:
@@ -271,6 +281,17 @@ def raise_all(checks) -> None:
             problems.append(str(err))
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def check_skip_samples(ranges: list[list[int]], global_batch: int) -> None:
+    """data.skip_samples: [start, end) ranges of whole global batches (a sampler skips a batch, not a part)."""
+    for start, end in (r if len(r) == 2 else (-1, -1) for r in ranges):
+        if not 0 <= start < end or start % global_batch or end % global_batch:
+            raise ConfigError(
+                f"data.skip_samples={[list(r) for r in ranges]}: each range is [start, end) with 0 <= start < end, "
+                f"both multiples of the global batch ({global_batch} samples), e.g. [[{global_batch}, "
+                f"{2 * global_batch}]] skips the second step's batch"
+            )
 
 
 def check_pipeline(cfg: JobConfig) -> None:

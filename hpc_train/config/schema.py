@@ -93,6 +93,23 @@ class ParallelConfig:
 
 
 @dataclass
+class SpikeGuardConfig:
+    """A finite loss spike rolled back (resilience/spikes.py): a step whose loss or gradient norm exceeds its
+    ratio times the median of the last `window` clean steps makes every rank reload the newest checkpoint and
+    read on past the data that led to it. Decided on the device, agreed at the loop's read of the figures."""
+
+    enabled: bool = False
+    window: int = positive(50)  # clean steps in the running medians; the guard watches once it is full
+    loss_ratio: float = non_negative(1.5)  # a loss above this x its median is a spike; 0 = the loss not watched
+    grad_norm_ratio: float = non_negative(10.0)  # likewise the gradient norm (before clipping); 0 = not watched
+    # the samples skipped after a rollback: the spiking step's global batch, or every batch read since the
+    # checkpoint rolled back to
+    skip: str = choice("step", "since_checkpoint")
+    max_rollbacks: int = positive(3)  # more rollbacks than this within `rollback_window` steps stop the run
+    rollback_window: int = positive(1000)
+
+
+@dataclass
 class TrainConfig:
     steps: int = positive(100)
     micro_batch_size: int = positive(8)
@@ -108,6 +125,7 @@ class TrainConfig:
     save_final_model: bool = True  # write run_dir/model_final.pt (consolidated weights) at the end
     freeze: list[str] = field(default_factory=list)  # parameter names (fnmatch patterns) held fixed
     skip_nonfinite: int = non_negative(0)  # steps with a non-finite loss or gradient skipped before the run stops
+    spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)
 
 
 @dataclass
@@ -176,6 +194,10 @@ class DataConfig:
     # start; attention stays inside each document (FlexAttention on CUDA, query tiles on CPU: no seq x seq mask)
     reset_position_ids: bool = False
     document_mask: bool = False
+    # global batches read and not trained on: [start, end) positions of the sample stream (the consumed_samples
+    # of metrics.jsonl), each at global-batch boundaries (Megatron-LM's --skip-train-iteration-range, in samples).
+    # Rollbacks of train.spike_guard add theirs to the sampler's checkpointed list
+    skip_samples: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -26,7 +26,7 @@ import numpy as np
 
 from hpc_train.data.batch import Batch, collate
 from hpc_train.data.indexed import IndexedDataset
-from hpc_train.data.sampler import ShuffledStream, check_batch_shape, rank_slice
+from hpc_train.data.sampler import ShuffledStream, check_batch_shape, merge_ranges, rank_slice, skip_ahead
 
 PLAN_SAMPLES = 4096  # a blended sampler plans about this many samples at once
 SOURCE_SHIFT = 40  # a blend's sample index: its source above these bits, its index in the source below
@@ -120,6 +120,7 @@ class BlendedSampler:
         dp_size: int,
         seed: int,
         report: Callable[[str], None] = lambda message: None,
+        skipped: list[list[int]] | None = None,
     ):
         check_batch_shape(global_batch_size, micro_batch_size, dp_size)
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
@@ -132,6 +133,7 @@ class BlendedSampler:
         self.phase_start = np.zeros(len(self.names), dtype=np.int64)  # each source's samples before this phase
         self.phase_counts = np.zeros(len(self.names), dtype=np.int64)  # and in it
         self.retired: dict[str, int] = {}  # samples read from sources of earlier phases that this one lacks
+        self.skipped = merge_ranges(skipped or [])  # [start, end) stream positions read and not trained on
         # planned: (indices of the next batches, each source's phase count after each batch, batches read)
         self._planned: tuple[np.ndarray, np.ndarray, int] | None = None
 
@@ -162,8 +164,19 @@ class BlendedSampler:
         return out[b * g : (b + 1) * g]
 
     def next_micro_batches(self) -> list[np.ndarray]:
-        """This rank's micro-batches of the next global batch; advances the state."""
+        """This rank's micro-batches of the next global batch not skipped; advances the state."""
+        skip_ahead(self)
         return rank_slice(self.next_global_batch(), self.dp_rank, self.dp_size, self.micro_batch_size)
+
+    def skip(self, start: int, end: int) -> None:
+        self.skipped = merge_ranges(self.skipped, [[start, end]])
+
+    def describe(self, indices: np.ndarray) -> dict[str, list[int]]:
+        """Samples as metrics.jsonl records them: each source's indices, by its name."""
+        out: dict[str, list[int]] = {}
+        for index in indices.tolist():
+            out.setdefault(self.names[index >> SOURCE_SHIFT], []).append(index & LOCAL_MASK)
+        return out
 
     def taken(self) -> dict[str, int]:
         """Samples read from each source so far, over every phase."""
@@ -177,7 +190,8 @@ class BlendedSampler:
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "taken": self.taken(),
                 "weights": dict(zip(self.names, self.weights.tolist(), strict=True)),
-                "phase": dict(zip(self.names, self.phase_counts.tolist(), strict=True))}  # fmt: skip
+                "phase": dict(zip(self.names, self.phase_counts.tolist(), strict=True)),
+                **({"skipped": self.skipped} if self.skipped else {})}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """The same sources and weights continue the saved phase exactly; others start a new phase where
@@ -187,6 +201,7 @@ class BlendedSampler:
                              "with data.train_path, or start the blend in a fresh checkpoint.dir")  # fmt: skip
         taken = {n: int(c) for n, c in state["taken"].items()}
         self._planned = None
+        self.skipped = merge_ranges(self.skipped, state.get("skipped", []))
         self.consumed_samples = int(state["consumed_samples"])
         self.retired = {n: c for n, c in taken.items() if n not in self.names}
         here = dict(zip(self.names, self.weights.tolist(), strict=True))

@@ -5,11 +5,17 @@ epoch into one stream. Global batch g is stream positions [g * G, (g + 1) * G); 
 reads the contiguous slice r of it and splits that into micro-batches. The whole state is the number
 of consumed samples, so resuming at sample k reproduces the same batches, and the global batches are
 the same whatever the data-parallel size.
+
+Skipped ranges ([start, end) stream positions: data.skip_samples, and each rollback of train.spike_guard)
+are read past: when the stream reaches a range's start its global batches are drawn and dropped, so the
+batches after it are those a run that trained on it would have read (a blend's counts advance the same).
+The ranges are part of the state, so a resume keeps skipping them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +55,34 @@ def rank_slice(indices: np.ndarray, dp_rank: int, dp_size: int, micro_batch_size
     return np.split(indices[dp_rank * per_rank : (dp_rank + 1) * per_rank], per_rank // micro_batch_size)
 
 
+def merge_ranges(*lists: list[list[int]]) -> list[list[int]]:
+    """Skipped ranges, sorted, each once."""
+    return [list(r) for r in sorted({(int(start), int(end)) for ranges in lists for start, end in ranges})]
+
+
+def skip_ahead(sampler: ResumableSampler | Any) -> None:
+    """Read past the skipped ranges that start where `sampler` stands (chained ranges one after the other)."""
+    while (end := next((e for s, e in sampler.skipped if s == sampler.consumed_samples), None)) is not None:
+        while sampler.consumed_samples < end:
+            sampler.next_global_batch()
+
+
+def read_range(sampler: ResumableSampler | Any, start: int, end: int) -> np.ndarray:
+    """The dataset indices at stream positions [start, end), read on from where `sampler` stands (at most
+    `start`); its state is left as it was."""
+    state, skipped = sampler.state_dict(), sampler.skipped
+    sampler.skipped, out = [], []
+    try:
+        while sampler.consumed_samples < end:
+            batch = sampler.next_global_batch()
+            if sampler.consumed_samples > start:
+                out.append(batch)
+    finally:
+        sampler.load_state_dict(state)
+        sampler.skipped = skipped
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
 def check_batch_shape(global_batch_size: int, micro_batch_size: int, dp_size: int) -> None:
     if global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(
@@ -65,6 +99,7 @@ class ResumableSampler:
     dp_size: int
     seed: int
     consumed_samples: int = 0
+    skipped: list[list[int]] = field(default_factory=list)  # [start, end) positions read and not trained on
 
     def __post_init__(self) -> None:
         check_batch_shape(self.global_batch_size, self.micro_batch_size, self.dp_size)
@@ -74,19 +109,32 @@ class ResumableSampler:
         """Dataset indices at stream positions [start, start + count), crossing epochs as needed."""
         return self.stream.indices(start, count)
 
-    def next_micro_batches(self) -> list[np.ndarray]:
-        """This rank's micro-batches (dataset indices) of the next global batch; advances the state."""
-        per_rank = self.global_batch_size // self.dp_size
-        indices = self.global_indices(self.consumed_samples + self.dp_rank * per_rank, per_rank)
+    def next_global_batch(self) -> np.ndarray:
+        """The next global batch's dataset indices; advances the state."""
+        indices = self.global_indices(self.consumed_samples, self.global_batch_size)
         self.consumed_samples += self.global_batch_size
-        return np.split(indices, per_rank // self.micro_batch_size)
+        return indices
+
+    def next_micro_batches(self) -> list[np.ndarray]:
+        """This rank's micro-batches (dataset indices) of the next global batch not skipped; advances the state."""
+        skip_ahead(self)
+        return rank_slice(self.next_global_batch(), self.dp_rank, self.dp_size, self.micro_batch_size)
+
+    def skip(self, start: int, end: int) -> None:
+        self.skipped = merge_ranges(self.skipped, [[start, end]])
+
+    def describe(self, indices: np.ndarray) -> list[int]:
+        """Dataset indices as metrics.jsonl records them."""
+        return indices.tolist()
 
     def progress(self) -> dict[str, int]:
         """What each step's metrics record of the data read so far."""
         return {"consumed_samples": self.consumed_samples}
 
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, **({"skipped": self.skipped} if self.skipped else {})}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The saved position; the saved skipped ranges join those this run was given."""
         self.consumed_samples = int(state["consumed_samples"])
+        self.skipped = merge_ranges(self.skipped, state.get("skipped", []))

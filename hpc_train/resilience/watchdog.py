@@ -30,8 +30,8 @@ from hpc_train.resilience.bad_nodes import blame
 KEY = "hpc_train/progress/{}"
 WHO = "hpc_train/who/{}"  # "<host> <pid> <Slurm node>" of each rank, for the hang summary
 PHASES = ("started", "finished the backward pass of", "finished", "saving the checkpoint of",
-          "consolidating the final weights after")  # fmt: skip
-SAVING, CONSOLIDATING = 3, 4
+          "consolidating the final weights after", "rolling back the loss spike of")  # fmt: skip
+SAVING, CONSOLIDATING, ROLLING_BACK = 3, 4, 5
 STACK = "rank{:05d}.txt"
 START_ALLOWANCE = 4  # a process's first step and a resume: communicator setup, compilation, a checkpoint read
 

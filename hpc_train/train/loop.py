@@ -20,6 +20,7 @@ from hpc_train.bootstrap import RankEnv, distributed, select_device
 from hpc_train.builder import Run, build_run
 from hpc_train.checkpoint.checkpointer import Resumed
 from hpc_train.config import JobConfig
+from hpc_train.data.sampler import read_range
 from hpc_train.observe.memory import live_storage_bytes
 from hpc_train.observe.metrics import peak_memory_bytes
 from hpc_train.observe.profiling import ProfileWindow, write_oom_report
@@ -27,6 +28,7 @@ from hpc_train.optim.schedule import lr_at
 from hpc_train.resilience import watchdog
 from hpc_train.resilience.bad_nodes import blame
 from hpc_train.resilience.preemption import StopRequest, requeue_slurm_job
+from hpc_train.resilience.spikes import Rollbacks
 from hpc_train.resilience.stragglers import StragglerMonitor, describe_stragglers
 from hpc_train.resilience.watchdog import HangWatchdog
 from hpc_train.train.report import TrainResult, announce, finish
@@ -129,6 +131,37 @@ def _restart_figures(run: Run, resumed: Resumed | None) -> dict[str, float] | No
     return figures
 
 
+def _first_spike(pending: list[Pending], figures: list[dict[str, float]], steps: int) -> float:
+    """What a rank adds to the loop's MAX all-reduce for train.spike_guard: minus the first step of the
+    interval that spiked (minus `steps` + 1: none), so that every rank agrees on the earliest one seen."""
+    return -next((p.record["step"] for p, f in zip(pending, figures, strict=True) if f["spike"]), steps + 1)
+
+
+def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Rollbacks) -> dict | None:
+    """A loss spike: every rank reloads the newest checkpoint and skips the data that led to the spike
+    (train.spike_guard.skip). Returns what metrics.jsonl records of it (on the next step's record), or None
+    when no checkpoint exists yet (nothing to roll back to: reported, training goes on)."""
+    step, sampler = spike.record["step"], run.sampler
+    medians = run.spikes.medians()  # before the resume restores the checkpoint's
+    seen = (f"loss {figures['loss']:.4g} (median {medians['loss_median']:.4g}), gradient norm "
+            f"{figures['grad_norm']:.4g} (median {medians['grad_norm_median']:.4g})")  # fmt: skip
+    run.checkpointer.wait()  # an async save in flight precedes the spike: committed first
+    resumed = run.checkpointer.resume()
+    if resumed is None:
+        run.report(f"loss spike at step {step}: {seen}; no checkpoint to roll back to yet, training on")
+        return None
+    samples = rollbacks.skipped_range(spike.record["consumed_samples"], sampler.global_batch_size,
+                                      sampler.consumed_samples)  # fmt: skip
+    rollbacks.check(step, samples)
+    rollbacks.done.append({"step": step, "samples": samples})
+    skipped = sampler.describe(read_range(sampler, *samples))
+    sampler.skip(*samples)
+    run.report(f"loss spike at step {step}: {seen}; rolled back to the checkpoint of step {resumed.step}, "
+               f"samples {samples[0]}-{samples[1]} of the stream skipped")  # fmt: skip
+    return {"spike_step": step, "loss": figures["loss"], "grad_norm": figures["grad_norm"], **medians,
+            "to_step": resumed.step, "skipped_samples": list(samples), "skipped_indices": skipped}  # fmt: skip
+
+
 def evaluate_all(run: Run) -> dict[str, float]:
     """`eval_loss` (data.valid_path's, else the mean over data.valid_sources) and `eval_loss/<name>` for each
     of data.valid_sources."""
@@ -163,6 +196,7 @@ def _train(
     with hang.timed(0, "resume", watchdog.START_ALLOWANCE):  # collectives: the plan, the checksums' agreement
         resumed = run.checkpointer.resume() if cfg.checkpoint.resume else None
     start_step = resumed.step if resumed else 0
+    resumed_at = {"consumed_samples": run.sampler.consumed_samples, "skipped_samples": run.sampler.skipped}
     meter = announce(run, start_step)
     restart = _restart_figures(run, resumed)
     profile = ProfileWindow(cfg.logging.profile_steps, Path(cfg.run_dir), run.rank_env.rank, run.device)
@@ -170,30 +204,38 @@ def _train(
     nonfinite_steps = 0
     monitor = StragglerMonitor(cfg.logging, run.device, (run.mesh.rank("pp"), run.mesh.rank("tp")))
     pending: list[Pending] = []
+    rollbacks, rollback = Rollbacks(t.spike_guard), None  # train.spike_guard's, and the last one to record
     interval_start = time.perf_counter()
-    for step in range(start_step + 1, t.steps + 1):
+    step = start_step
+    while step < t.steps:
+        step += 1
         watchdog.record(step, 0)
         # the first step of a process sets up communicators and compiles: a longer allowance
         hang.arm(step, allowance=watchdog.START_ALLOWANCE if step == start_step + 1 else 1)
         lr = lr_at(step - 1, cfg.optim, t.steps)
         micro_batches = rank_micro_batches(run.train_set, run.sampler.next_micro_batches(), run.device,
                                            run.model.hooks, cfg.data)  # fmt: skip
+        batch = run.sampler.consumed_samples // run.sampler.global_batch_size  # its number in the stream
         profile.before_step(step)
         timings = {} if cfg.logging.breakdown else None
         peak_step = step == cfg.logging.measure_peak_step
         # the bytes by category on this run's first two steps (and a profiled one), not every step
         options = StepOptions(cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged,
                               measure_peak=held if peak_step else None,
-                              measure_memory=step < start_step + 3 or peak_step)  # fmt: skip
+                              measure_memory=step < start_step + 3 or peak_step, spikes=run.spikes,
+                              batch=batch)  # fmt: skip
         stats = train_step(run.model, run.optimizer, micro_batches, lr, options)
         with hang.paused():
             profile.after_step(step)
         last_memory.update(stats.memory)
         record = {"step": step, "lr": lr, **run.sampler.progress()}  # samples read (a blend's: tokens per source)
-        if resumed is not None and step == start_step + 1:  # where this run picked up, for the record
-            record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout}
-        if restart and step == start_step + 1:
+        first = step == start_step + 1 and not rollbacks.done
+        if resumed is not None and first:  # where this run picked up, for the record
+            record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout, **resumed_at}
+        if restart and first:
             record["restart"] = restart
+        if rollback is not None:
+            record["rollback"], rollback = rollback, None
         pending.append(Pending(record, stats, timings))
         evaluated = run.valid_set is not None or run.valid_sources
         eval_due = evaluated and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps)
@@ -211,11 +253,24 @@ def _train(
                 evals = evaluate_all(run)
                 result.eval_losses[step] = evals["eval_loss"]
         # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
-        agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None)],
-                              device=run.device)  # fmt: skip
+        agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None),
+                               _first_spike(pending, figures, t.steps)], device=run.device)  # fmt: skip
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        *peak, stop_flag = agreed.tolist()
+        *peak, stop_flag, spike_at = agreed.tolist()
         stop_requested = bool(stop_flag)
+        spiked = next((i for i, p in enumerate(pending) if p.record["step"] == -spike_at), None)
+        if spiked is not None:
+            watchdog.record(int(-spike_at), watchdog.ROLLING_BACK)
+            hang.disarm()
+            with hang.timed(step, "spike rollback", watchdog.START_ALLOWANCE):  # a resume's collectives
+                rollback = roll_back(run, pending[spiked], figures[spiked], rollbacks)
+            if rollback is not None:
+                step = rollback["to_step"]
+                del result.losses[step - start_step :]
+                result.eval_losses = {s: loss for s, loss in result.eval_losses.items() if s <= step}
+                pending.clear()
+                interval_start = time.perf_counter()
+                continue
         records = []
         for p, f in zip(pending, figures, strict=True):
             monitor.add(elapsed)  # the step's share of the interval: a step itself does not wait for the device

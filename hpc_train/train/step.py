@@ -23,6 +23,7 @@ from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.protocol import Optimizer
 from hpc_train.resilience import watchdog
 from hpc_train.resilience.faults import fault_point
+from hpc_train.resilience.spikes import SPIKE_FACTOR, SpikeDetector
 from hpc_train.resilience.stragglers import ComputeClock
 
 
@@ -48,12 +49,15 @@ class StepOptions:
     # is a DTensor op under tp (8 steps at tp2 with SP took 20% more CPU time with them, dp2 3%), so the
     # loop asks on its first two steps only
     measure_memory: bool = True
+    spikes: SpikeDetector | None = None  # train.spike_guard's running medians: the step's `spike` figure
+    batch: int = 0  # the number of the global batch read (1 = the stream's first), for a planted poisoned batch
 
 
 # A step's figures, one small vector left on the device: the loss (global-batch mean), the gradient norm
 # before clipping, fp16's overflow flag (the scale absorbed it: the update was skipped) and whether that
-# happened at the smallest scale, the loss scale after the step and the steps skipped so far.
-FIGURES = ("loss", "grad_norm", "overflow", "overflow_at_floor", "loss_scale", "skipped_steps")
+# happened at the smallest scale, the loss scale after the step, the steps skipped so far, and whether
+# train.spike_guard saw a spike.
+FIGURES = ("loss", "grad_norm", "overflow", "overflow_at_floor", "loss_scale", "skipped_steps", "spike")
 
 
 @dataclass
@@ -92,7 +96,8 @@ def apply_gradients(
     """Reduce the gradients over dp, check fp16 overflow on every rank, clip by the global norm, step
     (`before_update` first: an async checkpoint's copy must be done). The update is dropped on the device,
     on every rank alike, when the gradients overflowed or the norm or the global `loss` is not finite: no
-    host read decides it. Returns the step's FIGURES and that decision (a bool on the device)."""
+    host read decides it. Returns the step's FIGURES and that decision (a bool on the device). With
+    `options.spikes` the step is compared with the recent ones (train.spike_guard), on the device too."""
     scaler, timings, device = options.scaler, options.timings, model.device
     with timed(timings, "grad_reduce", device):
         optimizer.reduce_gradients()
@@ -110,8 +115,9 @@ def apply_gradients(
             options.before_update()
         optimizer.step(lr, skip)
         optimizer.zero_grad()
-    figures = torch.stack([t.to(device, torch.float64) for t in (loss, grad_norm, overflow, at_floor, scale, skipped)])
-    return figures, skip
+    spike = options.spikes.observe(loss, grad_norm, skip) if options.spikes else torch.zeros((), device=device)
+    figures = [loss, grad_norm, overflow, at_floor, scale, skipped, spike]
+    return torch.stack([t.to(device, torch.float64) for t in figures]), skip
 
 
 def train_step(
@@ -140,13 +146,16 @@ def _train_step(
     params = model.parameters
     optimizer.begin_step(len(micro_batches))
     device = micro_batches[0].tokens.device
+    poisoned = fault_point("batch", options.batch, dist.get_rank())  # a planted bad batch: loss x SPIKE_FACTOR
+    if poisoned:  # its gradients too: the scale multiplies the loss before backward, and no one divides it out
+        model.loss_scale = model.loss_scale * SPIKE_FACTOR
     saved = SavedActivations(params) if options.measure_memory else None
     with (
         saved or nullcontext(),
         timed(options.timings, "forward_backward", device),
         options.clock or nullcontext(),
     ):
-        loss = forward_backward(model, micro_batches)
+        loss = forward_backward(model, micro_batches) * (SPIKE_FACTOR if poisoned else 1.0)
         fault_point("compute", step, dist.get_rank())
     if fault_point("loss", step, dist.get_rank()):  # a planted non-finite loss; the gradients stay finite
         loss = loss + float("nan")
