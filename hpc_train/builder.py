@@ -14,6 +14,7 @@ part it saves registered.
 from __future__ import annotations
 
 import functools
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from hpc_train.data.blend import BlendedSampler, BlendedSource
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import load_datasets, load_valid_sources
 from hpc_train.data.sampler import ResumableSampler, merge_ranges
-from hpc_train.distributed.mesh import Mesh
+from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import ParallelModel, parallelize
 from hpc_train.distributed.transforms import StagePlan
 from hpc_train.job import JobConfig, block_policy, check_run, declared
@@ -40,6 +41,7 @@ from hpc_train.optim import build_optimizer, optimizer_class, precision_policy
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
+from hpc_train.planner import memory_copy, stage_estimates
 from hpc_train.resilience.spikes import SpikeDetector
 
 
@@ -85,6 +87,21 @@ def build_model(
     model = parallelize(plan)
     model.hooks = [hook for _, attach in declared(cfg, "hooks", **given) if (hook := attach(model)) is not None]
     return model
+
+
+def keeps_memory_copy(cfg: JobConfig, dims: ParallelDims, ranks_here: int, report: Callable[[str], None]) -> bool:
+    """train.spike_guard.memory_copy, or, unset, whether the planner's copy of a rank's state (the largest
+    pipeline stage's) for each of this node's ranks fits in half of the memory the node has available."""
+    guard = cfg.train.spike_guard
+    if not memory_copy(cfg) or guard.memory_copy is not None:
+        return memory_copy(cfg)
+    need = ranks_here * max(plan.host_copy for plan in stage_estimates(cfg, dims))
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    fits = need <= available // 2
+    report(f"train.spike_guard: an in-memory copy of the state ({need / 2**30:.2f} GiB for {ranks_here} ranks here) "
+           f"{'fits' if fits else 'does not fit'} in half of the {available / 2**30:.1f} GiB available: rollbacks "
+           f"read {'it' if fits else 'the checkpoint from disk'}")  # fmt: skip
+    return fits
 
 
 def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data: bool = True) -> Run:
@@ -142,6 +159,7 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         shared={name: part for name, part in shared.items() if part is not None},
         per_rank={"rng": RNGState()},
         report=report,
+        memory_copy=keeps_memory_copy(cfg, dims, rank_env.local_world_size, report),
     )
     return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,
                sampler, metrics, checkpointer, report, valid_sources, spikes)  # fmt: skip

@@ -16,8 +16,10 @@ from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.config.schema import SpikeGuardConfig
 from hpc_train.data.prepare import load_datasets
 from hpc_train.data.sampler import ResumableSampler
+from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
+from hpc_train.planner import stage_estimates
 from hpc_train.resilience.spikes import Rollbacks, SpikeDetector, SpikeStop
 from hpc_train.resilience.stragglers import find_stragglers
 from hpc_train.train.loop import run_training
@@ -195,22 +197,29 @@ SPIKE_RUN = ["train.steps=12", "train.micro_batch_size=2", "checkpoint.interval=
 POISONED = {"HPC_TRAIN_FAULT": "batch@7@0@spike"}  # the stream's 7th global batch: loss and gradients x 1000
 
 
+TP2_DP2_ZERO1 = ["parallel.nproc=4", "parallel.tp=2", "parallel.sequence_parallel=true", "optim.zero_stage=1"]
+
+
 @pytest.mark.parametrize(
-    "layout, skip, skipped",
-    [([], "since_checkpoint", [8, 14]), (["parallel.nproc=4", "parallel.tp=2", "parallel.sequence_parallel=true"],
-                                         "step", [24, 28])],
-    ids=["one_process", "tp2_dp2"],
+    "layout, skip, skipped, source",
+    [(["train.spike_guard.memory_copy=false"], "since_checkpoint", [8, 14], "disk"),
+     (TP2_DP2_ZERO1, "step", [24, 28], "memory")],
+    ids=["one_process", "tp2_dp2_zero1"],
 )  # fmt: skip
-def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, tmp_path, small_corpus):
-    """A poisoned batch read at step 7 spikes the loss: every rank rolls back to step 4's checkpoint, skips
-    the spiking step's batch (or every batch since the checkpoint), and trains on to step 12. Its weights are
+def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, source, tmp_path, small_corpus):
+    """A poisoned batch read at step 7 spikes the loss: every rank rolls back to step 4's checkpoint (read
+    from disk, or from the copy each save keeps in host memory, which the planner counts exactly), skips the
+    spiking step's batch (or every batch since the checkpoint), and trains on to step 12. Its weights are
     those of a run told to skip the same samples from the start (data.skip_samples: it never reads the
     poisoned batch), exactly, and metrics.jsonl names what was skipped, by dataset index."""
     base = [*TINY_MODEL, f"data.train_path={small_corpus}", *SPIKE_RUN, *layout]
     guard = ["train.spike_guard.enabled=true", "train.spike_guard.window=4", f"train.spike_guard.skip={skip}"]
     guarded = run_cli("train", *base, *guard, f"run_dir={tmp_path / 'guarded'}", env=POISONED)
     assert guarded.returncode == 0 and "loss spike at step 7: loss " in guarded.stdout, guarded.stderr
-    assert f"rolled back to the checkpoint of step 4, samples {skipped[0]}-{skipped[1]} of the stream" in guarded.stdout
+    assert (
+        f"rolled back to the checkpoint of step 4 (from {source}), samples {skipped[0]}-{skipped[1]} of the "
+        "stream skipped" in guarded.stdout
+    )
     run_cli("train", *base, f"data.skip_samples=[{skipped}]", f"run_dir={tmp_path / 'reference'}", env=POISONED)
     assert max_param_diff(read_final_model(tmp_path / "guarded"), read_final_model(tmp_path / "reference")) == 0.0
     records, reference = read_metrics(tmp_path / "guarded"), read_metrics(tmp_path / "reference")
@@ -220,8 +229,15 @@ def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, tmp_pa
     (rollback,) = [r["rollback"] for r in records if "rollback" in r]
     assert records[4]["rollback"] == rollback  # on the first step trained again
     assert rollback["spike_step"] == 7 and rollback["to_step"] == 4 and rollback["skipped_samples"] == skipped
+    assert rollback["from"] == source
     assert rollback["loss"] > 100 * rollback["loss_median"]
     assert rollback["grad_norm"] > 100 * rollback["grad_norm_median"]
     cfg = load_config(None, base)
     sampler = ResumableSampler(len(load_datasets(cfg.data, cfg.model, progress=False)[0]), 1, 1, 0, 1, cfg.train.seed)
     assert rollback["skipped_indices"] == sampler.global_indices(skipped[0], skipped[1] - skipped[0]).tolist()
+    copied = [r["checkpoint"].get("memory_copy_bytes") for r in records if "checkpoint" in r]
+    if source == "memory":  # rank 0's copy, at every save: what the planner counts
+        planned = stage_estimates(load_config(None, [*base, *guard]), ParallelDims(tp=2, dp=2))[0]
+        assert copied == [planned.host_copy] * 3 == [planned.params + planned.optimizer] * 3 == [planned.host] * 3
+    else:
+        assert copied == [None] * 3

@@ -18,6 +18,9 @@ a crash before that leaves only a `.tmp` directory.
 Before the first save or load the run claims the directory (checkpoint/ownership.py): a lock no second
 live run can take, and a check that the checkpoints there are this run's. Nothing is unpickled from
 the files (checkpoint/safe_load.py).
+
+With `memory_copy` (train.spike_guard's), each save also copies this rank's state into host memory
+(checkpoint/memory_copy.py), and `roll_back` restores the newest checkpoint from there instead of disk.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import hpc_train
 from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader
 from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_digest
+from hpc_train.checkpoint.memory_copy import MemoryCopy
 from hpc_train.checkpoint.ownership import DirectoryLock, RunIdentity
 from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.slices import FlatSlice, SliceLoadPlanner
@@ -73,6 +77,7 @@ class Resumed:
     step: int
     layout: dict[str, Any]  # the layout it was saved with
     committed_at: float  # when it was committed (its manifest's time), to tell what a restart redoes
+    source: str = "disk"  # or "memory": `Checkpointer.roll_back` restored the in-memory copy
 
 
 class Checkpointer:
@@ -89,9 +94,11 @@ class Checkpointer:
         shared: dict[str, Stateful],
         per_rank: dict[str, Stateful],
         report: Callable[[str], None],
+        memory_copy: bool = False,
     ):
         """`checkpoint`: the section; `steps`: the run's last step (always saved); `identity`: what makes the
-        checkpoints this run's (recorded in each manifest, checked before resuming or writing beside one)."""
+        checkpoints this run's (recorded in each manifest, checked before resuming or writing beside one);
+        `memory_copy`: also keep each save's state in host memory, for `roll_back`."""
         self.options, self.steps, self.identity = checkpoint, steps, identity
         self.layout, self.report = layout, report
         self.sharded, self.shared, self.per_rank = sharded, shared, per_rank
@@ -110,6 +117,9 @@ class Checkpointer:
         self.finished: dict[str, Any] | None = None  # the figures of the last async save, until polled
         self.lock = DirectoryLock(self.store.root)
         self.abandoned = threading.Event()
+        self.memory_copy = None
+        if memory_copy:
+            self.memory_copy = MemoryCopy(sharded["model"], sharded["optim"], {**shared, **per_rank})
 
     # ---- ownership --------------------------------------------------------------------------------
     def claim(self) -> None:
@@ -165,8 +175,9 @@ class Checkpointer:
         torch.save({"format": FORMAT, "step": step, **parts}, rank_state)
         state = self.sharded_tensors()
         state_s = time.perf_counter() - gathering  # the barrier, the per-rank file, the tensors (ZeRO: sent to writers)
+        copied = self._copy_to_memory(step)
         if self.stager is None:
-            return {**self._write_and_commit(step, state, rank_state.getbuffer(), None),
+            return {**self._write_and_commit(step, state, rank_state.getbuffer(), None), **copied,
                     "state_s": state_s, "blocked_s": time.perf_counter() - start}  # fmt: skip
         if torch.cuda.is_available():  # the stager's stream does not wait for this one: gathers, clones
             torch.cuda.current_stream().synchronize()
@@ -179,7 +190,27 @@ class Checkpointer:
             return self._write_and_commit(step, staged, rank_state.getbuffer(), self.async_group)
 
         self.pending = (step, in_background(write, staging))
-        return {"state_s": state_s, "blocked_s": time.perf_counter() - start}
+        return {**copied, "state_s": state_s, "blocked_s": time.perf_counter() - start}
+
+    def _copy_to_memory(self, step: int) -> dict[str, Any]:
+        """With a memory copy: the state as saved, copied into host memory; its figures (`memory_copy_s`,
+        `memory_copy_bytes`, this rank's)."""
+        if self.memory_copy is None:
+            return {}
+        start = time.perf_counter()
+        self.memory_copy.take(step)
+        return {"memory_copy_s": time.perf_counter() - start, "memory_copy_bytes": self.memory_copy.nbytes()}
+
+    def roll_back(self) -> Resumed | None:
+        """The newest checkpoint back into this run (train.spike_guard): from the in-memory copy, which every
+        save takes (an async save in flight is committed first: a failed one raises), else read from disk as a
+        resume reads it; None when there is no checkpoint yet."""
+        self.finished = self.wait() or self.finished
+        copy = self.memory_copy
+        if copy is None or copy.step is None:
+            return self.resume()
+        copy.restore()
+        return Resumed(copy.step, self.layout, time.time(), source="memory")
 
     def staged(self) -> None:
         """Wait until an async save's copy is in host memory: before the weights or the optimizer state

@@ -75,18 +75,19 @@ class ModelState:
     def __init__(self, model: ParallelModel, adapters: bool = True):
         self.model, self.adapters = model, adapters
 
-    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+    def live_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters and persistent buffers this part holds, by whole-model name, as this rank holds them."""
         named = self.model.named_parameters + self.model.persistent_buffers
         return [(n, t) for n, t in named if n not in self.model.quantized and (self.adapters or not is_adapter(n))]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         vocab = self.model.model_cfg.vocab_size
-        return {n: unpadded(self.model.spec, n, t.detach(), vocab) for n, t in self._tensors()}
+        return {n: unpadded(self.model.spec, n, t.detach(), vocab) for n, t in self.live_tensors()}
 
     def template(self, stored: set[str]) -> dict[str, torch.Tensor]:
         """Vocabulary rows into a new whole tensor; everything else straight into the model, in place."""
         out = {}
-        for name, t in self._tensors():
+        for name, t in self.live_tensors():
             if name in stored:
                 padded = name in self.model.spec.vocab_params
                 out[name] = _template_like(self.model, name, t, t.dtype) if padded else t.detach()
@@ -94,7 +95,7 @@ class ModelState:
 
     @torch.no_grad()
     def load(self, loaded: dict[str, torch.Tensor], step: int) -> None:
-        for name, t in self._tensors():
+        for name, t in self.live_tensors():
             if name in self.model.spec.vocab_params and name in loaded:
                 local(t).copy_(local(_repad_like(t, loaded[name])))
 

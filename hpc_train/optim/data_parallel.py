@@ -120,6 +120,9 @@ class DataParallelOptimizer:
         before the parameter's first update)."""
         return [self.rule.state(p) for p in self.params]
 
+    def local_states(self) -> list[dict[str, torch.Tensor]]:
+        return self.param_states()  # each parameter's state is this rank's already (its tp and FSDP shards)
+
     def owned_ranges(self) -> list[tuple[int, int] | None]:
         return [None] * len(self.params)  # every local element's (ZeRO-3: its dp shard is the parameter's own)
 

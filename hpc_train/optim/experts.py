@@ -70,6 +70,9 @@ class ExpertParallelOptimizer:
     def owned_ranges(self) -> list[tuple[int, int] | None]:
         return [owned for part in self.parts for owned in part.owned_ranges()]
 
+    def local_states(self) -> list[dict[str, torch.Tensor]]:
+        return [state for part in self.parts for state in part.local_states()]
+
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
         start = 0
         for part in self.parts:

@@ -67,6 +67,13 @@ class Optimizer(Protocol):
         keeps ((0, 0): none), or None for all of them: what a checkpoint's load needs to read of it."""
         ...
 
+    def local_states(self) -> list[dict[str, torch.Tensor]]:
+        """Per trainable parameter, this rank's own state as `load_param_states` takes it back in the same
+        layout (ZeRO-1 and -2: the owned range, flattened, with the fp32 master), without communication: what
+        a copy of the state restored into the same run needs (train.spike_guard's in-memory copy). The
+        tensors are the live ones: a caller copies them."""
+        ...
+
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
         """The inverse of `param_states` (an empty dict: no saved state for that parameter), except that a
         parameter with an owned range gets that range's elements only, flattened. The tensors are the

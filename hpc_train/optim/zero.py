@@ -403,6 +403,14 @@ class ZeroOptimizer:
     def _rule_keys(self, p: nn.Parameter) -> tuple[str, ...]:
         return self.rule.keys(id(p) in self.matrices)
 
+    def local_states(self) -> list[dict[str, torch.Tensor]]:
+        """The owned span of each parameter (none: an empty dict): its master and, once stepped, its rule state."""
+        spans = {id(s.param): s for b in self.buckets for s in b.spans}
+        stepped = any(self.rule.state(s.master) for s in spans.values())
+        return [{key: self._span_state(spans[id(p)], key)
+                 for key in ("master", *(self._rule_keys(p) if stepped else ()))} if id(p) in spans else {}
+                for p in self.params]  # fmt: skip
+
     def owned_ranges(self) -> list[tuple[int, int] | None]:
         """A parameter's span of the owned slice (a bucket's owned slice is contiguous, and so is a parameter in
         its bucket: at most one span each)."""

@@ -145,8 +145,7 @@ def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Ro
     medians = run.spikes.medians()  # before the resume restores the checkpoint's
     seen = (f"loss {figures['loss']:.4g} (median {medians['loss_median']:.4g}), gradient norm "
             f"{figures['grad_norm']:.4g} (median {medians['grad_norm_median']:.4g})")  # fmt: skip
-    run.checkpointer.wait()  # an async save in flight precedes the spike: committed first
-    resumed = run.checkpointer.resume()
+    resumed = run.checkpointer.roll_back()
     if resumed is None:
         run.report(f"loss spike at step {step}: {seen}; no checkpoint to roll back to yet, training on")
         return None
@@ -156,10 +155,11 @@ def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Ro
     rollbacks.done.append({"step": step, "samples": samples})
     skipped = sampler.describe(read_range(sampler, *samples))
     sampler.skip(*samples)
-    run.report(f"loss spike at step {step}: {seen}; rolled back to the checkpoint of step {resumed.step}, "
-               f"samples {samples[0]}-{samples[1]} of the stream skipped")  # fmt: skip
+    run.report(f"loss spike at step {step}: {seen}; rolled back to the checkpoint of step {resumed.step} (from "
+               f"{resumed.source}), samples {samples[0]}-{samples[1]} of the stream skipped")  # fmt: skip
     return {"spike_step": step, "loss": figures["loss"], "grad_norm": figures["grad_norm"], **medians,
-            "to_step": resumed.step, "skipped_samples": list(samples), "skipped_indices": skipped}  # fmt: skip
+            "to_step": resumed.step, "from": resumed.source, "skipped_samples": list(samples),
+            "skipped_indices": skipped}  # fmt: skip
 
 
 def evaluate_all(run: Run) -> dict[str, float]:
