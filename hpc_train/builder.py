@@ -14,13 +14,13 @@ part it saves registered.
 from __future__ import annotations
 
 import functools
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hpc_train.bootstrap import RankEnv
 from hpc_train.checkpoint.checkpointer import Checkpointer
@@ -41,7 +41,7 @@ from hpc_train.optim import build_optimizer, optimizer_class, precision_policy
 from hpc_train.optim.loss_scale import LossScaler
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
-from hpc_train.planner import memory_copy, stage_estimates
+from hpc_train.planner import plans_memory_copy, stage_estimates
 from hpc_train.resilience.spikes import SpikeDetector
 
 
@@ -89,19 +89,28 @@ def build_model(
     return model
 
 
-def keeps_memory_copy(cfg: JobConfig, dims: ParallelDims, ranks_here: int, report: Callable[[str], None]) -> bool:
+def available_memory_bytes() -> int:
+    """The node's MemAvailable (free memory and the page cache it can reclaim)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def keeps_memory_copy(cfg: JobConfig, dims: ParallelDims, ranks_here: int, device: torch.device,
+                      report: Callable[[str], None]) -> bool:  # fmt: skip
     """train.spike_guard.memory_copy, or, unset, whether the planner's copy of a rank's state (the largest
-    pipeline stage's) for each of this node's ranks fits in half of the memory the node has available."""
+    pipeline stage's) for each of this node's ranks fits in half of the node's available memory on every
+    node (agreed: a rollback restores the copy on every rank or on none)."""
     guard = cfg.train.spike_guard
-    if not memory_copy(cfg) or guard.memory_copy is not None:
-        return memory_copy(cfg)
+    if not plans_memory_copy(cfg) or guard.memory_copy is not None:
+        return plans_memory_copy(cfg)
     need = ranks_here * max(plan.host_copy for plan in stage_estimates(cfg, dims))
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    fits = need <= available // 2
-    report(f"train.spike_guard: an in-memory copy of the state ({need / 2**30:.2f} GiB for {ranks_here} ranks here) "
-           f"{'fits' if fits else 'does not fit'} in half of the {available / 2**30:.1f} GiB available: rollbacks "
-           f"read {'it' if fits else 'the checkpoint from disk'}")  # fmt: skip
-    return fits
+    available = available_memory_bytes()
+    fits = torch.tensor(float(need <= available // 2), device=device)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    report(f"train.spike_guard: an in-memory copy of the state takes {need / 2**30:.2f} GiB for the {ranks_here} "
+           f"ranks of this node, {available / 2**30:.1f} GiB available here: rollbacks read "
+           f"{'it' if fits else 'the checkpoint from disk (the copy does not fit in half on every node)'}")  # fmt: skip
+    return bool(fits)
 
 
 def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data: bool = True) -> Run:
@@ -159,7 +168,7 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         shared={name: part for name, part in shared.items() if part is not None},
         per_rank={"rng": RNGState()},
         report=report,
-        memory_copy=keeps_memory_copy(cfg, dims, rank_env.local_world_size, report),
+        memory_copy=keeps_memory_copy(cfg, dims, rank_env.local_world_size, device, report),
     )
     return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,
                sampler, metrics, checkpointer, report, valid_sources, spikes)  # fmt: skip

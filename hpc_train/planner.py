@@ -63,7 +63,7 @@ class MemoryEstimate:
     host: int  # in host memory, not in the device total: offloaded optimizer state (parameters, gradients)...
     total: int
     host_features: int = 0  # ... and, of `host`, what features keep there (activation offload's activations)
-    host_copy: int = 0  # ... and train.spike_guard's in-memory copy of the parameters and optimizer state
+    host_copy: int = 0  # in host memory besides `host`: train.spike_guard's copy of the parameters and optimizer state
     stage: int = 0  # the pipeline rank these bytes are of
     stages: int = 1  # pp
 
@@ -329,8 +329,8 @@ def stage_estimate(
     stage 2 the gradients) in the optimizer; stage 3 shards the parameters too (FSDP2), so it counts its
     dim-0 shards exactly. Every category is device memory: offload moves the sharded optimizer state
     (stages 1-2: with a host copy of the owned gradients; stage 3: also the parameter and gradient shards)
-    to `host`. So does train.spike_guard's in-memory copy of the state (`host_copy`: the parameters and the
-    optimizer state as this rank holds them, wherever they live).
+    to `host`. train.spike_guard's in-memory copy of the state is `host_copy` (the parameters and the
+    optimizer state as this rank holds them, wherever they live), apart from `host`, which the step measures.
 
     The total is the largest of three moments of a step (each checked against the measured peak of live
     tensor bytes on CPU, tools/validate_planner.py):
@@ -412,8 +412,8 @@ def stage_estimate(
         grads += vocab_rows * cfg.model.d_model * 4 * (dims.tp - 1) // dims.tp
     host = added.host
     # QLoRA's NF4 weights are not copied: they never change
-    host_copy = param_bytes - (0 if cls.shards_params else local.quantized_bytes) + optimizer if memory_copy(cfg) else 0
-    host += host_copy
+    host_copy = param_bytes - (0 if cls.shards_params else local.quantized_bytes) + optimizer
+    host_copy = host_copy if plans_memory_copy(cfg) else 0
     if o.offload == "cpu":
         host, optimizer = host + optimizer, 0
         if cls.shards_params:
@@ -438,7 +438,7 @@ def stage_estimate(
                           dims.pp)  # fmt: skip
 
 
-def memory_copy(cfg: JobConfig) -> bool:
+def plans_memory_copy(cfg: JobConfig) -> bool:
     """Whether train.spike_guard keeps an in-memory copy of the state: asked for, or, left to the planner
     (memory_copy unset), always planned; the run drops it where the node's memory cannot hold it
     (`hpc_train.builder.keeps_memory_copy`)."""
@@ -608,10 +608,9 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     stage = f" (worst stage: {plan.stage} of {plan.stages}, pipeline ranks from 0)" if plan.stages > 1 else ""
     lines.append(f"per rank{stage}:")
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]
-    if plan.host > plan.host_features + plan.host_copy:
+    if plan.host > plan.host_features:
         what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state, owned gradients"
-        offloaded = plan.host - plan.host_features - plan.host_copy
-        lines.append(f"  {f'in host memory ({what})':<44} {offloaded / GiB:10.3f} GiB")
+        lines.append(f"  {f'in host memory ({what})':<44} {(plan.host - plan.host_features) / GiB:10.3f} GiB")
     if plan.host_copy:
         lines.append(f"  {'in host memory (the spike guard state copy)':<44} {plan.host_copy / GiB:10.3f} GiB")
     if plan.host_features:  # each feature's line above says what

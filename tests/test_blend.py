@@ -82,6 +82,10 @@ def test_every_layout_reads_the_same_global_sequence_and_resumes_it(blend):
     batches = [np.concatenate([np.concatenate(r.next_micro_batches()) for r in skipping]) for _ in range(3)]
     later, _ = stream(blend, weights, 15, dp=4, state=skipping[0].state_dict())
     assert all(np.array_equal(a, b) for a, b in zip(batches + later, reference[:3] + reference[5:], strict=True))
+    assert skipping[0].describe(np.array([blend.offsets[1] + 5, 3, blend.offsets[1] + 2])) == {
+        "code": [5, 2],
+        "web": [3],
+    }
     sources = np.array([blend.source_of(int(i)) for i in np.concatenate(reference)])
     assert np.bincount(sources).tolist() == [80, 48, 32]  # 160 samples at 0.5 / 0.3 / 0.2
     other_seed = BlendedSampler(blend, weights, 8, 8, 0, 1, seed=4).next_global_batch()
@@ -211,6 +215,7 @@ def test_a_blend_resumes_at_another_dp_size_reading_the_same_samples(two_corpora
         assert [r["step"] for r in records] == [5, 6]
         resumed = records[0]["resumed_from"]
         assert (resumed["step"], resumed["layout"]["dp"], resumed["consumed_samples"]) == (4, 4, 32)
+        assert resumed["skipped_samples"] == []
         for r, ref in zip(records, full[4:], strict=True):
             counts = ("consumed_samples", "train_tokens/small", "train_tokens/other")
             assert [r[k] for k in counts] == [ref[k] for k in counts]

@@ -15,7 +15,7 @@ import torch
 from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.config.schema import SpikeGuardConfig
 from hpc_train.data.prepare import load_datasets
-from hpc_train.data.sampler import ResumableSampler
+from hpc_train.data.sampler import ResumableSampler, merge_ranges
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
@@ -180,9 +180,10 @@ def test_the_spike_detector_watches_medians_of_clean_steps():
 
 def test_too_many_rollbacks_stop_the_run_naming_them():
     rollbacks = Rollbacks(SpikeGuardConfig(enabled=True, max_rollbacks=2, rollback_window=100))
-    rollbacks.done += [{"step": 10, "samples": (72, 80)}, {"step": 150, "samples": (1192, 1200)}]
+    rollbacks.done += [{"spike_step": 10, "skipped_samples": (72, 80)},
+                       {"spike_step": 150, "skipped_samples": (1192, 1200)}]  # fmt: skip
     rollbacks.check(170, (1352, 1360))  # the one at step 10 is out of the window
-    rollbacks.done.append({"step": 170, "samples": (1352, 1360)})
+    rollbacks.done.append({"spike_step": 170, "skipped_samples": (1352, 1360)})
     with pytest.raises(
         SpikeStop,
         match=r"3 spikes within .*rollback_window=100 steps, more than .*max_rollbacks=2: "
@@ -191,6 +192,17 @@ def test_too_many_rollbacks_stop_the_run_naming_them():
         rollbacks.check(180, (1432, 1440))
     assert Rollbacks(SpikeGuardConfig(skip="since_checkpoint")).skipped_range(56, 8, 32) == (32, 56)
     assert Rollbacks(SpikeGuardConfig(skip="step")).skipped_range(56, 8, 32) == (48, 56)
+
+
+def test_skipped_ranges_join_and_are_read_past_from_inside():
+    """Overlapping and adjacent ranges join (two rollbacks since one checkpoint); a sampler standing inside a
+    range (a resume) reads past its end."""
+    assert merge_ranges([[32, 56]], [[32, 72], [72, 80], [8, 16]]) == [[8, 16], [32, 80]]
+    sampler = ResumableSampler(1000, 4, 2, 0, 1, 0, skipped=merge_ranges([[8, 16], [12, 24]]))
+    [sampler.next_micro_batches() for _ in range(3)]
+    assert sampler.consumed_samples == 28  # 0-4, 4-8, then 24-28
+    inside = ResumableSampler(1000, 4, 4, 0, 1, 0, consumed_samples=12, skipped=[[8, 24]])
+    assert inside.next_micro_batches()[0].tolist() == inside.global_indices(24, 4).tolist()
 
 
 SPIKE_RUN = ["train.steps=12", "train.micro_batch_size=2", "checkpoint.interval=4", "logging.log_interval=4"]
@@ -202,9 +214,9 @@ TP2_DP2_ZERO1 = ["parallel.nproc=4", "parallel.tp=2", "parallel.sequence_paralle
 
 @pytest.mark.parametrize(
     "layout, skip, skipped, source",
-    [(["train.spike_guard.memory_copy=false"], "since_checkpoint", [8, 14], "disk"),
+    [([], "since_checkpoint", [8, 14], "memory"), (["train.spike_guard.memory_copy=false"], "step", [12, 14], "disk"),
      (TP2_DP2_ZERO1, "step", [24, 28], "memory")],
-    ids=["one_process", "tp2_dp2_zero1"],
+    ids=["one_process", "one_process_disk", "tp2_dp2_zero1"],
 )  # fmt: skip
 def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, source, tmp_path, small_corpus):
     """A poisoned batch read at step 7 spikes the loss: every rank rolls back to step 4's checkpoint (read
@@ -226,8 +238,8 @@ def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, source
     assert [r["step"] for r in records] == list(range(1, 13))  # the rolled-back steps' records replaced
     assert [r["loss"] for r in records] == [r["loss"] for r in reference]
     assert [r["consumed_samples"] for r in records] == [r["consumed_samples"] for r in reference]
-    (rollback,) = [r["rollback"] for r in records if "rollback" in r]
-    assert records[4]["rollback"] == rollback  # on the first step trained again
+    assert [r["step"] for r in records if "rollback" in r] == [5]  # on the first step trained again
+    (rollback,) = records[4]["rollback"]
     assert rollback["spike_step"] == 7 and rollback["to_step"] == 4 and rollback["skipped_samples"] == skipped
     assert rollback["from"] == source
     assert rollback["loss"] > 100 * rollback["loss_median"]
@@ -237,7 +249,18 @@ def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, source
     assert rollback["skipped_indices"] == sampler.global_indices(skipped[0], skipped[1] - skipped[0]).tolist()
     copied = [r["checkpoint"].get("memory_copy_bytes") for r in records if "checkpoint" in r]
     if source == "memory":  # rank 0's copy, at every save: what the planner counts
-        planned = stage_estimates(load_config(None, [*base, *guard]), ParallelDims(tp=2, dp=2))[0]
-        assert copied == [planned.host_copy] * 3 == [planned.params + planned.optimizer] * 3 == [planned.host] * 3
+        dims = ParallelDims(tp=2, dp=2) if layout else ParallelDims()
+        planned = stage_estimates(load_config(None, [*base, *guard]), dims)[0]
+        assert copied == [planned.host_copy] * 3 == [planned.params + planned.optimizer] * 3
+        assert all(r["checkpoint"]["memory_copy_s"] > 0 for r in records if "checkpoint" in r)
     else:
         assert copied == [None] * 3
+
+
+def test_a_spike_before_the_first_checkpoint_is_reported_and_trained_on(tmp_path, small_corpus):
+    guard = ["train.spike_guard.enabled=true", "train.spike_guard.window=4", "checkpoint.interval=8"]
+    out = run_cli("train", *TINY_MODEL, f"data.train_path={small_corpus}", "train.steps=8", "logging.log_interval=4",
+                  *guard, f"run_dir={tmp_path}", env=POISONED)  # fmt: skip
+    assert out.returncode == 0 and "loss spike at step 7: loss " in out.stdout, out.stderr
+    assert "no checkpoint to roll back to yet, training on" in out.stdout
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))

@@ -117,6 +117,7 @@ class Checkpointer:
         self.finished: dict[str, Any] | None = None  # the figures of the last async save, until polled
         self.lock = DirectoryLock(self.store.root)
         self.abandoned = threading.Event()
+        self.own_step: int | None = None  # the newest checkpoint this process saved or resumed: a rollback's
         self.memory_copy = None
         if memory_copy:
             self.memory_copy = MemoryCopy(sharded["model"], sharded["optim"], {**shared, **per_rank})
@@ -164,6 +165,7 @@ class Checkpointer:
         start = time.perf_counter()
         fault_point("save", step, self.rank)
         self.finished = self.wait() or self.finished
+        self.own_step = step  # a failed save raises, here or at the next `wait`
         gathering = time.perf_counter()
         tmp = self.store.tmp_dir(step)
         if self.rank == 0:
@@ -202,13 +204,16 @@ class Checkpointer:
         return {"memory_copy_s": time.perf_counter() - start, "memory_copy_bytes": self.memory_copy.nbytes()}
 
     def roll_back(self) -> Resumed | None:
-        """The newest checkpoint back into this run (train.spike_guard): from the in-memory copy, which every
-        save takes (an async save in flight is committed first: a failed one raises), else read from disk as a
-        resume reads it; None when there is no checkpoint yet."""
+        """The newest checkpoint this process saved or resumed from, back into this run (train.spike_guard):
+        from the in-memory copy, which every save takes (an async save in flight is committed first: a
+        failed one raises), else read from disk as a resume reads it (that step only, not a newer one an
+        earlier run left in the directory); None when there is none yet."""
         self.finished = self.wait() or self.finished
         copy = self.memory_copy
-        if copy is None or copy.step is None:
-            return self.resume()
+        if self.own_step is None:
+            return None
+        if copy is None or copy.step != self.own_step:
+            return self.resume(self.own_step)
         copy.restore()
         return Resumed(copy.step, self.layout, time.time(), source="memory")
 
@@ -319,12 +324,14 @@ class Checkpointer:
         return None if pruning is None else pruning.result()
 
     # ---- resume -----------------------------------------------------------------------------------
-    def _choose(self) -> tuple[str | None, dict | None, str | None]:
-        """The newest checkpoint that verifies (its path and manifest), agreed by every rank, and the note of
-        a change of update rule it allows (`RunIdentity.rule_change`). Rank 0 checks manifests, file lists
-        and sizes; with `checkpoint.verify=full` every rank then checksums its share of the files,
-        `io_threads` at a time, and a checkpoint that fails anywhere is skipped."""
+    def _choose(self, step: int | None = None) -> tuple[str | None, dict | None, str | None]:
+        """The newest checkpoint that verifies (of `step`, if given: its path and manifest), agreed by every
+        rank, and the note of a change of update rule it allows (`RunIdentity.rule_change`). Rank 0 checks
+        manifests, file lists and sizes; with `checkpoint.verify=full` every rank then checksums its share of
+        the files, `io_threads` at a time, and a checkpoint that fails anywhere is skipped."""
         candidates = self.store.candidates(self.report) if self.rank == 0 else iter(())
+        if step is not None:
+            candidates = (info for info in candidates if info.step == step)
         threads = self.options.io_threads
         while True:
             choice: list[Any] = [None, None, None, None]
@@ -350,10 +357,11 @@ class Checkpointer:
             if self.rank == 0:
                 self.report(f"checkpoint {path} skipped: {next(p for p in problems if p)}")
 
-    def resume(self) -> Resumed | None:
-        """Load the newest checkpoint that verifies into every registered part; None when there is none. Under
-        a change of update rule (optim.reset_state=true) the rule's saved state is not loaded."""
-        path, manifest, reset = self._choose()
+    def resume(self, step: int | None = None) -> Resumed | None:
+        """Load the newest checkpoint that verifies (of `step`, if given) into every registered part; None when
+        there is none. Under a change of update rule (optim.reset_state=true) the rule's saved state is not
+        loaded."""
+        path, manifest, reset = self._choose(step)
         if path is None:
             return None
         fault_point("resume", 0, self.rank)
@@ -373,6 +381,7 @@ class Checkpointer:
             own = upgrade_rank_state(load_rank_file(Path(path) / rank_file(self.rank)))
             for name, part in self.per_rank.items():
                 part.load_state_dict(own[name])
+        self.own_step = step
         change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
         self.report(f"resumed from {path} (step {step}{change})")
         return Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime)

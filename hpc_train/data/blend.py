@@ -168,9 +168,6 @@ class BlendedSampler:
         skip_ahead(self)
         return rank_slice(self.next_global_batch(), self.dp_rank, self.dp_size, self.micro_batch_size)
 
-    def skip(self, start: int, end: int) -> None:
-        self.skipped = merge_ranges(self.skipped, [[start, end]])
-
     def describe(self, indices: np.ndarray) -> dict[str, list[int]]:
         """Samples as metrics.jsonl records them: each source's indices, by its name."""
         out: dict[str, list[int]] = {}

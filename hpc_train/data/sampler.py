@@ -56,15 +56,25 @@ def rank_slice(indices: np.ndarray, dp_rank: int, dp_size: int, micro_batch_size
 
 
 def merge_ranges(*lists: list[list[int]]) -> list[list[int]]:
-    """Skipped ranges, sorted, each once."""
-    return [list(r) for r in sorted({(int(start), int(end)) for ranges in lists for start, end in ranges})]
+    """Skipped ranges, sorted, overlapping and adjacent ones joined."""
+    merged: list[list[int]] = []
+    for start, end in sorted((int(start), int(end)) for ranges in lists for start, end in ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
 
 
 def skip_ahead(sampler: ResumableSampler | Any) -> None:
-    """Read past the skipped ranges that start where `sampler` stands (chained ranges one after the other)."""
-    while (end := next((e for s, e in sampler.skipped if s == sampler.consumed_samples), None)) is not None:
-        while sampler.consumed_samples < end:
-            sampler.next_global_batch()
+    """Read past the skipped range `sampler` stands at the start of, or in (ranges are joined: one suffices)."""
+    end = next((e for s, e in sampler.skipped if s <= sampler.consumed_samples < e), None)
+    while end is not None and sampler.consumed_samples < end:
+        sampler.next_global_batch()
+
+
+def add_skip(sampler: ResumableSampler | Any, start: int, end: int) -> None:
+    sampler.skipped = merge_ranges(sampler.skipped, [[start, end]])
 
 
 def read_range(sampler: ResumableSampler | Any, start: int, end: int) -> np.ndarray:
@@ -119,9 +129,6 @@ class ResumableSampler:
         """This rank's micro-batches (dataset indices) of the next global batch not skipped; advances the state."""
         skip_ahead(self)
         return rank_slice(self.next_global_batch(), self.dp_rank, self.dp_size, self.micro_batch_size)
-
-    def skip(self, start: int, end: int) -> None:
-        self.skipped = merge_ranges(self.skipped, [[start, end]])
 
     def describe(self, indices: np.ndarray) -> list[int]:
         """Dataset indices as metrics.jsonl records them."""

@@ -105,6 +105,9 @@ class MetricsLog:
         if kept or self.path.is_file():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.path.write_text("".join(kept))
+        if self.bar is not None:  # a rollback in the run (train.spike_guard): its steps are counted again
+            self.bar.n = self.step
+            self.bar.refresh()
 
     def _lines_up_to(self, step: int) -> list[str]:
         kept = []

@@ -72,7 +72,7 @@ class Rollbacks:
     """The rollbacks of this run so far (host side): when they are too many, and what each skipped."""
 
     cfg: SpikeGuardConfig
-    done: list[dict[str, Any]] = field(default_factory=list)
+    done: list[dict[str, Any]] = field(default_factory=list)  # what metrics.jsonl records of each
 
     def skipped_range(self, consumed_after: int, global_batch: int, checkpoint_consumed: int) -> tuple[int, int]:
         """The stream positions skipped for a spike whose step ended at `consumed_after`."""
@@ -80,12 +80,12 @@ class Rollbacks:
         return start, consumed_after
 
     def check(self, spike_step: int, samples: tuple[int, int]) -> None:
-        """Count a rollback; raise SpikeStop when it is one too many within the window."""
-        recent = [r for r in self.done if r["step"] > spike_step - self.cfg.rollback_window]
+        """Before a rollback: raise SpikeStop when it is one too many within the window."""
+        recent = [r for r in self.done if r["spike_step"] > spike_step - self.cfg.rollback_window]
         if len(recent) < self.cfg.max_rollbacks:
             return
-        listed = "; ".join(f"step {r['step']} (samples {r['samples'][0]}-{r['samples'][1]})"
-                           for r in [*recent, {"step": spike_step, "samples": samples}])  # fmt: skip
+        listed = "; ".join(f"step {r['spike_step']} (samples {r['skipped_samples'][0]}-{r['skipped_samples'][1]})"
+                           for r in [*recent, {"spike_step": spike_step, "skipped_samples": samples}])  # fmt: skip
         raise SpikeStop(
             f"a loss spike at step {spike_step}: {len(recent) + 1} spikes within "
             f"train.spike_guard.rollback_window={self.cfg.rollback_window} steps, more than "

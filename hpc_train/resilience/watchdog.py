@@ -40,9 +40,10 @@ def _store():
     return distributed_c10d._get_default_store()
 
 
-def record(step: int, phase: int) -> None:
-    """phase: an index into PHASES."""
-    _store().set(KEY.format(dist.get_rank()), f"{step} {phase}")
+def record(step: int, phase: int, rollbacks: int = 0) -> None:
+    """phase: an index into PHASES; rollbacks: train.spike_guard's so far (after one, steps count again from
+    an earlier one: a rank is further along when it has rolled back more)."""
+    _store().set(KEY.format(dist.get_rank()), f"{step} {phase} {rollbacks}")
 
 
 def is_timeout(err: BaseException) -> bool:
@@ -72,10 +73,12 @@ def _describe(step: int, phase: int) -> str:
 
 
 def _progress(values: list[str | None]) -> tuple[dict[int, tuple[int, int]], tuple[int, int], list[int]]:
-    """Each rank's (step, phase) from its record, the furthest one, and the ranks behind it."""
-    where = {r: tuple(map(int, v.split())) if v else (0, 0) for r, v in enumerate(values)}
-    front = max(where.values())
-    return where, front, [r for r, w in where.items() if w < front]
+    """Each rank's (step, phase) from its record, the furthest one, and the ranks behind it (by rollbacks,
+    then step, then phase)."""
+    records = {r: tuple(map(int, v.split())) if v else (0, 0, 0) for r, v in enumerate(values)}  # step phase rollbacks
+    order = {r: (rollbacks, step, phase) for r, (step, phase, rollbacks) in records.items()}
+    front = max(order.values())
+    return {r: o[1:] for r, o in order.items()}, front[1:], [r for r, o in order.items() if o < front]
 
 
 def stragglers(world_size: int) -> str:

@@ -20,7 +20,7 @@ from hpc_train.bootstrap import RankEnv, distributed, select_device
 from hpc_train.builder import Run, build_run
 from hpc_train.checkpoint.checkpointer import Resumed
 from hpc_train.config import JobConfig
-from hpc_train.data.sampler import read_range
+from hpc_train.data.sampler import add_skip, read_range
 from hpc_train.observe.memory import live_storage_bytes
 from hpc_train.observe.metrics import peak_memory_bytes
 from hpc_train.observe.profiling import ProfileWindow, write_oom_report
@@ -138,9 +138,9 @@ def _first_spike(pending: list[Pending], figures: list[dict[str, float]], steps:
 
 
 def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Rollbacks) -> dict | None:
-    """A loss spike: every rank reloads the newest checkpoint and skips the data that led to the spike
-    (train.spike_guard.skip). Returns what metrics.jsonl records of it (on the next step's record), or None
-    when no checkpoint exists yet (nothing to roll back to: reported, training goes on)."""
+    """A loss spike: every rank restores the newest checkpoint this process saved or resumed from and skips
+    the data that led to the spike (train.spike_guard.skip). Returns what metrics.jsonl records of it (also
+    kept in `rollbacks`), or None when there is no such checkpoint yet (reported, training goes on)."""
     step, sampler = spike.record["step"], run.sampler
     medians = run.spikes.medians()  # before the resume restores the checkpoint's
     seen = (f"loss {figures['loss']:.4g} (median {medians['loss_median']:.4g}), gradient norm "
@@ -152,14 +152,25 @@ def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Ro
     samples = rollbacks.skipped_range(spike.record["consumed_samples"], sampler.global_batch_size,
                                       sampler.consumed_samples)  # fmt: skip
     rollbacks.check(step, samples)
-    rollbacks.done.append({"step": step, "samples": samples})
     skipped = sampler.describe(read_range(sampler, *samples))
-    sampler.skip(*samples)
+    add_skip(sampler, *samples)
     run.report(f"loss spike at step {step}: {seen}; rolled back to the checkpoint of step {resumed.step} (from "
                f"{resumed.source}), samples {samples[0]}-{samples[1]} of the stream skipped")  # fmt: skip
-    return {"spike_step": step, "loss": figures["loss"], "grad_norm": figures["grad_norm"], **medians,
+    done = {"spike_step": step, "loss": figures["loss"], "grad_norm": figures["grad_norm"], **medians,
             "to_step": resumed.step, "from": resumed.source, "skipped_samples": list(samples),
             "skipped_indices": skipped}  # fmt: skip
+    rollbacks.done.append(done)
+    return done
+
+
+def _stop(run: Run, result: TrainResult, step: int) -> TrainResult:
+    """A stop signal, with the state of `step` committed: requeue under Slurm (rank 0), and leave together."""
+    run.report(f"stop signal received: checkpoint of step {step} committed, stopping")
+    if run.metrics:
+        result.requeued = requeue_slurm_job(run.cfg.slurm.max_requeues, run.report, run.cfg.run_dir)
+        run.metrics.close()
+    dist.barrier()
+    return result
 
 
 def evaluate_all(run: Run) -> dict[str, float]:
@@ -204,12 +215,12 @@ def _train(
     nonfinite_steps = 0
     monitor = StragglerMonitor(cfg.logging, run.device, (run.mesh.rank("pp"), run.mesh.rank("tp")))
     pending: list[Pending] = []
-    rollbacks, rollback = Rollbacks(t.spike_guard), None  # train.spike_guard's, and the last one to record
+    rollbacks, rolled_back = Rollbacks(t.spike_guard), []  # train.spike_guard's, and those the next record names
     interval_start = time.perf_counter()
     step = start_step
     while step < t.steps:
         step += 1
-        watchdog.record(step, 0)
+        watchdog.record(step, 0, len(rollbacks.done))
         # the first step of a process sets up communicators and compiles: a longer allowance
         hang.arm(step, allowance=watchdog.START_ALLOWANCE if step == start_step + 1 else 1)
         lr = lr_at(step - 1, cfg.optim, t.steps)
@@ -223,25 +234,25 @@ def _train(
         options = StepOptions(cfg.optim.grad_clip, run.scaler, step, timings, monitor.clock, run.checkpointer.staged,
                               measure_peak=held if peak_step else None,
                               measure_memory=step < start_step + 3 or peak_step, spikes=run.spikes,
-                              batch=batch)  # fmt: skip
+                              batch=batch, rollbacks=len(rollbacks.done))  # fmt: skip
         stats = train_step(run.model, run.optimizer, micro_batches, lr, options)
         with hang.paused():
             profile.after_step(step)
         last_memory.update(stats.memory)
         record = {"step": step, "lr": lr, **run.sampler.progress()}  # samples read (a blend's: tokens per source)
-        first = step == start_step + 1 and not rollbacks.done
+        first = step == start_step + 1
         if resumed is not None and first:  # where this run picked up, for the record
             record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout, **resumed_at}
         if restart and first:
             record["restart"] = restart
-        if rollback is not None:
-            record["rollback"], rollback = rollback, None
+        if rolled_back:  # the rollbacks to the checkpoint before this step (a second one cut the first's line)
+            record["rollback"], rolled_back = rolled_back, []
         pending.append(Pending(record, stats, timings))
         evaluated = run.valid_set is not None or run.valid_sources
         eval_due = evaluated and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps)
         if not (step % cfg.logging.log_interval == 0 or step == t.steps or eval_due or monitor.due(step)
                 or run.checkpointer.should_save(step, False)):  # fmt: skip
-            watchdog.record(step, 2)
+            watchdog.record(step, 2, len(rollbacks.done))
             hang.disarm()
             continue
         # Once per log interval (and at evals, saves and the end): the device is read, every pending step's
@@ -254,21 +265,25 @@ def _train(
                 result.eval_losses[step] = evals["eval_loss"]
         # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
         agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None),
-                               _first_spike(pending, figures, t.steps)], device=run.device)  # fmt: skip
+                               _first_spike(pending, figures, t.steps)], dtype=torch.float64,
+                              device=run.device)  # fmt: skip
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         *peak, stop_flag, spike_at = agreed.tolist()
         stop_requested = bool(stop_flag)
         spiked = next((i for i, p in enumerate(pending) if p.record["step"] == -spike_at), None)
         if spiked is not None:
-            watchdog.record(int(-spike_at), watchdog.ROLLING_BACK)
+            watchdog.record(step, watchdog.ROLLING_BACK, len(rollbacks.done))
             hang.disarm()
             with hang.timed(step, "spike rollback", watchdog.START_ALLOWANCE):  # a resume's collectives
                 rollback = roll_back(run, pending[spiked], figures[spiked], rollbacks)
             if rollback is not None:
-                step = rollback["to_step"]
+                step = rollback["to_step"]  # this process's own: at or after start_step
+                rolled_back = [r for r in rollbacks.done if r["to_step"] == step]
                 del result.losses[step - start_step :]
                 result.eval_losses = {s: loss for s, loss in result.eval_losses.items() if s <= step}
                 pending.clear()
+                if stop_requested:  # the checkpoint rolled back to is committed: nothing to save
+                    return _stop(run, result, step)
                 interval_start = time.perf_counter()
                 continue
         records = []
@@ -298,7 +313,7 @@ def _train(
         if slow := monitor.report(step):
             record.update(slow)
             _report_stragglers(run, slow["stragglers"], step)
-        watchdog.record(step, 2)
+        watchdog.record(step, 2, len(rollbacks.done))
         hang.disarm()
         if run.checkpointer.should_save(step, stop_requested):
             if run.metrics:  # the interval's earlier steps on disk before the save, its last step with it
@@ -306,7 +321,7 @@ def _train(
                     run.metrics.write(r, show=False)
                 records = records[-1:]
                 run.metrics.hold(record)
-            watchdog.record(step, watchdog.SAVING)
+            watchdog.record(step, watchdog.SAVING, len(rollbacks.done))
             # its collectives hang like a step's; its writes may take long: the longer allowance
             with hang.timed(step, "checkpoint save", watchdog.START_ALLOWANCE):
                 record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
@@ -319,13 +334,8 @@ def _train(
                 run.metrics.write(r, show=r["step"] % cfg.logging.log_interval == 0 or r["step"] == t.steps)
         interval_start = time.perf_counter()
         if stop_requested:  # its save was waited for above
-            run.report(f"stop signal received: checkpoint of step {step} committed, stopping")
-            if run.metrics:
-                result.requeued = requeue_slurm_job(cfg.slurm.max_requeues, run.report, cfg.run_dir)
-                run.metrics.close()
-            dist.barrier()
-            return result
-    watchdog.record(t.steps, watchdog.CONSOLIDATING)
+            return _stop(run, result, step)
+    watchdog.record(t.steps, watchdog.CONSOLIDATING, len(rollbacks.done))
     # gathers every shard (collectives) and writes the whole model: the longer allowance
     with hang.timed(t.steps, "final consolidation", watchdog.START_ALLOWANCE):
         finish(run, result, start_step)  # the last step's save was waited for above

@@ -51,6 +51,7 @@ class StepOptions:
     measure_memory: bool = True
     spikes: SpikeDetector | None = None  # train.spike_guard's running medians: the step's `spike` figure
     batch: int = 0  # the number of the global batch read (1 = the stream's first), for a planted poisoned batch
+    rollbacks: int = 0  # train.spike_guard's so far, for the hang watchdog's order of ranks
 
 
 # A step's figures, one small vector left on the device: the loss (global-batch mean), the gradient norm
@@ -160,7 +161,7 @@ def _train_step(
     if fault_point("loss", step, dist.get_rank()):  # a planted non-finite loss; the gradients stay finite
         loss = loss + float("nan")
     fault_point("mid_step", step, dist.get_rank())
-    watchdog.record(step, 1)
+    watchdog.record(step, 1, options.rollbacks)
     memory = {}
     if saved is not None:
         memory = {
