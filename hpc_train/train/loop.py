@@ -141,7 +141,7 @@ def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Ro
     """A loss spike: every rank restores the newest checkpoint this process saved or resumed from and skips
     the data that led to the spike (train.spike_guard.skip). Returns what metrics.jsonl records of it (also
     kept in `rollbacks`), or None when there is no such checkpoint yet (reported, training goes on)."""
-    step, sampler = spike.record["step"], run.sampler
+    step, sampler, start = spike.record["step"], run.sampler, time.perf_counter()
     medians = run.spikes.medians()  # before the resume restores the checkpoint's
     seen = (f"loss {figures['loss']:.4g} (median {medians['loss_median']:.4g}), gradient norm "
             f"{figures['grad_norm']:.4g} (median {medians['grad_norm_median']:.4g})")  # fmt: skip
@@ -157,8 +157,8 @@ def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Ro
     run.report(f"loss spike at step {step}: {seen}; rolled back to the checkpoint of step {resumed.step} (from "
                f"{resumed.source}), samples {samples[0]}-{samples[1]} of the stream skipped")  # fmt: skip
     done = {"spike_step": step, "loss": figures["loss"], "grad_norm": figures["grad_norm"], **medians,
-            "to_step": resumed.step, "from": resumed.source, "skipped_samples": list(samples),
-            "skipped_indices": skipped}  # fmt: skip
+            "to_step": resumed.step, "from": resumed.source, "rollback_s": time.perf_counter() - start,
+            "skipped_samples": list(samples), "skipped_indices": skipped}  # fmt: skip
     rollbacks.done.append(done)
     return done
 
