@@ -161,10 +161,10 @@ def counted_host_reads(rank_env, cfg) -> None:
     step), written to run_dir/host_reads_<rank>.json."""
     counter, record = HostReads(), watchdog.record
 
-    def starts(step: int, phase: int) -> None:
+    def starts(step: int, phase: int, rollbacks: int = 0) -> None:
         if phase == 0:
             counter.step = step
-        record(step, phase)
+        record(step, phase, rollbacks)
 
     watchdog.record = starts
     try:
