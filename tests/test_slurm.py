@@ -307,14 +307,18 @@ def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
 
 @pytest.mark.usefixtures("cluster")
 def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypatch):
-    """parallel.max_restarts=1: the rank on the second node is killed in step 5; the tasks' supervisors start
-    both ranks again in the same job, which resumes from step 4, completes and ends on the uninterrupted
-    run's losses. The node is blamed, and a resubmission of the run excludes it."""
-    monkeypatch.setenv("HPC_TRAIN_FAULT", "mid_step@5@1")  # sbatch passes the environment to the job
+    """parallel.max_restarts=1, shared checkpoints every 4 steps and node-local ones every step (each node's
+    own directory): the rank on the second node loses its node's local checkpoints and is killed after the
+    local save of step 5; the tasks' supervisors start both ranks again in the same job, which resumes from
+    the local step 5 (rank 1's state from the copy its partner node kept), not the shared step 4, completes
+    and ends on the uninterrupted run's losses. The node is blamed, and a resubmission excludes it."""
+    # sbatch passes the environment to the job: rank 1 wipes its node's local directory, then dies
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "local_saved@5@1@wipe")
     corpus = make_cfg().data.train_path
     steps = ["train.steps=8", "train.micro_batch_size=4"]
     run_dir = tmp_path / "restarted"
-    out = run_cli("submit", *TINY_MODEL, f"data.train_path={corpus}", *steps, "checkpoint.interval=2",
+    local = [f"checkpoint.local_dir={tmp_path}/local/$SLURMD_NODENAME", "checkpoint.local_interval=1"]
+    out = run_cli("submit", *TINY_MODEL, f"data.train_path={corpus}", *steps, "checkpoint.interval=4", *local,
                   "slurm.nodes=2", "slurm.tasks_per_node=1", "parallel.max_restarts=1", f"run_dir={run_dir}",
                   "--wait")  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
@@ -322,7 +326,9 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
     assert sacct_state(job_id) == "COMPLETED"
     log = (run_dir / "slurm" / f"{job_id}_0_log.err").read_text()
     assert "restarting every rank from the newest checkpoint (in-job restart 1 of parallel.max_restarts=1)" in log
-    assert [r["resumed_from"]["step"] for r in read_metrics(run_dir) if "resumed_from" in r] == [4]
+    (resumed,) = [r["resumed_from"] for r in read_metrics(run_dir) if "resumed_from" in r]
+    assert (resumed["step"], resumed["source"], resumed["from_partner"]) == (5, "local", [1]), resumed
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["n1", "n2"]  # n2's made again
     assert [r["restart"]["attempt"] for r in read_metrics(run_dir) if "restart" in r] == [1]
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 9))
     monkeypatch.delenv("HPC_TRAIN_FAULT")

@@ -21,6 +21,8 @@ the files (checkpoint/safe_load.py).
 
 With `memory_copy` (train.spike_guard's), each save also copies this rank's state into host memory
 (checkpoint/memory_copy.py), and `roll_back` restores the newest checkpoint from there instead of disk.
+With `checkpoint.local_dir`, every `local_interval` steps each rank's state also goes to node-local disk and
+its partner node (checkpoint/local.py), which an in-job restart reads when newer than the shared checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import hpc_train
 from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader
 from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_digest
+from hpc_train.checkpoint.local import LocalCheckpoints
 from hpc_train.checkpoint.memory_copy import MemoryCopy
 from hpc_train.checkpoint.ownership import DirectoryLock, RunIdentity
 from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
@@ -77,7 +80,8 @@ class Resumed:
     step: int
     layout: dict[str, Any]  # the layout it was saved with
     committed_at: float  # when it was committed (its manifest's time), to tell what a restart redoes
-    source: str = "disk"  # or "memory": `Checkpointer.roll_back` restored the in-memory copy
+    source: str = "disk"  # or "memory" (`Checkpointer.roll_back`'s in-memory copy), or "local" (node-local disk)
+    from_partner: list[int] | None = None  # "local": the ranks that read their partner node's copy
 
 
 class Checkpointer:
@@ -95,10 +99,13 @@ class Checkpointer:
         per_rank: dict[str, Stateful],
         report: Callable[[str], None],
         memory_copy: bool = False,
+        run_name: str = "run",
+        ranks_per_node: int = 1,
     ):
         """`checkpoint`: the section; `steps`: the run's last step (always saved); `identity`: what makes the
         checkpoints this run's (recorded in each manifest, checked before resuming or writing beside one);
-        `memory_copy`: also keep each save's state in host memory, for `roll_back`."""
+        `memory_copy`: also keep each save's state in host memory, for `roll_back`; `run_name` and
+        `ranks_per_node`: where local checkpoints go and which rank is each one's partner."""
         self.options, self.steps, self.identity = checkpoint, steps, identity
         self.layout, self.report = layout, report
         self.sharded, self.shared, self.per_rank = sharded, shared, per_rank
@@ -121,6 +128,10 @@ class Checkpointer:
         self.memory_copy = None
         if memory_copy:
             self.memory_copy = MemoryCopy(sharded["model"], sharded["optim"], {**shared, **per_rank})
+        self.local = None
+        if checkpoint.local_dir and checkpoint.local_interval:
+            copy = MemoryCopy(sharded["model"], sharded["optim"], {**shared, **per_rank})
+            self.local = LocalCheckpoints(checkpoint.local_dir, run_name, copy, layout, ranks_per_node, report)
 
     # ---- ownership --------------------------------------------------------------------------------
     def claim(self) -> None:
@@ -156,6 +167,14 @@ class Checkpointer:
     def should_save(self, step: int, stop_requested: bool) -> bool:
         interval = self.options.interval
         return stop_requested or bool(interval and (step % interval == 0 or step == self.steps))
+
+    def should_save_local(self, step: int) -> bool:
+        return self.local is not None and step % self.options.local_interval == 0
+
+    def save_local(self, step: int) -> dict[str, Any]:
+        """This rank's state of `step` on node-local disk and its partner's: what it cost (`local_s`, bytes)."""
+        start = time.perf_counter()
+        return {**self.local.save(step), "local_s": time.perf_counter() - start}
 
     def save(self, step: int) -> dict[str, Any]:
         """Save this step; returns what it cost this rank: `blocked_s` (the time training waited), `state_s`
@@ -362,6 +381,8 @@ class Checkpointer:
         there is none. Under a change of update rule (optim.reset_state=true) the rule's saved state is not
         loaded."""
         path, manifest, reset = self._choose(step)
+        if step is None and (resumed := self._resume_locally(manifest["step"] if manifest else 0)):
+            return resumed
         if path is None:
             return None
         fault_point("resume", 0, self.rank)
@@ -385,6 +406,18 @@ class Checkpointer:
         change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
         self.report(f"resumed from {path} (step {step}{change})")
         return Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime)
+
+    def _resume_locally(self, shared_step: int) -> Resumed | None:
+        """After an in-job restart, the node-local checkpoints when every rank has one newer than `shared_step`."""
+        if self.local is None or os.environ.get("HPC_TRAIN_RESTART", "0") == "0":
+            return None
+        restored = self.local.restore(shared_step)
+        if restored is None:
+            return None
+        self.own_step, partners = restored["step"], restored["from_partner"]
+        self.report(f"resumed from the node-local checkpoints of step {restored['step']}, newer than the shared one"
+                    f"{f' (ranks {partners} from their partner node copy)' if partners else ''}")  # fmt: skip
+        return Resumed(restored["step"], self.layout, restored["committed_at"], "local", partners)
 
 
 def read_parts(

@@ -1,50 +1,50 @@
-"""A copy of the run's state in host memory, taken at each checkpoint save and restored into the same run:
-train.spike_guard's rollback without reading the checkpoint back from disk.
+"""A copy of this rank's state in host memory, restored into a run of the same layout: train.spike_guard's
+rollback without reading a checkpoint from disk, and the content of node-local checkpoints
+(checkpoint/local.py).
 
 It holds this rank's own tensors only, as they live in this layout (the model's local shards, the optimizer's
 `local_states`: ZeRO's owned ranges), so taking and restoring it needs no communication and no resharding;
 the small parts (sampler, loss scaler, metrics position, spike medians, RNG) are copies of their state
-dicts. Host buffers are allocated by the first copy (pinned on a GPU) and reused while the shapes stay.
+dicts. Host buffers are allocated by the first copy (pinned on a GPU) and reused while the shapes stay. As
+bytes (`to_bytes`) it is tensors and plain values only: it loads with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from hpc_train.checkpoint.safe_load import load_rank_file
 from hpc_train.checkpoint.state import ModelState, OptimizerState, Stateful
-from hpc_train.placement import local
+from hpc_train.placement import like_param, local
 
 
 @dataclass
 class HostTensor:
-    """A device tensor's values in host memory, and how to rebuild it (a DTensor's mesh and placements)."""
+    """A device tensor's values in host memory; `dtensor`: it was laid out like its parameter (a DTensor)."""
 
     values: torch.Tensor
-    device: torch.device
-    layout: tuple | None = None  # a DTensor's (mesh, placements, shape, stride)
+    device: str
+    dtensor: bool = False
 
     def fits(self, t: torch.Tensor) -> bool:
         return local(t).shape == self.values.shape and local(t).dtype == self.values.dtype
 
-    def rebuild(self) -> torch.Tensor:
+    def rebuild(self, param: torch.Tensor) -> torch.Tensor:
         values = self.values.to(self.device, copy=True)
-        if self.layout is None:
-            return values
-        mesh, placements, shape, stride = self.layout
-        return DTensor.from_local(values, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return like_param(param, values) if self.dtensor else values
 
 
 def to_host(t: torch.Tensor) -> HostTensor:
     part = local(t).detach()
     values = torch.empty(part.shape, dtype=part.dtype, device="cpu", pin_memory=part.is_cuda)
     values.copy_(part)
-    layout = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
-    return HostTensor(values, part.device, layout)
+    return HostTensor(values, str(part.device), isinstance(t, DTensor))
 
 
 def refreshed(held: list[HostTensor], tensors: list[torch.Tensor]) -> list[HostTensor]:
@@ -57,7 +57,7 @@ def refreshed(held: list[HostTensor], tensors: list[torch.Tensor]) -> list[HostT
 
 
 class MemoryCopy:
-    """The newest saved state of this rank, in host memory."""
+    """This rank's state at one step, in host memory."""
 
     def __init__(self, model: ModelState, optim: OptimizerState, small: dict[str, Stateful]):
         self.model, self.optim, self.small = model, optim, small
@@ -83,8 +83,8 @@ class MemoryCopy:
             for h, (_, t) in zip(self.weights, self.model.live_tensors(), strict=True):
                 local(t).copy_(h.values)
         held, states = iter(self.states), []
-        for keys in self.keys:
-            states.append({k: next(held).rebuild() for k in keys})
+        for keys, p in zip(self.keys, self.optim.optimizer.params, strict=True):
+            states.append({k: next(held).rebuild(p) for k in keys})
         self.optim.optimizer.load_param_states(states, self.step)
         for name, part in self.small.items():
             part.load_state_dict(copy.deepcopy(self.small_states[name]))
@@ -92,3 +92,21 @@ class MemoryCopy:
     def nbytes(self) -> int:
         """Host bytes the copy holds (its tensors)."""
         return sum(h.values.nbytes for h in self.weights + self.states)
+
+    def to_bytes(self) -> memoryview:
+        """The copy serialized (tensors and plain values only)."""
+        out = io.BytesIO()
+        held = {"weights": self.weights, "states": self.states}
+        torch.save({"step": self.step, "keys": self.keys, "small": self.small_states,
+                    **{k: [h.values for h in hs] for k, hs in held.items()},
+                    **{f"{k}_where": [(h.device, h.dtensor) for h in hs] for k, hs in held.items()}}, out)  # fmt: skip
+        return out.getbuffer()
+
+    def load_bytes(self, data: memoryview) -> None:
+        """A copy `to_bytes` wrote, read back safely (nothing unpickled runs code)."""
+        saved = load_rank_file(io.BytesIO(data))
+        self.step, self.keys, self.small_states = saved["step"], saved["keys"], saved["small"]
+        self.weights, self.states = (
+            [HostTensor(v, device, dtensor) for v, (device, dtensor) in zip(saved[k], saved[f"{k}_where"], strict=True)]
+            for k in ("weights", "states")
+        )

@@ -83,6 +83,11 @@ def _value_problems(cfg: JobConfig) -> list[str]:
         problems.append(f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the ranks from the newest "
                         "checkpoint: set checkpoint.interval (e.g. 100) and checkpoint.resume=true, or "
                         "parallel.max_restarts=0")  # fmt: skip
+    c = cfg.checkpoint
+    if bool(c.local_dir) != bool(c.local_interval) or (c.local_dir and not cfg.parallel.max_restarts):
+        problems.append(f"checkpoint.local_dir={c.local_dir!r} and checkpoint.local_interval={c.local_interval}: "
+                        "node-local checkpoints need both, and are read by an in-job restart only: set "
+                        "parallel.max_restarts too (or leave both out)")  # fmt: skip
     if cfg.train.spike_guard.enabled and not cfg.checkpoint.interval:
         problems.append("train.spike_guard.enabled rolls a spike back to the newest checkpoint: set "
                         "checkpoint.interval (e.g. 100), or train.spike_guard.enabled=false")  # fmt: skip

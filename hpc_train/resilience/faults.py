@@ -12,11 +12,12 @@ SLOW_S = 0.2  # what a slow rank loses per step
 
 
 def fault_point(point: str, step: int, rank: int) -> bool:
-    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang|@stop|@oom|@slow|@nan|@spike]] kills this
+    """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@hang|@stop|@oom|@slow|@nan|@spike|@wipe]] kills this
     process with SIGKILL there (or makes it hang, as a stuck rank would, or stops it with SIGSTOP, as a frozen
     node would, or raises an out-of-memory error, or from that step on sleeps SLOW_S there, as a rank on a
     slow node would, or returns True, where the caller makes its value non-finite, or, at the point `batch`
-    whose "step" is the global batch's number, poisons that batch). Only the first attempt of a run meets its
+    whose "step" is the global batch's number, poisons that batch, or, at `local_saved`, wipes the node's
+    local checkpoints before the kill). Only the first attempt of a run meets its
     fault: ranks restarted in the job (HPC_TRAIN_RESTART > 0) run clean."""
     spec = os.environ.get("HPC_TRAIN_FAULT", "")
     if not spec or os.environ.get("HPC_TRAIN_RESTART", "0") != "0":
@@ -31,7 +32,7 @@ def fault_point(point: str, step: int, rank: int) -> bool:
         return False
     if step != int(at_step):
         return False
-    if kind in ("nan", "spike"):
+    if kind in ("nan", "spike", "wipe"):
         return True
     if kind == "hang":
         time.sleep(10**6)

@@ -242,7 +242,10 @@ def _train(
         record = {"step": step, "lr": lr, **run.sampler.progress()}  # samples read (a blend's: tokens per source)
         first = step == start_step + 1
         if resumed is not None and first:  # where this run picked up, for the record
-            record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout, **resumed_at}
+            record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout, "source": resumed.source,
+                                      **resumed_at}  # fmt: skip
+            if resumed.from_partner:
+                record["resumed_from"]["from_partner"] = resumed.from_partner
         if restart and first:
             record["restart"] = restart
         if rolled_back:  # the rollbacks to the checkpoint before this step (a second one cut the first's line)
@@ -251,7 +254,7 @@ def _train(
         evaluated = run.valid_set is not None or run.valid_sources
         eval_due = evaluated and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps)
         if not (step % cfg.logging.log_interval == 0 or step == t.steps or eval_due or monitor.due(step)
-                or run.checkpointer.should_save(step, False)):  # fmt: skip
+                or run.checkpointer.should_save(step, False) or run.checkpointer.should_save_local(step)):  # fmt: skip
             watchdog.record(step, 2, len(rollbacks.done))
             hang.disarm()
             continue
@@ -315,12 +318,18 @@ def _train(
             _report_stragglers(run, slow["stragglers"], step)
         watchdog.record(step, 2, len(rollbacks.done))
         hang.disarm()
-        if run.checkpointer.should_save(step, stop_requested):
-            if run.metrics:  # the interval's earlier steps on disk before the save, its last step with it
-                for r in records[:-1]:
-                    run.metrics.write(r, show=False)
-                records = records[-1:]
-                run.metrics.hold(record)
+        saving = run.checkpointer.should_save(step, stop_requested)
+        saving_locally = not saving and run.checkpointer.should_save_local(step)
+        if (saving or saving_locally) and run.metrics:  # the interval's earlier steps on disk, its last with it
+            for r in records[:-1]:
+                run.metrics.write(r, show=False)
+            records = records[-1:]
+            run.metrics.hold(record)
+        if saving_locally:
+            watchdog.record(step, watchdog.SAVING, len(rollbacks.done))
+            with hang.timed(step, "node-local checkpoint save", watchdog.START_ALLOWANCE):
+                record["local_checkpoint"] = run.checkpointer.save_local(step)
+        if saving:
             watchdog.record(step, watchdog.SAVING, len(rollbacks.done))
             # its collectives hang like a step's; its writes may take long: the longer allowance
             with hang.timed(step, "checkpoint save", watchdog.START_ALLOWANCE):
