@@ -30,7 +30,7 @@ from hpc_train.checkpoint.state import ModelState, OptimizerState, RNGState
 from hpc_train.data.blend import BlendedSampler, BlendedSource
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import load_datasets, load_valid_sources
-from hpc_train.data.sampler import ResumableSampler, merge_ranges
+from hpc_train.data.sampler import ResumableSampler
 from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import ParallelModel, parallelize
 from hpc_train.distributed.transforms import StagePlan
@@ -145,7 +145,7 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
                                  mesh.rank("dp"), dims.dp, t.seed, report, cfg.data.skip_samples)  # fmt: skip
     elif train_set is not None:
         sampler = ResumableSampler(len(train_set), global_batch, t.micro_batch_size, mesh.rank("dp"), dims.dp, t.seed,
-                                   skipped=merge_ranges(cfg.data.skip_samples))  # fmt: skip
+                                   skipped=cfg.data.skip_samples)  # fmt: skip
     spikes = SpikeDetector(t.spike_guard, device) if t.spike_guard.enabled else None
     metrics = MetricsLog(cfg.run_dir, t.steps, cfg.logging.progress, cfg.logging.tensorboard) if is_logger else None
 

@@ -106,11 +106,11 @@ class SpikeGuardConfig:
     # checkpoint rolled back to
     skip: str = choice("step", "since_checkpoint")
     max_rollbacks: int = positive(3)  # more rollbacks than this within `rollback_window` steps stop the run
+    rollback_window: int = positive(1000)
     # a copy of the state in host memory at each save, so a rollback reads nothing back from disk; None = where
     # the planner's copy (parameters and optimizer state per rank) x the node's ranks fits in half of the
     # node's available memory
     memory_copy: bool | None = None
-    rollback_window: int = positive(1000)
 
 
 @dataclass

@@ -113,6 +113,7 @@ class ResumableSampler:
 
     def __post_init__(self) -> None:
         check_batch_shape(self.global_batch_size, self.micro_batch_size, self.dp_size)
+        self.skipped = merge_ranges(self.skipped)
         self.stream = ShuffledStream(self.num_samples, self.seed)
 
     def global_indices(self, start: int, count: int) -> np.ndarray:

@@ -17,8 +17,8 @@ def fault_point(point: str, step: int, rank: int) -> bool:
     node would, or raises an out-of-memory error, or from that step on sleeps SLOW_S there, as a rank on a
     slow node would, or returns True, where the caller makes its value non-finite, or, at the point `batch`
     whose "step" is the global batch's number, poisons that batch, or, at `local_saved`, wipes the node's
-    local checkpoints before the kill). Only the first attempt of a run meets its
-    fault: ranks restarted in the job (HPC_TRAIN_RESTART > 0) run clean."""
+    local checkpoints before the kill). Only the first attempt of a run meets its fault: ranks restarted in
+    the job (HPC_TRAIN_RESTART > 0) run clean."""
     spec = os.environ.get("HPC_TRAIN_FAULT", "")
     if not spec or os.environ.get("HPC_TRAIN_RESTART", "0") != "0":
         return False
