@@ -148,10 +148,17 @@ def cpu_threads(rank_env: RankEnv, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     if (explicit := env.get("OMP_NUM_THREADS", "")).isdigit() and int(explicit) > 0:
         return int(explicit)
+    return max(1, node_cores(env) // rank_env.local_world_size)
+
+
+def node_cores(env: Mapping[str, str] | None = None) -> int:
+    """The cores this node's ranks share: the ones this process may run on, bounded inside a Slurm
+    allocation (however the ranks were started) by the CPUs it holds on the node."""
+    env = os.environ if env is None else env
     cores = len(os.sched_getaffinity(0))
-    if env.get("SLURM_CPUS_ON_NODE", "").isdigit():  # inside an allocation, however the ranks were started
+    if env.get("SLURM_CPUS_ON_NODE", "").isdigit():
         cores = min(cores, int(env["SLURM_CPUS_ON_NODE"]))
-    return max(1, cores // rank_env.local_world_size)
+    return cores
 
 
 @contextmanager

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessException
 
-from hpc_train.bootstrap import distributed
+from hpc_train.bootstrap import distributed, node_cores
 from hpc_train.builder import build_run
+from hpc_train.checkpoint.checkpointer import async_save_note
 from hpc_train.checkpoint.safe_load import read_dcp_metadata
 from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.cli import main
@@ -540,36 +541,58 @@ def _zero_async_save_checks(rank_env, cfg):
         dist.barrier()
 
 
-def test_a_flat_range_of_a_stored_tensor_is_read_alone(tmp_path, monkeypatch):
+@pytest.mark.parametrize("records", ["raw", "torch.save"])
+def test_a_flat_range_of_a_stored_tensor_is_read_alone(tmp_path, monkeypatch, records):
     """What ZeRO-1/2 resume of a parameter's state on a rank: its owned range of the flattened elements (a
     partial row, whole rows, a partial row), straight from the file into one buffer, and no other byte of
-    it; at a tp shard's offsets, with the vocabulary's padding rows (never stored) left zero."""
+    it; at a tp shard's offsets, with the vocabulary's padding rows (never stored) left zero. From RAW
+    records (what hpc_train writes: the tensors' bytes and nothing else) and from torch.save records
+    (what it wrote before); from RAW records also a box across rows and a change of dtype."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     from hpc_train.checkpoint import dcp_io
-    from hpc_train.checkpoint.slices import SliceLoadPlanner, flat_boxes, flat_slice
+    from hpc_train.checkpoint.safe_load import RAW
+    from hpc_train.checkpoint.slices import FlatSlice, SliceLoadPlanner, flat_boxes, flat_slice
 
     stored = torch.arange(6 * 5 * 4, dtype=torch.float32).view(6, 5, 4)
-    dcp.save({"w": stored, "b": torch.ones(3)}, checkpoint_id=tmp_path, no_dist=True)
+    state = {"w": stored, "b": torch.ones(3, dtype=torch.bfloat16)}
+    if records == "raw":
+        writer = dcp_io.ChecksummedWriter(tmp_path, 2, 0, 0)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        assert {info.transform_descriptors[0] for info in read_dcp_metadata(tmp_path).storage_data.values()} == {RAW}
+        shards = {name: record["size"] for name, record in writer.records.items() if name.endswith(".distcp")}
+        assert sorted(shards.values()) == [3 * 2, 6 * 5 * 4 * 4]  # two threads, one tensor's bytes each
+    else:
+        dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
     read, read_exactly = [], dcp_io._read_exactly
 
     def counted(f, view, name):
         read.append(len(view))
         read_exactly(f, view, name)
 
+    def load(state, slices):
+        dcp.load(state, storage_reader=dcp_io.ParallelReader(tmp_path, 2), planner=SliceLoadPlanner(slices),
+                 no_dist=True)  # fmt: skip
+
     monkeypatch.setattr(dcp_io, "_read_exactly", counted)
     assert [sizes for _, sizes, _ in flat_boxes(stored.shape, 13, 70)] == [(1, 1, 3), (1, 1, 4), (3, 5, 4), (1, 1, 3)]
     owned = flat_slice(stored.shape, 13, 70, (0, 0, 0), None)
     sharded = flat_slice((4, 5, 4), 30, 50, (4, 0, 0), 6)  # rows 4-7 of 8, the last two padding
-    dcp.load(
-        {}, storage_reader=dcp_io.ParallelReader(tmp_path, 2), planner=SliceLoadPlanner({"w": owned}), no_dist=True
-    )
+    load({}, {"w": owned})
     assert torch.equal(owned.values, stored.reshape(-1)[13:83]) and sum(read) == 70 * 4
     read.clear()
-    dcp.load(
-        {}, storage_reader=dcp_io.ParallelReader(tmp_path, 2), planner=SliceLoadPlanner({"w": sharded}), no_dist=True
-    )
+    load({}, {"w": sharded})
     assert torch.equal(sharded.values, torch.cat([stored.reshape(-1)[110:], torch.zeros(40)])) and sum(read) == 40
+    if records == "raw":
+        columns = FlatSlice(
+            torch.empty(6 * 2 * 4), [(ChunkStorageMetadata(torch.Size((0, 1, 0)), torch.Size((6, 2, 4))), 0)]
+        )
+        converted = {"w": torch.empty(6, 5, 4, dtype=torch.bfloat16), "b": torch.empty(3)}
+        load(converted, {})
+        assert torch.equal(converted["w"], stored.bfloat16()) and torch.equal(converted["b"], torch.ones(3))
+        load({}, {"w": columns})
+        assert torch.equal(columns.values.view(6, 2, 4), stored[:, 1:3])
 
 
 def test_zero_async_save_sends_each_state_to_one_writer_and_overlaps_its_copy(cfg_for):
@@ -692,8 +715,8 @@ def test_step_entries_that_are_not_directories_are_skipped(saved_run, tmp_path, 
 
 
 def test_payload_in_a_shard_is_refused_on_resume(saved_run, tmp_path, small_corpus):
-    """A shard's bytes replaced by a pickle payload (DCP reads shards with weights_only=True): resume stops
-    with a message naming the checkpoint, and nothing runs."""
+    """A shard's bytes replaced by a pickle payload, its records marked torch.save records as before RAW (those
+    are read with weights_only=True): resume stops with a message naming the checkpoint, and nothing runs."""
     import pickle
 
     from tests.test_hardening import Payload
@@ -703,7 +726,12 @@ def test_payload_in_a_shard_is_refused_on_resume(saved_run, tmp_path, small_corp
     step_dir = run / "checkpoints/step_0000004"
     shard = next(step_dir.glob("__0_*.distcp"))
     shard.write_bytes(pickle.dumps(Payload(marker)).ljust(shard.stat().st_size, b"\0"))
-    _rehash(step_dir, shard.name)
+    metadata = read_dcp_metadata(step_dir)
+    for info in metadata.storage_data.values():
+        info.transform_descriptors = None
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    for name in (shard.name, ".metadata"):
+        _rehash(step_dir, name)
     out = hpc_train_train(run, small_corpus, 6)
     assert out.returncode == 2 and not marker.exists()
     assert f"loading checkpoint {step_dir} failed" in out.stderr and "Traceback" not in out.stderr
@@ -746,8 +774,9 @@ def async_runs(tmp_path_factory, small_corpus):
     """For dp and ZeRO-1 (2 ranks, the settings of `hpc_train_train`): 4 steps saving asynchronously, in one
     launch; then a run resumed (saving synchronously) from a copy of each one's step-2 checkpoint, in another."""
     base = tmp_path_factory.mktemp("async")
-    launch(2, *(load_config(None, train_args(base / name / "run", small_corpus, 4, [*ASYNC, *zero]))
-                for name, zero in ZERO.items()))  # fmt: skip
+    with stdout_into(base / "async.out"):
+        launch(2, *(load_config(None, train_args(base / name / "run", small_corpus, 4, [*ASYNC, *zero]))
+                    for name, zero in ZERO.items()))  # fmt: skip
     for name in ZERO:
         shutil.copytree(base / name / "run/checkpoints/step_0000002", base / name / "resumed/checkpoints/step_0000002")
     launch(
@@ -777,6 +806,11 @@ def test_async_save_in_flight_resumes_bit_exact(async_runs, zero):
     assert last["step"] == 4 and last["blocked_s"] > 0 and last["write_s"] > 0 and last["commit_s"] > 0
     sync = read_metrics(tmp_path / "resumed")[-1]["checkpoint"]
     assert sync["write_s"] > 0 and sync["gb_per_s"] > 0
+    # the start-up log warns where the background work finds no idle core (2 ranks x (1 + 1 thread) on CI's 2)
+    warning = async_save_note(2, 1, 1, node_cores())
+    out = (async_runs / "async.out").read_text()
+    assert (warning in out) if warning else "checkpoint.async_save:" not in out
+    assert async_save_note(1, 1, 1, 2) is None and "= 4 threads on 2 cores" in async_save_note(2, 1, 1, 2)
     # where the save's time went: DCP's planning and data write within the write, the writer threads' time
     # in writes, hashing and fsync (thread-seconds), gathering the state within what training waited
     assert min(sync[k] for k in ("plan_s", "data_s", "io_s", "hash_s", "fsync_s", "state_s")) > 0

@@ -8,11 +8,15 @@ next update), "time lost" that plus how much longer the steps trained meanwhile 
 step alone; "total" is from the save to its commit, with training going on.
 DCP's own defaults (`dcp.save`: one writer thread, torch's per-record CRC) are the reference row.
 "Cold": the files are evicted from the page cache first (posix_fadvise), so reads come from the disk.
-On CPU it then times the sync save as a run pays it (a run saving every step against one that does not,
-beside the sustained raw write of the same bytes) and, with 2 processes, what an async save blocks at
-each ZeRO stage against that stage's sync save.
+It breaks the sync save down per GB (planning, writes to the OS, hashing, fsync, commit) and gives the CPU
+seconds an async save's background work takes. On CPU it then times saves as a run pays them (runs saving
+every step against one that does not, beside the sustained raw write of the same bytes): sync and async,
+with one rank's compute on every core, on all but one, and with a rank on every core; and, with 2
+processes, what an async save blocks at each ZeRO stage against that stage's sync save (`--no-zero`: not;
+on a tmpfs the processes' state and the checkpoints share the memory).
 
     python tools/bench_checkpoint.py --layers 16 --d-model 1536   # ~0.5B parameters, ~6 GB with AdamW
+    python tools/bench_checkpoint.py --dir /dev/shm --no-zero      # on a tmpfs
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -49,6 +54,13 @@ def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
+
+
+def cpu_seconds(fn) -> float:
+    """The CPU seconds of this process (every thread) while `fn` runs."""
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
 
 
 def evict(root: Path) -> None:
@@ -98,13 +110,13 @@ def training_state(root: Path, rank_env, model: list[str], device: torch.device,
 def write_times(root: Path, run, nbytes: int, rounds: int = 2, dcp_reference: bool = True) -> dict[str, float]:
     """Seconds of the raw write + fsync of `nbytes` (the best of `rounds`: a strict reference; the file is
     left at root/raw.bin for `read_times`), of DCP's defaults saving the same state (`dcp_reference`) and of
-    hpc_train's sync save (step 1)."""
+    hpc_train's sync save (step 1); and that save's figures (where its time went)."""
     times = {"raw_write": min(timed(lambda: raw_write(root / "raw.bin", nbytes))[0] for _ in range(rounds))}
     if dcp_reference:
         times["dcp"] = timed(partial(dcp.save, run.checkpointer.sharded_tensors(), checkpoint_id=root / "dcp"))[0]
         shutil.rmtree(root / "dcp")
-    times["save"] = timed(partial(run.checkpointer.save, 1))[0]
-    return times
+    times["save"], figures = timed(partial(run.checkpointer.save, 1))
+    return times, figures
 
 
 def read_times(root: Path, fresh, threads: int, rounds: int = 3, names=("raw", "verify", "load", "resume")):
@@ -131,8 +143,9 @@ def read_times(root: Path, fresh, threads: int, rounds: int = 3, names=("raw", "
 def async_times(fresh, batch: list[Batch]) -> dict[str, float]:
     """An async save of `fresh` (its optimizer state loaded) while it trains: what the training waited
     (`blocking`, at the save and before the next update), that plus how much longer the overlapped steps
-    took than the fastest step alone (`lost`), and the save's `total` to its commit; the second of two saves
-    (the first allocates the host buffers, which later ones reuse)."""
+    took than the fastest step alone (`lost`), the save's `total` to its commit and the CPU seconds its
+    background work took (`cpu`: the process's, less the overlapped steps' at their CPU time alone); the
+    second of two saves (the first allocates the host buffers, which later ones reuse)."""
     background = fresh.checkpointer
     background.save(2)
     background.wait()
@@ -141,19 +154,21 @@ def async_times(fresh, batch: list[Batch]) -> dict[str, float]:
         train_step(fresh.model, fresh.optimizer, batch, 1e-4, StepOptions(before_update=background.staged))
 
     t_step = min(timed(step)[0] for _ in range(3))
-    start = time.perf_counter()
+    cpu_step = min(cpu_seconds(step) for _ in range(3))
+    start, cpu_start = time.perf_counter(), time.process_time()
     blocked = background.save(3)
     overlapped = []  # the steps trained while the save is copied, written and committed
     while not background.pending[1].done():
         overlapped.append(timed(step)[0])
     figures = background.wait()
     return {"blocking": blocked["blocked_s"] + figures["staging_wait_s"], "total": time.perf_counter() - start,
-            "lost": blocked["blocked_s"] + sum(max(0.0, t - t_step) for t in overlapped)}  # fmt: skip
+            "lost": blocked["blocked_s"] + sum(max(0.0, t - t_step) for t in overlapped),
+            "cpu": time.process_time() - cpu_start - len(overlapped) * cpu_step}  # fmt: skip
 
 
 def measure(root: Path, rank_env, model: list[str], device: torch.device, threads: int) -> None:
     cfg, run, batch, nbytes, n_params = training_state(root, rank_env, model, device, threads)
-    writes = write_times(root, run, nbytes)
+    writes, figures = write_times(root, run, nbytes)
     del run
     gc.collect()
     cfg.checkpoint.async_save = True
@@ -188,42 +203,73 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
         share = f"blocks {seconds / reference:.1%} of a {versus}" if versus == "sync save" else (
             f"{reference / seconds:.0%} of {versus}")  # fmt: skip
         print(f"{name:<28} {seconds:>8.2f} {gb / seconds:>7.2f}  {share}")
+    print(f"sync save, seconds per GB: DCP's planning and metadata {figures['plan_s'] / gb:.3f}, data write "
+          f"{figures['data_s'] / gb:.3f} (the {threads} writer threads' sums: write to the OS "
+          f"{figures['io_s'] / gb:.3f}, xxh3 {figures['hash_s'] / gb:.3f}, fsync {figures['fsync_s'] / gb:.3f}), "
+          f"commit {figures['commit_s'] / gb:.3f}")  # fmt: skip
+    print(f"async save: its background work took {saves['cpu']:.2f} CPU s ({saves['cpu'] / gb:.2f} per GB) over "
+          f"{saves['total']:.2f} s, {saves['cpu'] / saves['total']:.1f} cores on average")  # fmt: skip
 
 
-def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int) -> None:
-    """The sync save's cost as a run pays it: the extra wall time of a run saving every step (keep_last=2)
-    over the same run without saves, per save, against the sustained raw write (+ fsync) of the same bytes
-    on the same disk (a new file per save, the one before last deleted), interleaved `rounds` times: the
-    disk's speed drifts, and writing a GB each step makes it slower than one write alone."""
-    common = [*model, "train.micro_batch_size=1", "train.eval_interval=0", "logging.progress=none",
-              "train.save_final_model=false", "parallel.nproc=1", "checkpoint.keep_last=2", "optim.warmup_steps=2",
-              f"checkpoint.io_threads={threads}", f"train.steps={steps}"]  # fmt: skip
+def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int, seq_len: int) -> None:
+    """What saves cost a run (ZeRO-1): the extra wall time and CPU seconds of a run saving every step
+    (keep_last=2) over the same run without saves, per save, for a sync and an async save, with one rank's
+    compute threads on every core, on all but one (OMP_NUM_THREADS), and with one single-threaded rank per
+    core (dp = cores: the ranks fill the machine, as on a CPU cluster), at a sequence length whose
+    step is about as long as a save (an async save overlaps one step); beside the sustained raw write
+    (+ fsync) of the same bytes on the same disk (a new file per save, the one before last deleted). Runs are
+    interleaved `rounds` times and the least disturbed of each kept: the disk's speed drifts, and writing a GB
+    each step makes it slower than one write alone."""
+    cores = len(os.sched_getaffinity(0))
+    common = [*model, f"model.seq_len={seq_len}", "train.micro_batch_size=1", "train.eval_interval=0",
+              "logging.progress=none", "train.save_final_model=false", "checkpoint.keep_last=2", "optim.warmup_steps=2",
+              "optim.zero_stage=1", f"checkpoint.io_threads={threads}", f"train.steps={steps}"]  # fmt: skip
     cmd = [sys.executable, "-m", "hpc_train.cli", "train", "configs/tiny.yaml", *common]
-    walls: dict[int, list[float]] = {0: [], 1: []}
+    saves = {"none": ["checkpoint.interval=0"], "sync": ["checkpoint.interval=1"],
+             "async": ["checkpoint.interval=1", "checkpoint.async_save=true"]}  # fmt: skip
+    layouts = {f"1 rank, compute on {cores} of {cores} cores": (1, cores),
+               f"1 rank, compute on {max(1, cores - 1)} of {cores} cores": (1, max(1, cores - 1)),
+               f"{cores} ranks (dp{cores}), 1 core each": (cores, 1)}  # fmt: skip
+    walls: dict[tuple[str, str], list[float]] = {(c, s): [] for c in layouts for s in saves}
+    cpus: dict[tuple[str, str], list[float]] = {key: [] for key in walls}
     raw: list[float] = []
     nbytes = 0
     for _ in range(rounds):
-        for interval in (0, 1):
-            shutil.rmtree(root / "run", ignore_errors=True)
-            start = time.perf_counter()
-            subprocess.run([*cmd, f"checkpoint.interval={interval}", f"run_dir={root / 'run'}"], check=True,
-                           capture_output=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
-            walls[interval].append(time.perf_counter() - start)
-            if interval:
-                record = json.loads((root / "run/metrics.jsonl").read_text().splitlines()[-1])
-                nbytes = record["checkpoint"]["total_bytes"]
+        for layout, (ranks, compute) in layouts.items():
+            for save, overrides in saves.items():
+                shutil.rmtree(root / "run", ignore_errors=True)
+                before, start = children_cpu_s(), time.perf_counter()
+                subprocess.run([*cmd, *overrides, f"parallel.nproc={ranks}", f"run_dir={root / 'run'}"], check=True,
+                               capture_output=True, cwd=Path(__file__).resolve().parents[1],
+                               env={**os.environ, "OMP_NUM_THREADS": str(compute)})  # fmt: skip
+                walls[layout, save].append(time.perf_counter() - start)
+                cpus[layout, save].append(children_cpu_s() - before)
+                if save == "sync":
+                    record = json.loads((root / "run/metrics.jsonl").read_text().splitlines()[-1])
+                    nbytes = record["checkpoint"]["total_bytes"]
         for i in range(steps):
             raw.append(timed(partial(raw_write, root / f"raw{i % 3}.bin", nbytes))[0])
             (root / f"raw{(i + 1) % 3}.bin").unlink(missing_ok=True)
     for i in range(3):
         (root / f"raw{i}.bin").unlink(missing_ok=True)
-    per_save = (min(walls[1]) - min(walls[0])) / steps  # the least disturbed of each
     per_raw = statistics.mean(raw)
-    print(
-        f"a run saving {nbytes / 1e9:.2f} GB each of {steps} steps (sync, keep_last=2), best of {rounds}: "
-        f"{per_save:.2f} s more per save than without saves; sustained raw write + fsync of the same bytes "
-        f"{per_raw:.2f} s (mean of {len(raw)}): the save runs at {per_raw / per_save:.0%} of the disk's speed"
-    )
+    print(f"a run saving {nbytes / 1e9:.2f} GB each of {steps} steps (ZeRO-1, keep_last=2), best of {rounds}, per "
+          f"save against a run without saves; sustained raw write + fsync of the same bytes {per_raw:.2f} s "
+          f"(mean of {len(raw)}), {cores} cores:")  # fmt: skip
+    for layout in layouts:
+        print(f"  {layout}: a step without saves takes {min(walls[layout, 'none']) / steps:.2f} s (start-up included)")
+        for save in ("sync", "async"):
+            extra = (min(walls[layout, save]) - min(walls[layout, "none"])) / steps
+            cpu = (min(cpus[layout, save]) - min(cpus[layout, "none"])) / steps
+            speed = f"{per_raw / extra:.0%} of the disk's speed" if extra > 0 else "no wall time lost"
+            per_gb = cpu / (nbytes / 1e9)
+            print(f"    {save:>5} save: {extra:+.2f} s wall ({speed}), {cpu:.2f} CPU s ({per_gb:.2f} per GB)")
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of every waited-for descendant process so far (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def zero_stage_blocking(rank_env, root: Path, model: list[str], threads: int) -> None:
@@ -272,7 +318,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=4, help="checkpoint.io_threads")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--run-steps", type=int, default=8, help="steps of the runs with and without saves")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the run comparison")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the run comparison")
+    parser.add_argument("--run-seq-len", type=int, default=256, help="sequence length of those runs")
+    parser.add_argument("--no-zero", action="store_true", help="skip the ZeRO stages' async blocking (2 processes)")
     args = parser.parse_args()
     model = [f"model.n_layers={args.layers}", f"model.d_model={args.d_model}",
              f"model.n_heads={max(1, args.d_model // 128)}", "model.seq_len=32"]  # fmt: skip
@@ -281,8 +329,9 @@ def main() -> None:
         with single_process_group() as rank_env:
             measure(root, rank_env, model, torch.device(args.device), args.threads)
         if args.device == "cpu":
-            run_cost(root, model, args.threads, args.run_steps, args.rounds)
-            launch_local(zero_stage_blocking, 2, root, model, args.threads)
+            run_cost(root, model, args.threads, args.run_steps, args.rounds, args.run_seq_len)
+            if not args.no_zero:
+                launch_local(zero_stage_blocking, 2, root, model, args.threads)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import hpc_train
+from hpc_train.bootstrap import node_cores
 from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader
 from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_digest
 from hpc_train.checkpoint.local import LocalCheckpoints
@@ -117,6 +118,9 @@ class Checkpointer:
         if checkpoint.async_save:
             self.stager = host_stager()
             self.async_group = dist.new_group(backend="gloo")
+            compute = 1 if torch.cuda.is_available() else torch.get_num_threads()  # a GPU rank's host thread
+            if note := async_save_note(ranks_per_node, compute, checkpoint.io_threads, node_cores()):
+                report(note)
         self.staging: Future | None = None  # an async save's copy to host memory, until it is done
         self.staging_wait_s = 0.0  # how long the training waited for it
         self.pending: tuple[int, Future] | None = None  # an async save in flight: its step, its end
@@ -479,6 +483,19 @@ def host_stager() -> Any:
     options = StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True,
                              use_non_blocking_copy=gpu)  # fmt: skip
     return DefaultStager(options)
+
+
+def async_save_note(ranks: int, compute_threads: int, io_threads: int, cores: int) -> str | None:
+    """A warning where an async save's background copy and writes find no idle core: the node's `ranks` x
+    (their `compute_threads`: 1 on a GPU, torch's intra-op threads on a CPU, + `io_threads`) exceed its
+    `cores`. There the background work takes cores from training, and may cost it more than a sync save."""
+    need = ranks * (compute_threads + io_threads)
+    if need <= cores:
+        return None
+    return (f"checkpoint.async_save: {ranks} ranks x ({compute_threads} compute + {io_threads} checkpoint.io_threads) "
+            f"= {need} threads on {cores} cores here: the background copy and writes take cores from training, so an "
+            f"async save may gain little over a sync one or cost more (tools/bench_checkpoint.py times both); "
+            f"checkpoint.async_save=false saves synchronously")  # fmt: skip
 
 
 def in_background(fn: Callable[..., Any], *args: Any) -> Future:

@@ -1,9 +1,11 @@
 """DCP's file storage, made fast: each rank writes its shards as `threads` files in parallel, every file
 checksummed as its bytes go out (no read-back), and reads its shards back in parallel threads.
 
-The shard files stay DCP's own format (torch.save records in one file per thread); torch's per-record
-CRC-32, which costs as much as the write itself on one core, is switched off while a checkpoint is
-written: the manifest's xxh3 digest of the whole file is the integrity check.
+A shard file holds each tensor's bytes as they lie in memory (row-major, little-endian, the tensor's own
+dtype), one record after another, written straight from the tensor (`RAW`, marked in DCP's metadata as the
+record's one transform): no serialization, no per-record CRC, no small writes. The shape and dtype are in
+DCP's metadata; the manifest's xxh3 digest of the whole file is the integrity check. Checkpoints written
+before (torch.save records, one zip per tensor) still load.
 """
 
 from __future__ import annotations
@@ -23,15 +25,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils.serialization.config as serialization_config
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    _split_by_size_and_type,
+    _StorageInfo,
+)
+from torch.distributed.checkpoint.storage import WriteResult
 
 from hpc_train.checkpoint.integrity import file_record, new_digest
-from hpc_train.checkpoint.safe_load import SafeFileSystemReader
+from hpc_train.checkpoint.safe_load import RAW, SafeFileSystemReader
 from hpc_train.resilience.faults import fault_point
 
 SECONDS = ("io_s", "hash_s", "fsync_s")  # where a writer thread's time goes
+WRITE_BUFFER = 2**20  # records under this size are gathered into writes of it; larger ones go out directly
 
 
 class _HashingStream:
@@ -75,16 +83,13 @@ class _HashingStream:
 
 
 class _HashingFileSystem(FileSystem):
-    """DCP's local file system, recording {file name: size and digest} of every file it writes, and every
-    error (DCP's writer threads other than the caller's drop theirs)."""
+    """DCP's local file system, recording {file name: size and digest} of the file DCP itself writes (its
+    `.metadata`), fsynced as it closes."""
 
     def __init__(self, step: int, rank: int):
         super().__init__()
         self.step, self.rank = step, rank
         self.records: dict[str, dict] = {}
-        self.seconds = dict.fromkeys(SECONDS, 0.0)  # summed over the writer threads
-        self.errors: list[BaseException] = []
-        self.lock = threading.Lock()
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -92,39 +97,30 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        try:  # torch's config patch is per thread: entered on each writer thread
-            with serialization_config.patch({"save.compute_crc32": False}), super().create_stream(path, mode) as raw:
-                stream = _HashingStream(raw)
-                yield stream
-                stream.close()  # fsynced, if the writer did not close it (DCP's metadata file)
-        except Exception as err:
-            with self.lock:
-                self.errors.append(err)
-            if str(path).endswith(".distcp"):  # a shard, in one of DCP's writer threads: write_data raises it
-                return
-            raise
-        with self.lock:
-            self.records[Path(path).name] = file_record(stream.size, stream.digest)
-            for key, seconds in stream.seconds.items():
-                self.seconds[key] += seconds
-        fault_point("mid_write", self.step, self.rank)  # one file complete, others maybe half written
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(raw)
+            yield stream
+            stream.close()
+        self.records[Path(path).name] = file_record(stream.size, stream.digest)
+        fault_point("mid_write", self.step, self.rank)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
-        with self.lock:
-            self.records[Path(new_path).name] = self.records.pop(Path(path).name)
+        self.records[Path(new_path).name] = self.records.pop(Path(path).name)
 
 
 class ChecksummedWriter(FileSystemWriter):
-    """DCP's writer into `path`: `threads` files per rank, written in parallel and fsynced (by the stream as
-    it closes, so it is timed), each recorded in `records` (name -> size and digest) once written. `figures`:
-    the wall seconds of DCP's data write, and the writer threads' seconds writing to the OS, hashing and in
-    fsync (summed over threads: where the write's time goes)."""
+    """DCP's writer into `path`: this rank's tensors as RAW records in `threads` files, written in parallel,
+    hashed as written and fsynced, each recorded in `records` (name -> size and digest) once durable.
+    `figures`: the wall seconds of the data write, and the writer threads' seconds writing to the OS, hashing
+    and in fsync (summed over threads: where the write's time goes)."""
 
     def __init__(self, path: Path, threads: int, step: int, rank: int):
         super().__init__(path, thread_count=threads, sync_files=False, overwrite=False)
         self.fs = _HashingFileSystem(step, rank)
         self.data_s = 0.0
+        self.seconds = dict.fromkeys(SECONDS, 0.0)
+        self.lock = threading.Lock()
 
     @property
     def records(self) -> dict[str, dict]:
@@ -132,19 +128,56 @@ class ChecksummedWriter(FileSystemWriter):
 
     @property
     def figures(self) -> dict[str, float]:
-        return {"data_s": self.data_s, **self.fs.seconds}
+        return {"data_s": self.data_s, **self.seconds}
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        """DCP's write, failing when any of its threads failed (a thread's error would otherwise be lost
-        and the checkpoint's metadata silently lack that thread's tensors)."""
+    def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[list[WriteResult]]:
+        """Every file written and durable, or the first error raised (no file's results go missing)."""
         start = time.perf_counter()
-        written = super().write_data(plan, planner)
+        buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b]
+        files = [(f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}", bucket) for i, bucket in enumerate(buckets)]
+        with ThreadPoolExecutor(max(1, len(files))) as pool:
+            written = [r for results in pool.map(lambda f: self._write_file(*f, planner), files) for r in results]
         self.data_s = time.perf_counter() - start
-        if self.fs.errors:
-            raise self.fs.errors[0]
-        if len(written.value()) != len(plan.items):
-            raise OSError(f"{len(written.value())} of {len(plan.items)} tensors were written into {self.path}")
-        return written
+        done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        done.set_result(written)
+        return done
+
+    def _write_file(self, name: str, items: list, planner: Any) -> list[WriteResult]:
+        """`items`' tensors, one RAW record each, into the new file `name`: large records go to the OS
+        straight from the tensor's memory, small ones through one buffer; hashed in the same pass."""
+        digest, seconds, results, offset = new_digest(), dict.fromkeys(SECONDS, 0.0), [], 0
+        with open(Path(self.path) / name, "xb", buffering=WRITE_BUFFER) as f:
+            for item in items:
+                data = raw_bytes(planner.resolve_data(item), item.index.fqn)
+                start = time.perf_counter()
+                f.write(data)
+                hashed = time.perf_counter()
+                digest.update(data)
+                seconds["io_s"] += hashed - start
+                seconds["hash_s"] += time.perf_counter() - hashed
+                info = _StorageInfo(name, offset, len(data), transform_descriptors=[RAW])
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=info))
+                offset += len(data)
+            start = time.perf_counter()
+            f.flush()
+            os.fsync(f.fileno())
+            seconds["fsync_s"] += time.perf_counter() - start
+        with self.lock:
+            self.records[name] = file_record(offset, digest)
+            for key, value in seconds.items():
+                self.seconds[key] += value
+        fault_point("mid_write", self.fs.step, self.fs.rank)  # one file complete, others maybe half written
+        return results
+
+
+def raw_bytes(tensor: torch.Tensor, name: str) -> memoryview:
+    """A tensor's RAW record: its elements' bytes, row-major, read from its memory where it is contiguous on
+    the host (copied to the host, or made contiguous, otherwise)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: a checkpoint holds tensors only, not {type(tensor).__name__}")
+    if sys.byteorder != "little":
+        raise OSError("RAW checkpoint records are little-endian; this host is not")
+    return _byte_view(tensor.detach().to("cpu").contiguous())
 
 
 class ParallelReader(SafeFileSystemReader):
@@ -170,7 +203,13 @@ class ParallelReader(SafeFileSystemReader):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)  # the whole file read ahead, in order
                 for item in items:
                     target = planner.resolve_tensor(item).detach()
-                    stored_dtype = planner.metadata.state_dict_metadata[item.storage_index.fqn].properties.dtype
+                    stored = planner.metadata.state_dict_metadata[item.storage_index.fqn]
+                    info = self.storage_data[item.storage_index]
+                    if info.transform_descriptors:  # RAW: safe_load admits no other
+                        _read_raw(f, info, item, stored, target)
+                        planner.commit_tensor(item, target)
+                        continue
+                    stored_dtype = stored.properties.dtype
                     direct = target.device.type == "cpu" and target.is_contiguous()
                     staged = target if direct else torch.empty(target.shape, dtype=target.dtype)
                     if _read_in_place(f, self.storage_data[item.storage_index], item, staged, stored_dtype):
@@ -198,6 +237,40 @@ class ParallelReader(SafeFileSystemReader):
             raise ValueError(f"{relative_path}: {item.storage_index.fqn} has shape {tuple(stored.shape)}, "
                              f"{tuple(target.shape)} expected")  # fmt: skip
         return stored
+
+
+def _read_raw(f: Any, info: Any, item: Any, stored: Any, target: torch.Tensor) -> None:
+    """The elements `item` asks for of a RAW record into `target`: only their bytes when they are one stretch
+    of the stored tensor (straight into `target` when it is contiguous host memory of the stored dtype),
+    else the whole record, cut to the box; a dtype change is made by the copy."""
+    fqn = item.storage_index.fqn
+    shape = next(tuple(c.sizes) for c in stored.chunks if tuple(c.offsets) == tuple(item.storage_index.offset))
+    dtype = stored.properties.dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    if info.length != math.prod(shape) * size:
+        raise ValueError(f"{info.relative_path}: {fqn} holds {info.length} bytes, not a {dtype} tensor of {shape}")
+    if tuple(target.shape) != tuple(item.lengths):
+        raise ValueError(f"{info.relative_path}: {fqn} is read as {tuple(item.lengths)} into {tuple(target.shape)}")
+    start = _contiguous_start(shape, item.storage_offsets, item.lengths)
+    if start is None:
+        whole = torch.empty(shape, dtype=dtype)
+        f.seek(info.offset)
+        _read_exactly(f, _byte_view(whole), fqn)
+        for dim, (first, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+            whole = whole.narrow(dim, first, length)
+        target.copy_(whole)
+        return
+    direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
+    part = target if direct else torch.empty(target.shape, dtype=dtype)
+    f.seek(info.offset + start * size)
+    _read_exactly(f, _byte_view(part), fqn)
+    if not direct:
+        target.copy_(part)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, writable."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 class _RecordView(io.RawIOBase):
@@ -271,7 +344,7 @@ def _read_in_place(f: Any, info: Any, item: Any, target: torch.Tensor, stored_dt
     if data_at + nbytes > info.offset + info.length:
         return False
     f.seek(data_at)
-    _read_exactly(f, memoryview(target.reshape(-1).view(torch.uint8).numpy()), item.storage_index.fqn)
+    _read_exactly(f, _byte_view(target), item.storage_index.fqn)
     return True
 
 

@@ -5,7 +5,8 @@ it may execute: per-rank files are loaded with `torch.load(weights_only=True)` (
 Python values only), and DCP's `.metadata`, a pickle that DCP itself loads with the unrestricted
 `pickle.load`, goes through an unpickler that builds only DCP's own metadata classes, torch dtypes and
 sizes. The result is then checked: every entry a tensor (a bytes entry would make DCP call
-`torch.load(weights_only=False)`), every shard file a plain name inside the checkpoint, no transforms.
+`torch.load(weights_only=False)`), every shard file a plain name inside the checkpoint, no transform but
+RAW (a record of a tensor's bytes only, checkpoint/dcp_io.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hpc_train.errors import UserError
 
 PLAIN_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.\-]+$")  # a file directly inside the checkpoint
 DCP_METADATA = ".metadata"
+RAW = "hpc_train.raw"  # a record of a tensor's bytes only (DCP's metadata has its shape and dtype): dcp_io.py
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -80,8 +82,9 @@ def read_dcp_metadata(directory: Path, allowed_files: set[str] | None = None) ->
             raise CheckpointError(f"{path}: a storage entry is malformed")
         if not PLAIN_NAME.match(name) or (allowed_files is not None and name not in allowed_files):
             raise CheckpointError(f"{path} points at {name!r}, which is not a shard file of this checkpoint")
-        if info.transform_descriptors:
-            raise CheckpointError(f"{path}: shard {name} asks for load transforms, which hpc_train never writes")
+        if info.transform_descriptors and list(info.transform_descriptors) != [RAW]:
+            raise CheckpointError(f"{path}: shard {name} asks for load transforms {info.transform_descriptors}, "
+                                  f"which hpc_train never writes")  # fmt: skip
     return metadata
 
 
