@@ -244,7 +244,9 @@ def _read_raw(f: Any, info: Any, item: Any, stored: Any, target: torch.Tensor) -
     of the stored tensor (straight into `target` when it is contiguous host memory of the stored dtype),
     else the whole record, cut to the box; a dtype change is made by the copy."""
     fqn = item.storage_index.fqn
-    shape = next(tuple(c.sizes) for c in stored.chunks if tuple(c.offsets) == tuple(item.storage_index.offset))
+    shape = next((tuple(c.sizes) for c in stored.chunks if tuple(c.offsets) == tuple(item.storage_index.offset)), None)
+    if shape is None:
+        raise ValueError(f"{info.relative_path}: {fqn} has no stored chunk at {tuple(item.storage_index.offset)}")
     dtype = stored.properties.dtype
     size = torch.empty((), dtype=dtype).element_size()
     if info.length != math.prod(shape) * size:

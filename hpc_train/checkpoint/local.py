@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.checkpoint.integrity import WRITE_ALGORITHM, file_record, new_digest
-from hpc_train.checkpoint.memory_copy import MemoryCopy
+from hpc_train.checkpoint.memory_copy import MemoryCopy, split_pieces
 from hpc_train.checkpoint.store import CheckpointError, step_dir_name
 from hpc_train.resilience.faults import fault_point
 
@@ -43,16 +43,18 @@ def replica_name(rank: int) -> str:
     return f"replica_of_rank{rank:05d}.pt"
 
 
-def write_verified(path: Path, data: memoryview, record: dict[str, Any]) -> None:
-    """`data` to `path` and its record (size, checksum and `record`) to `path`.json, each under a temporary
-    name, fsynced, then renamed: a file is whole once its record exists."""
-    digest = new_digest()
-    digest.update(data)
-    described = json.dumps({**record, **file_record(len(data), digest)}).encode()
-    for target, content in ((path, data), (path.with_suffix(".json"), described)):
+def write_verified(path: Path, pieces: list[memoryview], record: dict[str, Any]) -> None:
+    """`pieces`, one after another, to `path` (hashed as they go out) and its record (size, checksum and
+    `record`) to `path`.json, each under a temporary name, fsynced, then renamed: a file is whole once its
+    record exists."""
+    digest, size = new_digest(), sum(len(piece) for piece in pieces)
+    for target, content in ((path, pieces), (path.with_suffix(".json"), None)):
         tmp = target.with_name(target.name + ".tmp")
         with open(tmp, "wb") as f:
-            f.write(content)
+            for piece in content or [json.dumps({**record, **file_record(size, digest)}).encode()]:
+                f.write(piece)
+                if content:
+                    digest.update(piece)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -90,39 +92,39 @@ class LocalCheckpoints:
     def save(self, step: int) -> dict[str, Any]:
         """Write this rank's state of `step` here and on its partner; the bytes written and the partner's rank."""
         self.copy.take(step)
-        data = self.copy.to_bytes()
+        pieces = self.copy.pieces()  # views of the copy: written and sent as it lies in memory
         directory = self.root / step_dir_name(step)
         directory.mkdir(parents=True, exist_ok=True)
         record = {"step": step, "layout": self.layout}
-        write_verified(directory / own_name(self.rank), data, record)
+        write_verified(directory / own_name(self.rank), pieces, record)
         replicated = self.partner != self.rank  # one node: nowhere else to keep it
         if replicated:
-            received = self._exchange(data, self.partner, self.source)
-            write_verified(directory / replica_name(self.source), received, record)
+            received = self._exchange(pieces, self.partner, self.source)
+            write_verified(directory / replica_name(self.source), [received], record)
         dist.barrier(group=self.group)  # every copy of this step written before an older one goes
         self._prune()
         if fault_point("local_saved", step, self.rank):  # a planted loss of this node: its disk, then the rank
             shutil.rmtree(self.node_dir, ignore_errors=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return {"local_bytes": len(data), "partner": self.partner if replicated else None}
+        return {"local_bytes": sum(len(piece) for piece in pieces), "partner": self.partner if replicated else None}
 
-    def _exchange(self, data: memoryview | None, to: int | None, source: int | None) -> memoryview:
-        """Send `data` to rank `to` while receiving a rank `source`'s (None: not that half), sizes first."""
-        ops, size = [], torch.zeros(1, dtype=torch.int64)
-        if to is not None:
-            ops.append(dist.P2POp(dist.isend, torch.tensor([len(data)], dtype=torch.int64), to, self.group))
-        if source is not None:
-            ops.append(dist.P2POp(dist.irecv, size, source, self.group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        ops, buffer = [], torch.empty(int(size), dtype=torch.uint8)
-        if to is not None:
-            ops.append(dist.P2POp(dist.isend, torch.frombuffer(data, dtype=torch.uint8), to, self.group))
-        if source is not None:
-            ops.append(dist.P2POp(dist.irecv, buffer, source, self.group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+    def _exchange(self, pieces: list[memoryview] | None, to: int | None, source: int | None) -> memoryview:
+        """Send a state copy's `pieces` (header, buffer) to rank `to` while receiving a rank `source`'s into one
+        buffer (None: not that half), their sizes first."""
+        sizes = torch.zeros(2, dtype=torch.int64)
+        sent = [torch.tensor([len(p) for p in pieces], dtype=torch.int64)] if to is not None else []
+        self._send_receive(sent, to, [sizes] if source is not None else [], source)
+        buffer, head = torch.empty(int(sizes.sum()), dtype=torch.uint8), int(sizes[0])
+        sent = [torch.frombuffer(p, dtype=torch.uint8) for p in pieces if len(p)] if to is not None else []
+        self._send_receive(sent, to, [part for part in (buffer[:head], buffer[head:]) if len(part)], source)
         return memoryview(buffer.numpy())
+
+    def _send_receive(self, sends: list[torch.Tensor], to: int | None, receives: list[torch.Tensor],
+                      source: int | None) -> None:  # fmt: skip
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in receives]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
 
     def _prune(self) -> None:
         steps = sorted(p for p in self.root.glob("step_*") if p.is_dir())
@@ -159,11 +161,11 @@ class LocalCheckpoints:
         directory = self.root / step_dir_name(step)
         if self.rank in lost or self.source in lost:  # send this rank's copy of `source` back, get its own
             sends = self.source if self.source in lost else None
-            data = read_verified(directory / replica_name(self.source)) if sends is not None else None
-            received = self._exchange(data, sends, self.partner if self.rank in lost else None)
+            pieces = split_pieces(read_verified(directory / replica_name(self.source))) if sends is not None else None
+            received = self._exchange(pieces, sends, self.partner if self.rank in lost else None)
             if self.rank in lost:
                 directory.mkdir(parents=True, exist_ok=True)
-                write_verified(directory / own_name(self.rank), received, {"step": step, "layout": self.layout})
+                write_verified(directory / own_name(self.rank), [received], {"step": step, "layout": self.layout})
         own = directory / own_name(self.rank)
         self.copy.load_bytes(read_verified(own))
         self.copy.restore()

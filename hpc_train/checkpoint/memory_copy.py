@@ -5,8 +5,10 @@ rollback without reading a checkpoint from disk, and the content of node-local c
 It holds this rank's own tensors only, as they live in this layout (the model's local shards, the optimizer's
 `local_states`: ZeRO's owned ranges), so taking and restoring it needs no communication and no resharding;
 the small parts (sampler, loss scaler, metrics position, spike medians, RNG) are copies of their state
-dicts. Host buffers are allocated by the first copy (pinned on a GPU) and reused while the shapes stay. As
-bytes (`to_bytes`) it is tensors and plain values only: it loads with `torch.load(weights_only=True)`.
+dicts. The tensors lie in one host buffer, one after another (`ALIGN`ed), allocated by the first copy
+(pinned on a GPU) and reused while the shapes stay. As a file (`pieces`) it is a header (what each tensor
+is and where it lies; plain values, loaded with `torch.load(weights_only=True)`) and then that buffer as it
+is: written and sent straight from the copy, never serialized.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from hpc_train.checkpoint.safe_load import load_rank_file
+from hpc_train.checkpoint.safe_load import CheckpointError, load_rank_file
 from hpc_train.checkpoint.state import ModelState, OptimizerState, Stateful
 from hpc_train.placement import like_param, local
+
+ALIGN = 64  # where each tensor starts in the buffer: a view of any dtype is aligned
+HEADER_LENGTH = 8  # a file's first bytes: the header's length, little-endian
 
 
 @dataclass
@@ -32,28 +37,31 @@ class HostTensor:
     device: str
     dtensor: bool = False
 
-    def fits(self, t: torch.Tensor) -> bool:
-        return local(t).shape == self.values.shape and local(t).dtype == self.values.dtype
-
     def rebuild(self, param: torch.Tensor) -> torch.Tensor:
         values = self.values.to(self.device, copy=True)
         return like_param(param, values) if self.dtensor else values
 
 
-def to_host(t: torch.Tensor) -> HostTensor:
-    part = local(t).detach()
-    values = torch.empty(part.shape, dtype=part.dtype, device="cpu", pin_memory=part.is_cuda)
-    values.copy_(part)
-    return HostTensor(values, str(part.device), isinstance(t, DTensor))
+def describe(tensors: list[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype, str, bool]]:
+    """Each tensor's local shape, dtype, device and whether it is a DTensor: what the buffer's layout follows."""
+    return [(tuple(local(t).shape), local(t).dtype, str(local(t).device), isinstance(t, DTensor)) for t in tensors]
 
 
-def refreshed(held: list[HostTensor], tensors: list[torch.Tensor]) -> list[HostTensor]:
-    """`tensors` copied into the host buffers `held` where each still fits, else into new ones."""
-    if len(held) != len(tensors) or not all(h.fits(t) for h, t in zip(held, tensors, strict=True)):
-        return [to_host(t) for t in tensors]
-    for h, t in zip(held, tensors, strict=True):
-        h.values.copy_(local(t).detach())
+def views(buffer: torch.Tensor, layout: list[tuple]) -> list[HostTensor]:
+    """The tensors of `layout` as views of `buffer`, one after another, each at a multiple of ALIGN."""
+    held, at = [], 0
+    for shape, dtype, device, dtensor in layout:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if at + nbytes > buffer.numel():
+            raise CheckpointError(f"a state copy of {buffer.numel()} bytes is too short for its tensors")
+        held.append(HostTensor(buffer[at : at + nbytes].view(dtype).view(shape), device, dtensor))
+        at += -(-nbytes // ALIGN) * ALIGN
     return held
+
+
+def buffer_size(layout: list[tuple]) -> int:
+    return sum(-(-torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() // ALIGN) * ALIGN
+               for shape, dtype, *_ in layout)  # fmt: skip
 
 
 class MemoryCopy:
@@ -62,6 +70,8 @@ class MemoryCopy:
     def __init__(self, model: ModelState, optim: OptimizerState, small: dict[str, Stateful]):
         self.model, self.optim, self.small = model, optim, small
         self.step: int | None = None  # the step copied; None: nothing yet
+        self.buffer = torch.empty(0, dtype=torch.uint8)  # every tensor's bytes
+        self.layout: list[tuple] = []  # `describe` of the tensors in the buffer: the weights', then the states'
         self.weights: list[HostTensor] = []
         self.keys: list[list[str]] = []  # the optimizer's keys per parameter, and their tensors in that order
         self.states: list[HostTensor] = []
@@ -69,12 +79,23 @@ class MemoryCopy:
 
     def take(self, step: int) -> None:
         """Copy the state as it is now, at the save of `step` (before the next update changes it)."""
-        self.weights = refreshed(self.weights, [t for _, t in self.model.live_tensors()])
+        weights = [t for _, t in self.model.live_tensors()]
         states = self.optim.optimizer.local_states()
+        tensors = weights + [t for s in states for t in s.values()]
+        layout = describe(tensors)
+        if layout != self.layout:  # the first copy, or the shapes changed: a new buffer
+            pinned = any(device.startswith("cuda") for *_, device, _ in layout)
+            self.buffer = torch.empty(buffer_size(layout), dtype=torch.uint8, pin_memory=pinned)
+            self._place(layout, len(weights))
+        for h, t in zip(self.weights + self.states, tensors, strict=True):
+            h.values.copy_(local(t).detach())
         self.keys = [list(s) for s in states]
-        self.states = refreshed(self.states, [t for s in states for t in s.values()])
         self.small_states = {name: copy.deepcopy(part.state_dict()) for name, part in self.small.items()}
         self.step = step
+
+    def _place(self, layout: list[tuple], n_weights: int) -> None:
+        held = views(self.buffer, layout)
+        self.layout, self.weights, self.states = layout, held[:n_weights], held[n_weights:]
 
     def restore(self) -> None:
         """Put the copied state back: the weights in place, the optimizer's through `load_param_states` (as a
@@ -91,22 +112,30 @@ class MemoryCopy:
 
     def nbytes(self) -> int:
         """Host bytes the copy holds (its tensors)."""
-        return sum(h.values.nbytes for h in self.weights + self.states)
+        return self.buffer.numel()
 
-    def to_bytes(self) -> memoryview:
-        """The copy serialized (tensors and plain values only)."""
-        out = io.BytesIO()
-        held = {"weights": self.weights, "states": self.states}
-        torch.save({"step": self.step, "keys": self.keys, "small": self.small_states,
-                    **{k: [h.values for h in hs] for k, hs in held.items()},
-                    **{f"{k}_where": [(h.device, h.dtensor) for h in hs] for k, hs in held.items()}}, out)  # fmt: skip
-        return out.getbuffer()
+    def pieces(self) -> list[memoryview]:
+        """The copy as a file: its header (length first) and its buffer, as the buffer lies in memory."""
+        header = io.BytesIO()
+        torch.save({"step": self.step, "keys": self.keys, "small": self.small_states, "layout": self.layout,
+                    "weights": len(self.weights)}, header)  # fmt: skip
+        head = len(header.getbuffer()).to_bytes(HEADER_LENGTH, "little") + header.getvalue()
+        return [memoryview(head), memoryview(self.buffer.numpy()).cast("B")]
 
     def load_bytes(self, data: memoryview) -> None:
-        """A copy `to_bytes` wrote, read back safely (nothing unpickled runs code)."""
-        saved = load_rank_file(io.BytesIO(data))
+        """A copy `pieces` wrote, read back safely (nothing unpickled runs code); its tensors stay views of
+        `data` (writable: a bytearray's)."""
+        head, body = split_pieces(data)
+        saved = load_rank_file(io.BytesIO(head[HEADER_LENGTH:]))
+        if len(body) != (expected := buffer_size(saved["layout"])):
+            raise CheckpointError(f"a state copy holds {len(body)} bytes of tensors, its header describes {expected}")
+        self.buffer = torch.frombuffer(body, dtype=torch.uint8) if len(body) else torch.empty(0, dtype=torch.uint8)
+        self._place([tuple(entry) for entry in saved["layout"]], saved["weights"])
         self.step, self.keys, self.small_states = saved["step"], saved["keys"], saved["small"]
-        self.weights, self.states = (
-            [HostTensor(v, device, dtensor) for v, (device, dtensor) in zip(saved[k], saved[f"{k}_where"], strict=True)]
-            for k in ("weights", "states")
-        )
+
+
+def split_pieces(data: memoryview) -> list[memoryview]:
+    """A state copy's file (as `MemoryCopy.pieces` wrote it) cut into its header (length first) and buffer."""
+    if len(data) < HEADER_LENGTH or (end := HEADER_LENGTH + int.from_bytes(data[:HEADER_LENGTH], "little")) > len(data):
+        raise CheckpointError("a state copy's file is shorter than its header says")
+    return [data[:end], data[end:]]

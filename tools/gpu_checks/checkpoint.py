@@ -47,7 +47,7 @@ def _measure(check: Check, root: Path, rank_env, model: list[str], threads: int)
     if free < DISK_SHARE * nbytes:
         check.skip("checkpoint", f"needs {gb(DISK_SHARE * nbytes)} free on {root}, has {gb(free)}")
         return
-    writes = write_times(root, state, nbytes, rounds=1, dcp_reference=False)
+    writes, _ = write_times(root, state, nbytes, rounds=1, dcp_reference=False)
     raw_write, save = writes["raw_write"], writes["save"]
     check.row("raw write + fsync (disk)", f"{nbytes / raw_write / 1e9:.2f} GB/s ({raw_write:.1f} s)", seconds=raw_write)
     share = raw_write / save
