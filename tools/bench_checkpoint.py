@@ -262,12 +262,13 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
             extra = (min(walls[layout, save]) - min(walls[layout, "none"])) / steps
             cpu = (min(cpus[layout, save]) - min(cpus[layout, "none"])) / steps
             speed = f"{per_raw / extra:.0%} of the disk's speed" if extra > 0 else "no wall time lost"
-            per_gb = cpu / (nbytes / 1e9)
-            print(f"    {save:>5} save: {extra:+.2f} s wall ({speed}), {cpu:.2f} CPU s ({per_gb:.2f} per GB)")
+            cpu_s = f", {cpu:.2f} CPU s ({cpu / (nbytes / 1e9):.2f} per GB)" if layouts[layout][0] == 1 else ""
+            print(f"    {save:>5} save: {extra:+.2f} s wall ({speed}){cpu_s}")
 
 
 def children_cpu_s() -> float:
-    """CPU seconds of every waited-for descendant process so far (user + system)."""
+    """CPU seconds of every waited-for descendant process so far (user + system): a one-rank run's; several
+    ranks start from a fork server that is not waited for, so theirs are not counted."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 

@@ -47,21 +47,29 @@ def describe(tensors: list[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.d
     return [(tuple(local(t).shape), local(t).dtype, str(local(t).device), isinstance(t, DTensor)) for t in tensors]
 
 
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def views(buffer: torch.Tensor, layout: list[tuple]) -> list[HostTensor]:
     """The tensors of `layout` as views of `buffer`, one after another, each at a multiple of ALIGN."""
     held, at = [], 0
     for shape, dtype, device, dtensor in layout:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = nbytes_of(shape, dtype)
         if at + nbytes > buffer.numel():
             raise CheckpointError(f"a state copy of {buffer.numel()} bytes is too short for its tensors")
         held.append(HostTensor(buffer[at : at + nbytes].view(dtype).view(shape), device, dtensor))
-        at += -(-nbytes // ALIGN) * ALIGN
+        at += aligned(nbytes)
     return held
 
 
 def buffer_size(layout: list[tuple]) -> int:
-    return sum(-(-torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() // ALIGN) * ALIGN
-               for shape, dtype, *_ in layout)  # fmt: skip
+    """The bytes `views` lays `layout` out in."""
+    return sum(aligned(nbytes_of(shape, dtype)) for shape, dtype, *_ in layout)
 
 
 class MemoryCopy:
