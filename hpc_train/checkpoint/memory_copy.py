@@ -131,14 +131,16 @@ class MemoryCopy:
         return [memoryview(head), memoryview(self.buffer.numpy()).cast("B")]
 
     def load_bytes(self, data: memoryview) -> None:
-        """A copy `pieces` wrote, read back safely (nothing unpickled runs code); its tensors stay views of
-        `data` (writable: a bytearray's)."""
+        """A copy `pieces` wrote, read back safely (nothing unpickled runs code); its tensors are views of
+        `data` (writable: a bytearray's) until the next `take`, which copies into a buffer of its own (pinned on
+        a GPU)."""
         head, body = split_pieces(data)
         saved = load_rank_file(io.BytesIO(head[HEADER_LENGTH:]))
         if len(body) != (expected := buffer_size(saved["layout"])):
             raise CheckpointError(f"a state copy holds {len(body)} bytes of tensors, its header describes {expected}")
         self.buffer = torch.frombuffer(body, dtype=torch.uint8) if len(body) else torch.empty(0, dtype=torch.uint8)
         self._place([tuple(entry) for entry in saved["layout"]], saved["weights"])
+        self.layout = []  # the next take allocates its own buffer
         self.step, self.keys, self.small_states = saved["step"], saved["keys"], saved["small"]
 
 
