@@ -563,6 +563,8 @@ def test_a_flat_range_of_a_stored_tensor_is_read_alone(tmp_path, monkeypatch, re
         assert {info.transform_descriptors[0] for info in read_dcp_metadata(tmp_path).storage_data.values()} == {RAW}
         shards = {name: record["size"] for name, record in writer.records.items() if name.endswith(".distcp")}
         assert sorted(shards.values()) == [3 * 2, 6 * 5 * 4 * 4]  # two threads, one tensor's bytes each
+        with pytest.raises(dcp.api.CheckpointException, match="Unknown extension name='hpc_train.raw'"):  # stock DCP
+            dcp.load({"w": torch.empty(6, 5, 4)}, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
     else:
         dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
     read, read_exactly = [], dcp_io._read_exactly

@@ -107,7 +107,7 @@ def training_state(root: Path, rank_env, model: list[str], device: torch.device,
     return cfg, run, batch, nbytes, sum(count_params(chunk) for chunk in run.model.chunks)
 
 
-def write_times(root: Path, run, nbytes: int, rounds: int = 2, dcp_reference: bool = True) -> dict[str, float]:
+def write_times(root: Path, run, nbytes: int, rounds: int = 2, dcp_reference: bool = True) -> tuple[dict, dict]:
     """Seconds of the raw write + fsync of `nbytes` (the best of `rounds`: a strict reference; the file is
     left at root/raw.bin for `read_times`), of DCP's defaults saving the same state (`dcp_reference`) and of
     hpc_train's sync save (step 1); and that save's figures (where its time went)."""

@@ -177,7 +177,7 @@ def raw_bytes(tensor: torch.Tensor, name: str) -> memoryview:
         raise TypeError(f"{name}: a checkpoint holds tensors only, not {type(tensor).__name__}")
     if sys.byteorder != "little":
         raise OSError("RAW checkpoint records are little-endian; this host is not")
-    return _byte_view(tensor.detach().to("cpu").contiguous())
+    return _byte_view(tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous())
 
 
 class ParallelReader(SafeFileSystemReader):
@@ -185,8 +185,9 @@ class ParallelReader(SafeFileSystemReader):
     read asks of a stored tensor in its own dtype, when those elements lie in one stretch of it (the whole
     tensor, whole rows, part of a row: a reshard's slice, ZeRO's owned range), is read straight from the
     file, only those bytes, into the tensor it loads into (or, where that is not contiguous host memory,
-    a buffer of their size); anything else (a dtype change, a box across rows) goes through torch.load of
-    the stored tensor, as in DCP's own reader."""
+    a buffer of their size). From a RAW record anything else (a box across rows) reads the whole record and
+    cuts it, and a dtype change is made by the copy; from a torch.save record of an earlier version it goes
+    through torch.load of the stored tensor, as in DCP's own reader."""
 
     def __init__(self, path: str | os.PathLike, threads: int):
         super().__init__(path)
@@ -244,6 +245,8 @@ def _read_raw(f: Any, info: Any, item: Any, stored: Any, target: torch.Tensor) -
     of the stored tensor (straight into `target` when it is contiguous host memory of the stored dtype),
     else the whole record, cut to the box; a dtype change is made by the copy."""
     fqn = item.storage_index.fqn
+    if sys.byteorder != "little":
+        raise OSError("RAW checkpoint records are little-endian; this host is not")
     shape = next((tuple(c.sizes) for c in stored.chunks if tuple(c.offsets) == tuple(item.storage_index.offset)), None)
     if shape is None:
         raise ValueError(f"{info.relative_path}: {fqn} has no stored chunk at {tuple(item.storage_index.offset)}")

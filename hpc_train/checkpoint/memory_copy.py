@@ -25,7 +25,7 @@ from hpc_train.checkpoint.safe_load import CheckpointError, load_rank_file
 from hpc_train.checkpoint.state import ModelState, OptimizerState, Stateful
 from hpc_train.placement import like_param, local
 
-ALIGN = 64  # where each tensor starts in the buffer: a view of any dtype is aligned
+ALIGN = 64  # each tensor's offset in the buffer (in a buffer read back from a file, relative to its start)
 HEADER_LENGTH = 8  # a file's first bytes: the header's length, little-endian
 
 
@@ -127,7 +127,7 @@ class MemoryCopy:
         header = io.BytesIO()
         torch.save({"step": self.step, "keys": self.keys, "small": self.small_states, "layout": self.layout,
                     "weights": len(self.weights)}, header)  # fmt: skip
-        head = len(header.getbuffer()).to_bytes(HEADER_LENGTH, "little") + header.getvalue()
+        head = bytearray(len(header.getbuffer()).to_bytes(HEADER_LENGTH, "little") + header.getvalue())
         return [memoryview(head), memoryview(self.buffer.numpy()).cast("B")]
 
     def load_bytes(self, data: memoryview) -> None:
