@@ -145,26 +145,18 @@ class ChecksummedWriter(FileSystemWriter):
     def _write_file(self, name: str, items: list, planner: Any) -> list[WriteResult]:
         """`items`' tensors, one RAW record each, into the new file `name`: large records go to the OS
         straight from the tensor's memory, small ones through one buffer; hashed in the same pass."""
-        digest, seconds, results, offset = new_digest(), dict.fromkeys(SECONDS, 0.0), [], 0
-        with open(Path(self.path) / name, "xb", buffering=WRITE_BUFFER) as f:
+        results = []
+        with open(Path(self.path) / name, "xb", buffering=WRITE_BUFFER) as raw:
+            stream = _HashingStream(raw)
             for item in items:
                 data = raw_bytes(planner.resolve_data(item), item.index.fqn)
-                start = time.perf_counter()
-                f.write(data)
-                hashed = time.perf_counter()
-                digest.update(data)
-                seconds["io_s"] += hashed - start
-                seconds["hash_s"] += time.perf_counter() - hashed
-                info = _StorageInfo(name, offset, len(data), transform_descriptors=[RAW])
+                info = _StorageInfo(name, stream.size, len(data), transform_descriptors=[RAW])
+                stream.write(data)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=info))
-                offset += len(data)
-            start = time.perf_counter()
-            f.flush()
-            os.fsync(f.fileno())
-            seconds["fsync_s"] += time.perf_counter() - start
+            stream.close()  # flushed and fsynced (timed)
         with self.lock:
-            self.records[name] = file_record(offset, digest)
-            for key, value in seconds.items():
+            self.records[name] = file_record(stream.size, stream.digest)
+            for key, value in stream.seconds.items():
                 self.seconds[key] += value
         fault_point("mid_write", self.fs.step, self.fs.rank)  # one file complete, others maybe half written
         return results
