@@ -95,6 +95,7 @@ class LocalParams:
     # that spans one rank, edp = 1, where they stay whole and are never gathered): the running block at
     # backward's start
     last_block: int = 0
+    trainable_is_matrix: tuple[bool, ...] = ()  # per trainable_sizes entry: a hidden-layer matrix (Muon's)
 
 
 def local_param_count(cfg: JobConfig, pp_rank: int = 0, dp: int = 1) -> LocalParams:
@@ -127,7 +128,7 @@ def _param_count(
     total = trainable = shard_total = shard_trainable = quantized = quantized_bytes = largest_projection = 0
     matrices = shard_matrices = experts = 0
     full_grad = False
-    sizes = []
+    sizes, is_matrix = [], []
     units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
     gathered: dict[str, int] = {}  # block -> the elements FSDP gathers for it
     for stage in stage_ids(pp_rank, pp, virtual_stages):
@@ -166,7 +167,8 @@ def _param_count(
                 trainable, shard_trainable = trainable + count, shard_trainable + shard
                 sizes.append(count)
                 experts += count if name in routed else 0
-                if is_hidden_matrix(chunk.canonical_name(name), ndims[name]):
+                is_matrix.append(is_hidden_matrix(chunk.canonical_name(name), ndims[name]))
+                if is_matrix[-1]:
                     matrices, shard_matrices = matrices + count, shard_matrices + shard
             unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
             units[unit] = units.get(unit, 0) + count
@@ -178,7 +180,7 @@ def _param_count(
     return LocalParams(total, trainable, shard_total, shard_trainable, matrices, shard_matrices,
                        max(units.values(), default=0), root,
                        quantized, quantized_bytes, largest_projection, tuple(sizes), full_grad, experts,
-                       list(gathered.values())[-1] if gathered else 0)  # fmt: skip
+                       list(gathered.values())[-1] if gathered else 0, tuple(is_matrix))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
@@ -265,11 +267,15 @@ def in_flight(cfg: JobConfig, pp_rank: int = 0) -> float:
     return min(chunks, micro * p.virtual_stages) / p.virtual_stages  # activation_bytes sums all local chunks
 
 
-def rule_state_bytes(rule: type[UpdateRule], owned: int, trainable: int, matrices: int) -> int:
-    """The update rule's state for `owned` of a rank's `trainable` elements (a ZeRO slice: the owned share
-    of hidden-layer matrices taken as the whole's)."""
-    owned_matrices = owned * matrices // trainable if trainable else 0
-    return rule.planned_state_bytes(True) * owned_matrices + rule.planned_state_bytes(False) * (owned - owned_matrices)
+def rule_state_bytes(rule: type[UpdateRule], owned: int, local: LocalParams) -> int:
+    """The update rule's state for `owned` of a rank's trainable elements, tensor by tensor (a low-bit rule
+    quantizes by a tensor's size, and keeps a code book per tensor it holds a part of); a ZeRO or FSDP share
+    holds the owned fraction of every tensor (the shares rounded so that they add up to `owned`)."""
+    trainable, total, before = max(sum(local.trainable_sizes), 1), 0, 0
+    for n, matrix in zip(local.trainable_sizes, local.trainable_is_matrix, strict=True):
+        share = (before + n) * owned // trainable - before * owned // trainable
+        total, before = total + rule.planned_state_bytes(matrix, share, n), before + n
+    return total
 
 
 def pipeline_buffers(cfg: JobConfig, parts: StageActivations, pp_rank: int = 0) -> int:
@@ -372,13 +378,13 @@ def stage_estimate(
     first = at_end = update = 0  # buffers alive at one of the moments only
     if cls.shards_params:  # the fp32 shards are the master weights (FSDP2's gathers: its feature's memory)
         param_bytes = 4 * local.shard_total
-        trainable, matrices = local.shard_trainable, local.shard_trainable_matrices
+        trainable = local.shard_trainable
         grads, masters, owned = cls.planned_bytes(trainable, 1, element, o.overlap_grad_reduce)
     else:  # LoRA's frozen base in the compute dtype, QLoRA's projections in NF4
         frozen = local.total - local.trainable - local.quantized
         frozen_bytes = policy.frozen_dtype.itemsize if cfg.finetune.adapters else element
         param_bytes = local.trainable * element + frozen * frozen_bytes + local.quantized_bytes
-        trainable, matrices = local.trainable, local.trainable_matrices
+        trainable = local.trainable
         grads, masters, owned = cls.planned_bytes(trainable - local.experts, dp, element, o.overlap_grad_reduce)
         if local.experts:  # the routed experts' shards are reduced (and ZeRO-sharded) over edp = dp / ep
             planned = cls.planned_bytes(local.experts, dp // cfg.parallel.ep, element, o.overlap_grad_reduce)
@@ -405,7 +411,7 @@ def stage_estimate(
     if not cls.shards_params and not cls.grads_before_backward and trainable:
         block_trainable = local.largest_block * trainable // local.total  # LoRA: the block's adapters
         fresh = element * (max(local.trainable_sizes) if cls.takes_grads_in_backward else block_trainable)
-    optimizer = masters + rule_state_bytes(rule_class(o), owned, trainable, matrices)
+    optimizer = masters + rule_state_bytes(rule_class(o), owned, local)
     working = parts.block_backward + added.working
     if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.takes_grads_in_backward):
         vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, dims.tp)
@@ -454,10 +460,14 @@ def feature_memory(cfg: JobConfig, dims: ParallelDims, **given) -> Memory:
     return Memory(**{f.name: sum(getattr(t, f.name) for t in terms) for f in dataclasses.fields(Memory)})
 
 
+LOW_BIT_FALLBACK = {"adamw": ("adamw8bit", "adamw4bit")}  # what `search` tries where a rule's state does not fit
+
+
 def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) -> list[dict]:
     """Every layout of `world` ranks (tp within a node of slurm.gpus_per_node or 8, pp, virtual stages,
     micro-batch size at a fixed global batch, recompute, zero stage, offload) that passes validation,
-    with its memory and estimated step time; those that fit first, fastest first."""
+    with its memory and estimated step time; those that fit first, fastest first. A layout whose AdamW state
+    does not fit is tried with 8-bit, then 4-bit moments (`LOW_BIT_FALLBACK`): the first that fits is its row."""
     from copy import copy
 
     from hpc_train.optim import OPTIMIZERS
@@ -496,10 +506,16 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         except ConfigError:
             continue
         plan = estimate(c, dims)
+        for rule in LOW_BIT_FALLBACK.get(cfg.optim.name, ()) if plan.total > gpu_mem_bytes else ():
+            c.optim.name = rule
+            plan = estimate(c, dims)
+            if plan.total <= gpu_mem_bytes:
+                break
         rows.append({
             "tp": tp, "pp": pp, "vp": vp, "dp": dp, "cp": cp, "cp_mode": cp_mode, "mbs": mbs,
             "grad_accum": c.train.grad_accum,
-            "recompute": recompute, "zero": zero, "offload": offload, "total_gib": plan.total / GiB,
+            "recompute": recompute, "zero": zero, "offload": offload, "optim": c.optim.name,
+            "total_gib": plan.total / GiB,
             "fits": plan.total <= gpu_mem_bytes, "step_s": step_time_estimate(c, dims, peak_flops),
         })  # fmt: skip
     return sorted(rows, key=lambda r: (not r["fits"], r["step_s"], r["total_gib"]))
@@ -622,11 +638,12 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
 
 def format_search(rows: list[dict], limit: int = 20) -> str:
     head = f"{'tp':>3} {'pp':>3} {'vp':>3} {'dp':>4} {'cp':>8} {'mbs':>4} {'accum':>6} {'recompute':>10} {'zero':>5} " \
-           f"{'offload':>8} {'GiB/rank':>9} {'fits':>5} {'step s (est.)':>14}"  # fmt: skip
+           f"{'offload':>8} {'optim':>10} {'GiB/rank':>9} {'fits':>5} {'step s (est.)':>14}"  # fmt: skip
     lines = [head]
     for r in rows[:limit]:
         cp = f"{r.get('cp', 1)} {r.get('cp_mode', 'ring')}" if r.get("cp", 1) > 1 else "1"
         lines.append(f"{r['tp']:>3} {r['pp']:>3} {r['vp']:>3} {r['dp']:>4} {cp:>8} {r['mbs']:>4} {r['grad_accum']:>6} "
-                     f"{r['recompute']:>10} {r['zero']:>5} {r['offload']:>8} {r['total_gib']:>9.2f} "
+                     f"{r['recompute']:>10} {r['zero']:>5} {r['offload']:>8} {r.get('optim', ''):>10} "
+                     f"{r['total_gib']:>9.2f} "
                      f"{'yes' if r['fits'] else 'no':>5} {r['step_s']:>14.3f}")  # fmt: skip
     return "\n".join(lines)

@@ -25,8 +25,9 @@ from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.optim.rules import RULES, is_hidden_matrix, rule_class, target
 from hpc_train.optim.rules.muon import NS_COEFFICIENTS, NS_EPS, adjusted_lr, orthogonalize
 from hpc_train.placement import distribute_like, local
-from hpc_train.planner import dp_traffic_bytes, local_param_count
+from hpc_train.planner import dp_traffic_bytes, estimate, format_search, local_param_count, search
 from hpc_train.train.loop import run_training
+from tests.conftest import max_param_diff, read_final_model, read_metrics
 
 
 class Tiny(nn.Module):
@@ -43,6 +44,17 @@ class Tiny(nn.Module):
         for layer in self.layers:
             h = torch.tanh(layer(h))
         return self.norm(h).square().mean()
+
+
+class Wide(Tiny):
+    """Tiny's parameters, wide enough that a low-bit rule quantizes the embedding and the matrices (at least
+    4096 elements, whole blocks) and keeps fp32 moments for the norm and the biases."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.tok_embeddings = nn.Embedding(16, 512)
+        self.layers = nn.ModuleList([nn.Linear(512, 128), nn.Linear(128, 512)])
+        self.norm = nn.LayerNorm(512)
 
 
 def _grads(model, seed):
@@ -170,20 +182,114 @@ def test_rule_state_round_trip_and_fresh_start():
 
 @pytest.mark.parametrize("name", list(RULES))
 def test_planned_state_bytes_match_the_rule(name):
-    """The per-element figures the planner uses are what the rule really holds after a step."""
+    """The per-tensor figures the planner uses are what the rule really holds after a step."""
     cfg = load_config(None, [f"optim.name={name}"]).optim
-    model = Tiny()
+    model = Wide()
     rule = rule_class(cfg)([target(n, p) for n, p in model.named_parameters()], cfg)
     _grads(model, 0)
     rule.step(cfg.lr)
-    planned = sum(
-        rule.planned_state_bytes(is_hidden_matrix(n, p.ndim)) * p.numel() for n, p in model.named_parameters()
-    )
+    planned = sum(rule.planned_state_bytes(is_hidden_matrix(n, p.ndim), p.numel(), p.numel())
+                  for n, p in model.named_parameters())  # fmt: skip
     assert rule.state_bytes() == planned
 
 
+LOW_BIT = {"adamw8bit": ("AdamW8bit", 256, 2 + 8 / 256), "adamw4bit": ("AdamW4bit", 128, 1 + 8 / 128)}
+
+
+def _flat_spans(model: nn.Module, block: int) -> list:
+    """Each parameter of `model` as two flat fp32 views cut at a block boundary, as ZeRO-1 at dp2 cuts its
+    slices (optim/zero.py), named after their parameter."""
+    spans = []
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        cut = flat.numel() // 2 // block * block or flat.numel()
+        for piece in (flat[:cut], flat[cut:]):
+            if piece.numel():
+                spans.append((name, p, nn.Parameter(piece)))
+    return spans
+
+
+@pytest.mark.parametrize("name", list(LOW_BIT))
+def test_low_bit_rules_update_as_torchao_and_their_state_is_the_same_on_any_dp_cut(name, capsys):
+    """One process: the rule updates exactly as torchao's own optimizer on the same model (its eager update,
+    as the rule runs off CUDA), with low-bit moments for the embedding and the matrices and fp32 ones for
+    the norm and the biases; its bytes are the documented figure per element. The same parameters cut into
+    block-aligned slices (ZeRO at dp2) hold the same codes and scales; their checkpointed state (fp32 moments
+    and the signed moment's scale per element, per parameter) loads bit-exactly into whole parameters;
+    without the scale the signed moment would requantize to other codes."""
+    import torchao.optim
+
+    cfg = load_config(None, [f"optim.name={name}"]).optim
+    torchao_name, block, per_element = LOW_BIT[name]
+    ours, whole_model, theirs = Wide(), Wide(), Wide()
+    whole_model.load_state_dict(ours.state_dict())
+    theirs.load_state_dict(ours.state_dict())
+    rule = rule_class(cfg)([target(n, p) for n, p in ours.named_parameters()], cfg)
+    spans = _flat_spans(whole_model, block)
+    sliced = rule_class(cfg)([target(n, p, piece) for n, p, piece in spans], cfg)
+    decay = [p for p in theirs.parameters() if p.ndim >= 2]
+    reference = getattr(torchao.optim, torchao_name)(
+        [{"params": decay, "weight_decay": cfg.weight_decay},
+         {"params": [p for p in theirs.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)  # fmt: skip
+    for step in range(3):
+        for model in (ours, theirs, whole_model):
+            _grads(model, step)
+        for _, p, piece in spans:
+            start = (piece.data_ptr() - p.data_ptr()) // p.element_size()
+            piece.grad = p.grad.reshape(-1)[start : start + piece.numel()]
+        rule.step(cfg.lr)
+        sliced.step(cfg.lr)
+        with torch.compiler.set_stance("force_eager"):
+            reference.step()
+        for o in (rule, sliced, reference, whole_model):
+            o.zero_grad()
+        for (n, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(a, b), (step, n)
+    quantized = {n for n, p in ours.named_parameters() if hasattr(rule.states[p]["exp_avg"], "codes")}
+    assert quantized == {"tok_embeddings.weight", "layers.0.weight", "layers.1.weight"}
+    elements = {n: p.numel() for n, p in ours.named_parameters()}
+    overhead = 2 * 4 * (256 if name == "adamw8bit" else 16)  # each moment's code book
+    assert rule.state_bytes() == sum(per_element * elements[n] + overhead if n in quantized else 8 * elements[n]
+                                     for n in elements)  # fmt: skip
+    params = dict(ours.named_parameters())
+    for key in ("exp_avg", "exp_avg_sq"):  # the slices' state is the whole parameters' state, cut
+        for n in quantized:
+            codes = [sliced.states[piece][key].codes.reshape(-1) for m, _, piece in spans if m == n]
+            assert torch.equal(torch.cat(codes), rule.states[params[n]][key].codes.reshape(-1)), (n, key)
+    saved = {n: {} for n in params}  # per parameter, as a checkpoint stores the slices' state
+    for n, _, piece in spans:
+        for key, value in sliced.state(piece).items():
+            saved[n][key] = torch.cat([saved[n][key], value]) if key in saved[n] else value
+    loaded, requantized = rule_class(cfg)(rule.targets, cfg), rule_class(cfg)(rule.targets, cfg)
+    for n, p in params.items():
+        state = {k: v.view(p.shape) for k, v in saved[n].items()}
+        loaded.load_state(p, state, step=3)
+        requantized.load_state(p, {k: v for k, v in state.items() if k != "exp_avg_scale"}, step=3)
+        for key in ("exp_avg", "exp_avg_sq"):
+            ours_now, back = rule.states[p][key], loaded.states[p][key]
+            pairs = [(ours_now, back)]
+            if n in quantized:
+                pairs = [(ours_now.codes, back.codes), (ours_now.scale, back.scale)]
+            assert all(torch.equal(a, b) for a, b in pairs), (n, key)
+    assert any(not torch.equal(rule.states[params[n]]["exp_avg"].codes, requantized.states[params[n]]["exp_avg"].codes)
+               for n in quantized)  # fmt: skip
+    # a shard that is not whole blocks (FSDP's rows of a quantized parameter) keeps fp32 moments, said at once
+    row = params["layers.0.weight"][:1].detach().reshape(-1)[:100]
+    capsys.readouterr()
+    rule_class(cfg)([target("layers.0.weight", params["layers.0.weight"], nn.Parameter(row))], cfg)
+    assert "1 parameter shard(s) here keep fp32 moments: their [100] elements" in capsys.readouterr().out
+    # a skipped step (read on the host) changes nothing
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    _grads(ours, 3)
+    rule.step(cfg.lr, torch.ones(()))
+    assert all(torch.equal(p, before[n]) for n, p in ours.named_parameters())
+    assert all(rule.states[p]["step"].item() == 3 for p in params.values())
+
+
 def test_unknown_rule_and_impossible_settings_are_refused_before_any_process_starts():
-    with pytest.raises(ConfigError, match="optim.name='lion' is not an update rule; use adamw or muon"):
+    rules = "adamw, muon, adamw8bit or adamw4bit"
+    with pytest.raises(ConfigError, match=f"optim.name='lion' is not an update rule; use {rules}"):
         rule_class(load_config(None, ["optim.name=lion"]).optim)
     with pytest.raises(ConfigError, match="optim.ns_steps=100 must be at most 99"):
         check_run(load_config(None, ["optim.name=muon", "optim.ns_steps=100"]), 1, check_paths=False)
@@ -252,7 +358,7 @@ def test_planner_counts_muons_matrix_gather_where_state_is_sharded():
     whole matrices already."""
     dims = ParallelDims(dp=4)
     for stage, extra in ((1, True), (0, False)):
-        adamw, muon = (load_config(None, [f"optim.zero_stage={stage}", f"optim.name={name}"]) for name in RULES)
+        adamw, muon = (load_config(None, [f"optim.zero_stage={stage}", f"optim.name={n}"]) for n in ("adamw", "muon"))
         local = local_param_count(muon)
         difference = dp_traffic_bytes(muon, dims, local.trainable, local.trainable_matrices) - dp_traffic_bytes(
             adamw, dims, local.trainable, local.trainable_matrices
@@ -293,6 +399,8 @@ def test_another_rule_on_resume_is_refused_unless_the_state_is_reset(make_cfg, c
     refusal = r"trained with optim.name=adamw, and this run asks for optim.name=muon: .* optim.reset_state=true to"
     with pytest.raises(CheckpointError, match=refusal):
         check_checkpoint_dir(switched, probe_lock=False)
+    with pytest.raises(CheckpointError, match=refusal.replace("muon", "adamw8bit")):  # the same keys, other state
+        check_checkpoint_dir(make_cfg(*common, "train.steps=3", "optim.name=adamw8bit"), probe_lock=False)
     with pytest.raises(CheckpointError, match=refusal):
         launch_local(run_training, 1, switched)
     assert written() == before
@@ -307,3 +415,71 @@ def test_another_rule_on_resume_is_refused_unless_the_state_is_reset(make_cfg, c
     assert any(t.any() for t in kept) and zeros and not any(t.any() for t in zeros)
     assert len(launch_local(run_training, 1, reset).losses) == 1
     assert "optimizer state reset" in capsys.readouterr().out
+
+
+# layouts of 2 ranks against one process (global batch 4), and the bound each stays within after 6 steps
+LOW_BIT_LAYOUTS = {
+    "dp2_zero1": ["optim.zero_stage=1", "optim.bucket_mb=0.02", "train.micro_batch_size=2"],  # matrices cut
+    "dp2_zero2": ["optim.zero_stage=2", "optim.bucket_mb=0.02", "train.micro_batch_size=2"],
+    "dp2_zero1_offload": ["optim.zero_stage=1", "optim.offload=cpu", "train.micro_batch_size=2"],
+    "dp2_zero3": ["optim.zero_stage=3", "train.micro_batch_size=2"],
+    "tp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=4"],
+}
+# where every block is the parameter's (dp's slices and FSDP's rows cut at block boundaries here), only
+# the gradients' rounding differs (dp sums in another order): an element crosses a code boundary now and
+# then. Under tp a row-parallel shard's blocks are not the whole matrix's: every moment is rounded
+# differently, about as far as the run with fp32 moments is (measured: 9e-5 and 1.0e-3)
+LOW_BIT_BOUNDS = {("dp2", "adamw8bit"): 1e-4, ("dp2", "adamw4bit"): 2e-4, ("tp2", "adamw8bit"): 5e-4,
+                  ("tp2", "adamw4bit"): 3e-3}  # fmt: skip
+
+
+def test_low_bit_rules_across_layouts_resume_exactly_and_are_planned(make_cfg, capfd):
+    """adamw8bit and adamw4bit at dp2 ZeRO-1, -2, -1 with CPU offload, -3 and tp2 against one process, within the stated
+    bounds; the measured optimizer bytes are the planner's (exact where whole tensors are updated, within
+    its 5% where ZeRO takes a share of each), so moments that fell back to fp32 fail it. A ZeRO-1 run
+    stopped at step 3 resumes bit-exactly, and its step-3 checkpoint resumed by one process continues
+    within the dp bound."""
+    steps = ["train.steps=6", "checkpoint.interval=3"]
+    one = {name: make_cfg(*steps, f"optim.name={name}", "train.micro_batch_size=4", run=f"one_{name}")
+           for name in ("adamw", *LOW_BIT)}  # fmt: skip
+    layouts = {(layout, name): make_cfg(*steps, f"optim.name={name}", "parallel.nproc=2", *o, run=f"{layout}_{name}")
+               for name in LOW_BIT for layout, o in LOW_BIT_LAYOUTS.items()}  # fmt: skip
+    zero1 = ["optim.name=adamw8bit", "parallel.nproc=2", *LOW_BIT_LAYOUTS["dp2_zero1"], "checkpoint.interval=3"]
+    split = [make_cfg(*zero1, f"train.steps={n}", run="split") for n in (3, 6)]
+    source = make_cfg(*zero1, "train.steps=3", run="reshard")
+    target_cfg = make_cfg("optim.name=adamw8bit", "train.micro_batch_size=4", *steps, run="reshard")
+    launch_sequence(run_training, 1, [(cfg,) for cfg in one.values()])
+    launch_sequence(run_training, 2, [(cfg,) for cfg in (*layouts.values(), *split, source)])
+    launch_local(run_training, 1, target_cfg)
+    assert "keep fp32 moments" not in capfd.readouterr().out  # every block whole on its rank (ZeRO cuts at them)
+    for (layout, name), cfg in layouts.items():
+        ref = read_final_model(one[name].run_dir)
+        diff = max_param_diff(read_final_model(cfg.run_dir), ref)
+        assert diff <= LOW_BIT_BOUNDS[(layout[:3], name)], (layout, name, diff)
+        if layout.startswith("dp2"):  # the same blocks: fp32 moments are much further
+            assert max_param_diff(read_final_model(one["adamw"].run_dir), ref) > 10 * diff, (layout, name)
+        measured = [m for m in read_metrics(cfg.run_dir) if "memory_bytes" in m][-1]["memory_bytes"]["optimizer"]
+        planned = estimate(cfg, check_run(cfg, 2, check_paths=False)).optimizer
+        assert measured == planned if layout == "tp2" else measured == pytest.approx(planned, rel=0.05), layout
+    uninterrupted = layouts[("dp2_zero1", "adamw8bit")].run_dir
+    assert [m["loss"] for m in read_metrics(split[1].run_dir)] == [m["loss"] for m in read_metrics(uninterrupted)]
+    assert max_param_diff(read_final_model(split[1].run_dir), read_final_model(uninterrupted)) == 0.0
+    assert [m["resumed_from"]["step"] for m in read_metrics(target_cfg.run_dir) if "resumed_from" in m] == [3]
+    resharded = max_param_diff(read_final_model(target_cfg.run_dir), read_final_model(one["adamw8bit"].run_dir))
+    assert resharded <= LOW_BIT_BOUNDS[("dp2", "adamw8bit")]
+
+
+def test_plan_search_tries_low_bit_moments_where_adamws_do_not_fit():
+    """A memory limit between the default layout's total with 8-bit moments and with AdamW's: --search
+    gives that layout adamw8bit, and fits it; a layout that fits with AdamW keeps it."""
+    cfg = load_config(None, [])
+    dims = check_run(cfg, 1, check_paths=False)
+    adamw = estimate(cfg, dims).total
+    eight = estimate(load_config(None, ["optim.name=adamw8bit"]), dims).total
+    assert eight < adamw
+    rows = search(cfg, 1, (eight + adamw) / 2, 1e12)
+    (row,) = [r for r in rows if (r["mbs"], r["recompute"], r["zero"], r["offload"])
+              == (cfg.train.micro_batch_size, cfg.model.recompute, 0, "none")]  # fmt: skip
+    assert row["optim"] == "adamw8bit" and row["fits"]
+    assert {r["optim"] for r in search(cfg, 1, 2**50, 1e12)} == {"adamw"}  # where AdamW's fits
+    assert "adamw8bit" in format_search(rows)

@@ -134,7 +134,8 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    # the update rule (optim/rules): adamw, or muon (hidden-layer matrices by Muon, everything else by AdamW)
+    # the update rule (optim/rules): adamw, muon (hidden-layer matrices by Muon, everything else by AdamW), or
+    # adamw8bit / adamw4bit (AdamW with torchao's blockwise 8- or 4-bit moments: 2.03 / 1.06 bytes per element)
     name: str = "adamw"
     # resume a checkpoint of another update rule: its state is dropped and this rule's starts at zero (ZeRO's
     # fp32 master weights are kept). Without it such a resume is refused; with the same rule it does nothing
@@ -166,6 +167,9 @@ class OptimConfig:
     nesterov: bool = True
     ns_steps: int = positive(5)
     muon_adjust_lr: str = choice("match_rms_adamw", "original")
+    # adamw8bit / adamw4bit: torch.compile torchao's update (one kernel per tensor shape); None = on CUDA
+    # (on CPU inductor takes seconds per shape, and the eager update gives other roundings than the compiled)
+    compile_update: bool | None = None
 
 
 @dataclass

@@ -101,6 +101,9 @@ class ZeroOptimizer:
         self.offload = cfg.offload == "cpu"
         self.state_device = torch.device("cpu") if self.offload else self.device
         self.offloaded = ("optimizer",) if self.offload else ()
+        # a rule whose state is per block of a parameter's elements has every parameter start, and every
+        # rank's slice begin, at a block boundary: its blocks are the parameter's at any dp (zeros between)
+        self.align = rule_class(cfg).block_size
         self.buckets = self._make_buckets(self.params, int(cfg.bucket_mb * 2**20))
         buckets = [b.params for b in self.buckets]
         self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy,
@@ -134,12 +137,13 @@ class ZeroOptimizer:
         buckets = []
         for indices in bucketize([local(p) for p in params], bucket_bytes, element_bytes=4):
             group = [params[i] for i in indices]
-            offsets = [0]
+            offsets, end = [], 0
             for p in group:
-                offsets.append(offsets[-1] + local(p).numel())
-            numel = math.ceil(offsets[-1] / self.dp) * self.dp
+                offsets.append(math.ceil(end / self.align) * self.align)
+                end = offsets[-1] + local(p).numel()
+            numel = math.ceil(end / (self.dp * self.align)) * self.dp * self.align
             none_yet = torch.empty(0, dtype=torch.float32, device=self.device)
-            buckets.append(_Bucket(group, offsets[:-1], numel, None, none_yet, numel // self.dp))
+            buckets.append(_Bucket(group, offsets, numel, None, none_yet, numel // self.dp))
         return buckets
 
     def _make_spans(self) -> torch.Tensor:
@@ -253,10 +257,10 @@ class ZeroOptimizer:
 
     def _grads_to_host(self) -> None:
         """Offload: the owned gradients (reduced, checked and clipped on the device) copied into their host
-        buffer, one copy per bucket (its spans are contiguous, in the masters' order), waited for once."""
+        buffer, one copy per bucket (per run of contiguous spans, in the masters' order, where a rule's blocks
+        leave gaps), waited for once."""
         for bucket in self.buckets:
-            if bucket.spans:
-                first, owned = bucket.spans[0], sum(s.numel for s in bucket.spans)
+            for first, owned in _runs(bucket.spans):
                 host = self.host_grads[first.offset : first.offset + owned]
                 host.copy_(bucket.grad_shard[first.shard_start : first.shard_start + owned], non_blocking=True)
         if self.device.type == "cuda":
@@ -467,7 +471,9 @@ class Zero2Optimizer(ZeroOptimizer):
         """The bucket's local gradients in a new fp32 buffer of the bucket's size; the parameters' freed."""
         self.model.finalize_grads(bucket.params)
         full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
-        full[bucket.offsets[-1] + local(bucket.params[-1]).numel() :].zero_()  # the dp padding
+        ends = [start + local(p).numel() for p, start in zip(bucket.params, bucket.offsets, strict=True)]
+        for begin, end in zip(ends, [*bucket.offsets[1:], bucket.numel], strict=True):
+            full[begin:end].zero_()  # the dp padding (and the gaps before block-aligned parameters)
         for p, start in zip(bucket.params, bucket.offsets, strict=True):
             target = full[start : start + local(p).numel()]
             target.copy_(local(p.grad).reshape(-1)) if p.grad is not None else target.zero_()
@@ -494,3 +500,14 @@ class Zero2Optimizer(ZeroOptimizer):
             bucket.grad_shard.add_(part.div_(self.divisor))
 
         return complete
+
+
+def _runs(spans: list[_Span]) -> list[tuple[_Span, int]]:
+    """The spans as runs contiguous in the owned slice: (each run's first span, its elements)."""
+    runs: list[tuple[_Span, int]] = []
+    for span in spans:
+        if runs and runs[-1][0].shard_start + runs[-1][1] == span.shard_start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + span.numel)
+        else:
+            runs.append((span, span.numel))
+    return runs

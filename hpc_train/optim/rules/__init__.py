@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hpc_train.config import ConfigError, OptimConfig
 from hpc_train.optim.rules.adamw import AdamW
+from hpc_train.optim.rules.adamw4bit import AdamW4bit
+from hpc_train.optim.rules.adamw8bit import AdamW8bit
 from hpc_train.optim.rules.muon import Muon
 from hpc_train.optim.rules.protocol import Target, UpdateRule, WholeMatrices, local_matrices
 
-RULES: dict[str, type[UpdateRule]] = {"adamw": AdamW, "muon": Muon}
+RULES: dict[str, type[UpdateRule]] = {"adamw": AdamW, "muon": Muon, "adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}
 
 
 def choices(names: object) -> str:
@@ -51,7 +54,19 @@ def target(name: str, p: nn.Parameter, tensor: nn.Parameter | None = None) -> Ta
     """The rule's view of parameter `p` (named `name` in the whole model), updated through `tensor` (its
     ZeRO master slice) or itself."""
     shape = matrix_shape(p) if is_hidden_matrix(name, p.ndim) else None
-    return Target(p if tensor is None else tensor, p.ndim >= 2, shape)
+    return Target(p if tensor is None else tensor, p.ndim >= 2, shape, tp_local_numel(p))
+
+
+def tp_local_numel(p: nn.Parameter) -> int:
+    """Elements of `p` on this rank before any dp sharding (its tp and ep shard): what zero_stage 0-2 hold of
+    it whole, and what the planner counts per tensor (FSDP2's dp shards are left whole)."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    mesh, numel = p.device_mesh, p.numel()
+    for dim, placement in enumerate(p.placements):
+        if placement.is_shard() and mesh.mesh_dim_names and mesh.mesh_dim_names[dim] in ("tp", "ep"):
+            numel //= mesh.size(dim)
+    return numel
 
 
 __all__ = ["RULES", "Target", "UpdateRule", "WholeMatrices", "choices", "is_hidden_matrix", "local_matrices",

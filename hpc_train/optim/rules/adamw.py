@@ -23,6 +23,7 @@ class AdamW:
 
     state_keys = MOMENTS
     gathers_matrices = False
+    block_size = 1
 
     def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices):
         # one group per (decay, DTensor or not): the fused kernel runs once per group, and DTensor refuses a
@@ -42,8 +43,8 @@ class AdamW:
         pass
 
     @staticmethod
-    def planned_state_bytes(matrix: bool) -> int:
-        return 8  # two fp32 moments
+    def planned_state_bytes(matrix: bool, numel: int, param_numel: int) -> int:
+        return 8 * numel  # two fp32 moments
 
     def keys(self, matrix: bool) -> tuple[str, ...]:
         return MOMENTS

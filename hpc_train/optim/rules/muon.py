@@ -60,6 +60,7 @@ def adjusted_lr(lr: float, how: str, shape: torch.Size) -> float:
 class Muon:
     state_keys = (MOMENTUM, *MOMENTS)
     gathers_matrices = True
+    block_size = 1
 
     def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices):
         self.check(cfg)
@@ -77,8 +78,8 @@ class Muon:
             raise ConfigError(f"optim.ns_steps={cfg.ns_steps} must be at most {MAX_NS_STEPS} (5 is Muon's usual)")
 
     @staticmethod
-    def planned_state_bytes(matrix: bool) -> int:
-        return 4 if matrix else 8  # one fp32 momentum buffer; AdamW's two moments
+    def planned_state_bytes(matrix: bool, numel: int, param_numel: int) -> int:
+        return (4 if matrix else 8) * numel  # one fp32 momentum buffer; AdamW's two moments
 
     def keys(self, matrix: bool) -> tuple[str, ...]:
         return (MOMENTUM,) if matrix else MOMENTS

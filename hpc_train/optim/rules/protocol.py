@@ -25,6 +25,7 @@ class Target:
     # the whole hidden-layer matrix it is (part of), (out, in), or (experts, out, in) for a stack of them;
     # None: not one
     matrix_shape: torch.Size | None = None
+    param_numel: int = 0  # elements of its (tp-local) parameter, whole: a ZeRO slice's is the parameter's
 
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
@@ -47,6 +48,8 @@ def local_matrices(fn: MatrixFn, targets: list[Target], pieces: list[torch.Tenso
 class UpdateRule(Protocol):
     state_keys: ClassVar[tuple[str, ...]]  # every key `state` may hold, for checkpoints
     gathers_matrices: ClassVar[bool]  # calls `whole` each step (a collective where matrices are sharded)
+    # its state is per block of this many consecutive elements of a parameter: ZeRO cuts slices at them
+    block_size: ClassVar[int]
 
     def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices) -> None: ...
 
@@ -55,8 +58,9 @@ class UpdateRule(Protocol):
         """Raise a ConfigError for settings this rule cannot run with (before any process starts)."""
 
     @staticmethod
-    def planned_state_bytes(matrix: bool) -> int:
-        """State bytes per element of a target (a hidden-layer matrix's or another's), for the planner."""
+    def planned_state_bytes(matrix: bool, numel: int, param_numel: int) -> int:
+        """State bytes of `numel` elements of a (tp-local) parameter of `param_numel` elements, a hidden-layer
+        matrix or not, for the planner."""
         ...
 
     def keys(self, matrix: bool) -> tuple[str, ...]:

@@ -1,0 +1,202 @@
+"""AdamW with its two moments held in torchao's blockwise low-bit state (adamw8bit.py, adamw4bit.py): the
+update is torchao's own `single_param_adam`, on each target's local tensor; the quantization is torchao's
+(`OptimState8bit` / `OptimState4bit`: codes plus one fp32 scale per block of consecutive elements).
+
+Which tensors are quantized is decided per parameter, so that it does not depend on the layout: a
+parameter of at least 4096 (tp-local) elements, a multiple of the block (bitsandbytes' and torchao's
+threshold, applied to the whole parameter rather than to a ZeRO slice of it). The other targets (norms,
+biases) keep fp32 moments, as torchao does. ZeRO-1 and -2 cut their slices at block boundaries
+(optim/zero.py), so every block a rank quantizes is a block of the parameter, whatever dp is: the state
+is the same at any dp size and stage 0-2. FSDP2 cuts dim 0 into ceil(rows / dp) rows: its blocks are the
+parameter's when that times a row's length is a multiple of the block; a shard that is not keeps fp32
+moments, and the rule says so at start-up.
+
+Checkpoints hold the moments dequantized to fp32 (the keys AdamW uses, so any layout reads them as it
+reads AdamW's) plus `exp_avg_scale`, each element's block scale: the signed moment's codes cannot be
+recovered from its fp32 values alone (torchao's signed map has +1 but not -1, so a block whose largest
+magnitude is negative requantizes to another scale), but they can be with the scale. A load whose blocks
+each carry one saved scale rebuilds the codes and scales bit for bit; where a layout change cut the
+blocks differently, torchao requantizes the fp32 values (one rounding, as a fresh quantization).
+
+torchao's step has no on-device skip: a skipped step (fp16 overflow, a non-finite norm or loss) is read
+on the host once per step, the one host read these rules add. The update runs eagerly unless
+`optim.compile_update` (default: on CUDA) has torch.compile build one kernel per tensor shape, as torchao
+does: on CPU inductor takes seconds per shape and buys little.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from hpc_train.config import OptimConfig
+from hpc_train.optim.rules.adamw import MOMENTS
+from hpc_train.optim.rules.protocol import Target, WholeMatrices, local_matrices
+from hpc_train.placement import like_param, local
+
+SCALE = "exp_avg_scale"  # the signed moment's block scale, per element, in checkpoints
+MIN_QUANTIZED = 4096  # elements: smaller parameters keep fp32 moments (bitsandbytes' threshold)
+
+
+class LowBitAdamW:
+    """A torchao low-bit AdamW (a subclass names the state class, its block and its bits per code)."""
+
+    state_keys = (*MOMENTS, SCALE)
+    gathers_matrices = False
+    block_size: ClassVar[int]
+    code_bits: ClassVar[int]  # bits per element of a moment's codes
+    qmap_entries: ClassVar[int]  # entries of the code book each state tensor carries
+
+    @staticmethod
+    def state_zeros(shape: torch.Size, signed: bool, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def quantize(normalized: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """torchao's codes of `normalized` (each block already divided by its scale) in `like`'s storage."""
+        raise NotImplementedError
+
+    def __init__(self, targets: list[Target], cfg: OptimConfig, whole: WholeMatrices = local_matrices):
+        self.cfg, self.targets = cfg, targets
+        self.states: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self.by_tensor = {id(t.tensor): t for t in targets}
+        device = local(targets[0].tensor).device if targets else torch.device("cpu")
+        from torchao.optim.adam import single_param_adam  # torchao is imported where a run uses it
+
+        compiled = cfg.compile_update if cfg.compile_update is not None else device.type == "cuda"
+        self.update = torch.compile(single_param_adam, fullgraph=True, dynamic=False) if compiled else single_param_adam
+        fallbacks = [local(t.tensor).numel() for t in targets
+                     if self.planned_quantized(t.param_numel) and not self.quantized(t)]  # fmt: skip
+        if fallbacks:  # layout-dependent state the planner does not count: said at start-up
+            print(
+                f"optim.name={cfg.name}: {len(fallbacks)} parameter shard(s) here keep fp32 moments: their "
+                f"{fallbacks[:4]} elements are not whole {self.block_size}-element blocks (FSDP's rows or tp's "
+                f"split of a parameter)",
+                flush=True,
+            )
+
+    @staticmethod
+    def check(cfg: OptimConfig) -> None:
+        pass
+
+    @classmethod
+    def planned_quantized(cls, param_numel: int) -> bool:
+        """Whether a parameter of `param_numel` (tp-local) elements gets low-bit moments."""
+        return param_numel >= MIN_QUANTIZED and param_numel % cls.block_size == 0
+
+    def quantized(self, t: Target) -> bool:
+        numel = local(t.tensor).numel()
+        return self.planned_quantized(t.param_numel) and numel > 0 and numel % self.block_size == 0
+
+    @classmethod
+    def planned_state_bytes(cls, matrix: bool, numel: int = 0, param_numel: int = 0) -> int:
+        """Both moments of `numel` elements of a parameter of `param_numel`: codes, one fp32 scale per block
+        and the code book of each, or fp32 moments for a parameter too small to quantize."""
+        if not cls.planned_quantized(param_numel):
+            return 8 * numel
+        return 2 * (numel * cls.code_bits // 8 + 4 * (numel // cls.block_size) + 4 * cls.qmap_entries)
+
+    def keys(self, matrix: bool) -> tuple[str, ...]:
+        return self.state_keys
+
+    def _fresh(self, t: Target) -> dict[str, torch.Tensor]:
+        tensor = local(t.tensor)
+        if self.quantized(t):
+            moments = {k: self.state_zeros(tensor.shape, k == "exp_avg", tensor.device) for k in MOMENTS}
+        else:
+            moments = {k: torch.zeros_like(tensor, dtype=torch.float32) for k in MOMENTS}
+        return {"step": torch.zeros((), dtype=torch.float32), **moments}
+
+    @torch.no_grad()
+    def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
+        if skip is not None and bool(skip):  # torchao's update has no on-device skip (module docstring)
+            return
+        lr_tensor = torch.tensor(lr, dtype=torch.float32)
+        # one compiled graph per tensor shape: a fixed number for a model, so torchao lifts dynamo's limit too
+        with torch._dynamo.utils.disable_cache_limit():
+            self._update_all(lr_tensor)
+
+    def _update_all(self, lr_tensor: torch.Tensor) -> None:
+        beta1, beta2 = self.cfg.beta1, self.cfg.beta2
+        for t in self.targets:
+            if t.tensor.grad is None:
+                continue
+            state = self.states.get(t.tensor)
+            if state is None:
+                state = self.states[t.tensor] = self._fresh(t)
+            state["step"] += 1
+            decay = self.cfg.weight_decay if t.decay else 0.0
+            moments = state["exp_avg"], state["exp_avg_sq"], None  # no amsgrad
+            self.update(local(t.tensor).detach(), local(t.tensor.grad), state["step"], *moments, lr_tensor, beta1,
+                        beta2, decay, self.cfg.eps, True, False)  # fmt: skip
+
+    def zero_grad(self) -> None:
+        for t in self.targets:
+            t.tensor.grad = None
+
+    def state(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The moments in fp32 and the signed moment's block scale per element, laid out like `tensor` (new
+        tensors: what a checkpoint saves)."""
+        state = self.states.get(tensor)
+        if state is None:
+            return {}
+        out = {}
+        for key in MOMENTS:
+            moment = state[key]
+            out[key] = moment.dequantize() if _low_bit(moment) else moment.clone()
+        moment = state["exp_avg"]
+        if _low_bit(moment):
+            scale = moment.scale.repeat_interleave(self.block_size).view(moment.shape)
+        else:
+            scale = torch.zeros_like(moment)
+        out[SCALE] = scale
+        return {k: like_param(tensor, v) for k, v in out.items()}
+
+    def load_state(self, tensor: torch.Tensor, state: dict[str, torch.Tensor], step: int) -> None:
+        t = self.by_tensor[id(tensor)]
+        fresh = self._fresh(t)
+        if not all(k in state for k in MOMENTS):
+            self.states[tensor] = fresh
+            return
+        fresh["step"].fill_(float(step))
+        for key in MOMENTS:
+            values = local(state[key]).to(local(tensor).device, torch.float32)
+            target = fresh[key]
+            if not _low_bit(target):
+                fresh[key] = values
+                continue
+            scale = local(state[SCALE]) if key == "exp_avg" and SCALE in state else None
+            if scale is None or not self._load_exactly(target, values, scale.to(values.device)):
+                target.copy_(values)  # torchao's quantization, scales from each block's largest magnitude
+        self.states[tensor] = fresh
+
+    def _load_exactly(self, target: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> bool:
+        """Codes and scales as saved, where every block carries one saved scale (module docstring); False
+        (nothing changed) where a block holds two. A block with none (zeros: a vocabulary's padding rows,
+        stored without their state, as AdamW's) takes torchao's own scale of its values."""
+        from torchao.optim.quant_utils import scale_tensor
+
+        blocks = scale.reshape(-1, self.block_size)
+        saved = blocks.amax(dim=1)
+        if not ((blocks == saved[:, None]) | (blocks == 0)).all():
+            return False
+        per_block = torch.where(saved > 0, saved, scale_tensor(values.reshape(-1), self.block_size)[1])
+        normalized = values.reshape(-1, self.block_size) / per_block[:, None]
+        target.codes.copy_(self.quantize(normalized.reshape(-1), target))
+        target.scale.copy_(per_block)
+        return True
+
+    def state_bytes(self) -> int:
+        total = 0
+        for state in self.states.values():
+            for key in MOMENTS:
+                moment = state[key]
+                parts = (moment.codes, moment.scale, moment.qmap) if _low_bit(moment) else (moment,)
+                total += sum(p.nbytes for p in parts)
+        return total
+
+
+def _low_bit(moment: torch.Tensor) -> bool:
+    """torchao's quantized state (codes, scale, qmap), not a plain fp32 moment."""
+    return hasattr(moment, "codes")
