@@ -508,9 +508,12 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         plan = estimate(c, dims)
         for rule in LOW_BIT_FALLBACK.get(cfg.optim.name, ()) if plan.total > gpu_mem_bytes else ():
             c.optim.name = rule
-            plan = estimate(c, dims)
-            if plan.total <= gpu_mem_bytes:
+            low_bit = estimate(c, dims)
+            if low_bit.total <= gpu_mem_bytes:
+                plan = low_bit
                 break
+        else:  # none fits: the row is the rule asked for
+            c.optim.name = cfg.optim.name
         rows.append({
             "tp": tp, "pp": pp, "vp": vp, "dp": dp, "cp": cp, "cp_mode": cp_mode, "mbs": mbs,
             "grad_accum": c.train.grad_accum,

@@ -447,11 +447,27 @@ def test_low_bit_rules_across_layouts_resume_exactly_and_are_planned(make_cfg, c
     zero1 = ["optim.name=adamw8bit", "parallel.nproc=2", *LOW_BIT_LAYOUTS["dp2_zero1"], "checkpoint.interval=3"]
     split = [make_cfg(*zero1, f"train.steps={n}", run="split") for n in (3, 6)]
     source = make_cfg(*zero1, "train.steps=3", run="reshard")
+    # rank-1 adapters in buckets of one: each bucket is padded to dp x 256, so rank 1 owns no element at all,
+    # and still saves with the others (it takes the rule's keys from them)
+    owns_nothing = make_cfg(
+        "optim.name=adamw8bit",
+        "parallel.nproc=2",
+        "optim.zero_stage=1",
+        "optim.bucket_mb=0.0001",
+        "train.micro_batch_size=2",
+        "finetune.method=lora",
+        "finetune.lora_targets=[wq]",
+        "finetune.lora_rank=1",
+        "train.steps=2",
+        "checkpoint.interval=2",
+        run="owns_nothing",
+    )
     target_cfg = make_cfg("optim.name=adamw8bit", "train.micro_batch_size=4", *steps, run="reshard")
     launch_sequence(run_training, 1, [(cfg,) for cfg in one.values()])
-    launch_sequence(run_training, 2, [(cfg,) for cfg in (*layouts.values(), *split, source)])
+    launch_sequence(run_training, 2, [(cfg,) for cfg in (*layouts.values(), *split, source, owns_nothing)])
     launch_local(run_training, 1, target_cfg)
     assert "keep fp32 moments" not in capfd.readouterr().out  # every block whole on its rank (ZeRO cuts at them)
+    assert (Path(owns_nothing.checkpoint.dir) / "step_0000002").is_dir()
     for (layout, name), cfg in layouts.items():
         ref = read_final_model(one[name].run_dir)
         diff = max_param_diff(read_final_model(cfg.run_dir), ref)
@@ -471,7 +487,8 @@ def test_low_bit_rules_across_layouts_resume_exactly_and_are_planned(make_cfg, c
 
 def test_plan_search_tries_low_bit_moments_where_adamws_do_not_fit():
     """A memory limit between the default layout's total with 8-bit moments and with AdamW's: --search
-    gives that layout adamw8bit, and fits it; a layout that fits with AdamW keeps it."""
+    gives that layout adamw8bit, and fits it; a layout that fits with AdamW keeps it, and so does one that
+    fits with neither."""
     cfg = load_config(None, [])
     dims = check_run(cfg, 1, check_paths=False)
     adamw = estimate(cfg, dims).total
@@ -482,4 +499,5 @@ def test_plan_search_tries_low_bit_moments_where_adamws_do_not_fit():
               == (cfg.train.micro_batch_size, cfg.model.recompute, 0, "none")]  # fmt: skip
     assert row["optim"] == "adamw8bit" and row["fits"]
     assert {r["optim"] for r in search(cfg, 1, 2**50, 1e12)} == {"adamw"}  # where AdamW's fits
+    assert {r["optim"] for r in search(cfg, 1, 1, 1e12)} == {"adamw"}  # and where nothing fits
     assert "adamw8bit" in format_search(rows)

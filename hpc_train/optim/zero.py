@@ -348,9 +348,13 @@ class ZeroOptimizer:
         (checkpoints store them per parameter so they can be resharded). Each bucket's owned slices reach
         their writers with one all-to-all over dp per key, so a rank holds about its 1/dp share of the
         state for a save, as it does while training, never the whole: the tensors are new, not views of
-        the live state. No rule state before the rule's first step."""
+        the live state. No rule state before the rule's first step (agreed over dp: a rank may own nothing)."""
         states: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
-        stepped = any(self.rule.state(s.master) for b in self.buckets for s in b.spans)
+        flag = torch.tensor(float(any(self.rule.state(s.master) for b in self.buckets for s in b.spans)),
+                            device=self.device)  # fmt: skip
+        if self.dp > 1:
+            dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.dp_group)
+        stepped = bool(flag.item())
         for bucket in self.buckets:
             keys = {id(p): ("master", *(self._rule_keys(p) if stepped else ())) for p in bucket.params}
             for key in dict.fromkeys(k for ks in keys.values() for k in ks):  # the same keys on every dp rank

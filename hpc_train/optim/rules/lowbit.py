@@ -26,11 +26,12 @@ does: on CPU inductor takes seconds per shape and buys little.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import ClassVar
 
 import torch
 
-from hpc_train.config import OptimConfig
+from hpc_train.config import ConfigError, OptimConfig
 from hpc_train.optim.rules.adamw import MOMENTS
 from hpc_train.optim.rules.protocol import Target, WholeMatrices, local_matrices
 from hpc_train.placement import like_param, local
@@ -78,7 +79,10 @@ class LowBitAdamW:
 
     @staticmethod
     def check(cfg: OptimConfig) -> None:
-        pass
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError(
+                f"optim.name={cfg.name} needs torchao (its low-bit state): pip install 'hpc_train[lowbit]'"
+            )
 
     @classmethod
     def planned_quantized(cls, param_numel: int) -> bool:
