@@ -357,8 +357,10 @@ class ZeroOptimizer:
         stepped = bool(flag.item())
         for bucket in self.buckets:
             keys = {id(p): ("master", *(self._rule_keys(p) if stepped else ())) for p in bucket.params}
+            rule_states = [self.rule.state(s.master) if stepped else {} for s in bucket.spans]  # once per span
             for key in dict.fromkeys(k for ks in keys.values() for k in ks):  # the same keys on every dp rank
-                mine = self._to_writers(bucket, [self._span_state(s, key) for s in bucket.spans])
+                owned = [self._span_state(s, key, state) for s, state in zip(bucket.spans, rule_states, strict=True)]
+                mine = self._to_writers(bucket, owned)
                 for p, values in mine.items():
                     if key in keys[id(p)]:  # offload: back in host memory at once, as the state lives
                         states[id(p)][key] = like_param(p, values.to(self.state_device).view(local(p).shape))
@@ -401,11 +403,12 @@ class ZeroOptimizer:
                 offset += size
         return {p: torch.cat(pieces[id(p)]) for p in writes}
 
-    def _span_state(self, span: _Span, key: str) -> torch.Tensor:
-        """A span's `key` (the master, or the rule's state; zeros where its parameter has no such state)."""
+    def _span_state(self, span: _Span, key: str, rule_state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A span's `key`: the master, or from the rule's `rule_state` of it (a low-bit rule's is dequantized:
+        asked once per span); zeros where its parameter has no such state."""
         if key == "master":
             return span.master.detach()
-        value = self.rule.state(span.master).get(key)
+        value = rule_state.get(key)
         return span.master.new_zeros(span.numel) if value is None else value
 
     def _rule_keys(self, p: nn.Parameter) -> tuple[str, ...]:
@@ -414,8 +417,9 @@ class ZeroOptimizer:
     def local_states(self) -> list[dict[str, torch.Tensor]]:
         """The owned span of each parameter (none: an empty dict): its master and, once stepped, its rule state."""
         spans = {id(s.param): s for b in self.buckets for s in b.spans}
-        stepped = any(self.rule.state(s.master) for s in spans.values())
-        return [{key: self._span_state(spans[id(p)], key)
+        rule_states = {key: self.rule.state(s.master) for key, s in spans.items()}
+        stepped = any(rule_states.values())
+        return [{key: self._span_state(spans[id(p)], key, rule_states[id(p)])
                  for key in ("master", *(self._rule_keys(p) if stepped else ()))} if id(p) in spans else {}
                 for p in self.params]  # fmt: skip
 
