@@ -77,8 +77,7 @@ class LocalParams:
     trainable: int
     shard_total: int  # of those, the ZeRO-3 (FSDP) dim-0 shard of dp rank 0 (the largest)
     shard_trainable: int
-    trainable_matrices: int  # of the trainable elements, those in hidden-layer matrices (Muon's); and the shard's
-    shard_trainable_matrices: int
+    trainable_matrices: int  # of the trainable elements, those in hidden-layer matrices (Muon's)
     largest_block: int  # elements of the largest FSDP unit besides the root (one transformer block)
     root: int  # elements outside the blocks (embeddings, final norm, head): FSDP's root unit
     quantized: int  # elements held in NF4 (QLoRA's frozen projections); their bytes in quantized_bytes
@@ -126,7 +125,7 @@ def _param_count(
     ft = FinetuneConfig(method, rank, lora_targets=list(targets))
     spec = get_spec(model_cfg.arch)
     total = trainable = shard_total = shard_trainable = quantized = quantized_bytes = largest_projection = 0
-    matrices = shard_matrices = experts = 0
+    matrices = experts = 0
     full_grad = False
     sizes, is_matrix = [], []
     units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
@@ -169,7 +168,7 @@ def _param_count(
                 experts += count if name in routed else 0
                 is_matrix.append(is_hidden_matrix(chunk.canonical_name(name), ndims[name]))
                 if is_matrix[-1]:
-                    matrices, shard_matrices = matrices + count, shard_matrices + shard
+                    matrices += count
             unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
             units[unit] = units.get(unit, 0) + count
             if unit and not (name in routed and ep > 1 and dp // ep <= 1):
@@ -177,7 +176,7 @@ def _param_count(
             if name == "tok_embeddings.weight" and tp > 1 and trains[name]:
                 full_grad = not (chunk.tied and chunk.output is not None)
     root = units.pop("", 0)
-    return LocalParams(total, trainable, shard_total, shard_trainable, matrices, shard_matrices,
+    return LocalParams(total, trainable, shard_total, shard_trainable, matrices,
                        max(units.values(), default=0), root,
                        quantized, quantized_bytes, largest_projection, tuple(sizes), full_grad, experts,
                        list(gathered.values())[-1] if gathered else 0, tuple(is_matrix))  # fmt: skip

@@ -36,6 +36,13 @@ from hpc_train.train.step import StepOptions, train_step
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def tiny_cfg(rule: str, lr: float, run: Path, overrides: list[str]):
+    """configs/tiny.yaml in one process under `rule` at `lr` (min_lr a tenth), writing to `run`."""
+    settings = [f"optim.name={rule}", f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"run_dir={run}"]
+    base = ["parallel.nproc=1", "logging.progress=none", "train.save_final_model=false", *overrides]
+    return load_config(ROOT / "configs/tiny.yaml", [*base, *settings])
+
+
 def curve(records: list[dict], every: int) -> list[float]:
     losses = [r["loss"] for r in records if "loss" in r]
     return [sum(losses[i : i + every]) / len(losses[i : i + every]) for i in range(0, len(losses), every)]
@@ -81,11 +88,7 @@ def low_bit(args: argparse.Namespace) -> None:
     lr = args.lrs[0]
     with tempfile.TemporaryDirectory() as tmp:
         runs = {rule: Path(tmp) / rule for rule in args.rules}
-        cfgs = [load_config(ROOT / "configs/tiny.yaml", ["parallel.nproc=1", "logging.progress=none",
-                                                           "train.save_final_model=false", *args.overrides,
-                                                           f"optim.name={rule}", f"optim.lr={lr}",
-                                                           f"optim.min_lr={lr / 10}", f"run_dir={run}"])
-                for rule, run in runs.items()]  # fmt: skip
+        cfgs = [tiny_cfg(rule, lr, run, args.overrides) for rule, run in runs.items()]
         launch_sequence(run_training, 1, [(cfg,) for cfg in cfgs])
         finals = {rule: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
                   for rule, run in runs.items()}  # fmt: skip
@@ -112,11 +115,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         runs = {(rule, lr): Path(tmp) / f"{rule}_{lr:g}" for rule in args.rules for lr in args.lrs}
-        cfgs = [load_config(ROOT / "configs/tiny.yaml", ["parallel.nproc=1", "logging.progress=none",
-                                                           "train.save_final_model=false", *args.overrides,
-                                                           f"optim.name={rule}", f"optim.lr={lr}",
-                                                           f"optim.min_lr={lr / 10}", f"run_dir={run}"])
-                for (rule, lr), run in runs.items()]  # fmt: skip
+        cfgs = [tiny_cfg(rule, lr, run, args.overrides) for (rule, lr), run in runs.items()]
         launch_sequence(run_training, 1, [(cfg,) for cfg in cfgs])
         records = {key: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
                    for key, run in runs.items()}  # fmt: skip

@@ -162,13 +162,18 @@ class ChecksummedWriter(FileSystemWriter):
         return results
 
 
+def _little_endian_host() -> None:
+    """RAW records are written and read as the host lays the bytes out: refuse a big-endian one."""
+    if sys.byteorder != "little":
+        raise OSError("RAW checkpoint records are little-endian; this host is not")
+
+
 def raw_bytes(tensor: torch.Tensor, name: str) -> memoryview:
     """A tensor's RAW record: its elements' bytes, row-major, read from its memory where it is contiguous on
     the host (copied to the host, or made contiguous, otherwise)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: a checkpoint holds tensors only, not {type(tensor).__name__}")
-    if sys.byteorder != "little":
-        raise OSError("RAW checkpoint records are little-endian; this host is not")
+    _little_endian_host()
     return _byte_view(tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous())
 
 
@@ -237,8 +242,7 @@ def _read_raw(f: Any, info: Any, item: Any, stored: Any, target: torch.Tensor) -
     of the stored tensor (straight into `target` when it is contiguous host memory of the stored dtype),
     else the whole record, cut to the box; a dtype change is made by the copy."""
     fqn = item.storage_index.fqn
-    if sys.byteorder != "little":
-        raise OSError("RAW checkpoint records are little-endian; this host is not")
+    _little_endian_host()
     shape = next((tuple(c.sizes) for c in stored.chunks if tuple(c.offsets) == tuple(item.storage_index.offset)), None)
     if shape is None:
         raise ValueError(f"{info.relative_path}: {fqn} has no stored chunk at {tuple(item.storage_index.offset)}")

@@ -94,7 +94,7 @@ class LowBitAdamW:
         return self.planned_quantized(t.param_numel) and numel > 0 and numel % self.block_size == 0
 
     @classmethod
-    def planned_state_bytes(cls, matrix: bool, numel: int = 0, param_numel: int = 0) -> int:
+    def planned_state_bytes(cls, matrix: bool, numel: int, param_numel: int) -> int:
         """Both moments of `numel` elements of a parameter of `param_numel`: codes, one fp32 scale per block
         and the code book of each, or fp32 moments for a parameter too small to quantize."""
         if not cls.planned_quantized(param_numel):
