@@ -114,7 +114,7 @@ def _check_freeze(cfg: JobConfig, spec: ModelSpec) -> None:
     names_by_rank = []
     for pp_rank in range(pp):
         names = []
-        for stage in stage_ids(pp_rank, pp, cfg.parallel.virtual_stages):
+        for stage in stage_ids(pp_rank, pp, cfg.parallel.virtual_stages, cfg.parallel.schedule):
             with torch.device("meta"):
                 chunk = spec.build_stage(cfg.model, stage, stages)
             names += [chunk.canonical_name(name) for name, _ in chunk.named_parameters()]

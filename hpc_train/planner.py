@@ -27,8 +27,9 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hpc_train.config import ConfigError, ModelConfig
+from hpc_train.config.schema import SPLIT_BACKWARD
 from hpc_train.distributed.mesh import ParallelDims
-from hpc_train.distributed.pipeline import bubble_fraction, stage_ids
+from hpc_train.distributed.pipeline import bubble_fraction, held_at_peak, in_flight_chunks, stage_ids
 from hpc_train.features.feature import Links, Memory
 from hpc_train.features.lora.adapters import NF4_BLOCK, nf4_scaler_block
 from hpc_train.features.lora.options import FinetuneConfig
@@ -102,7 +103,7 @@ def local_param_count(cfg: JobConfig, pp_rank: int = 0, dp: int = 1) -> LocalPar
     p = cfg.parallel
     f = cfg.finetune
     model = tuple((field.name, getattr(cfg.model, field.name)) for field in dataclasses.fields(ModelConfig))
-    return _param_count(model, p.tp, p.pp, p.virtual_stages, pp_rank, tuple(cfg.train.freeze), dp,
+    return _param_count(model, p.tp, p.pp, p.virtual_stages, p.schedule, pp_rank, tuple(cfg.train.freeze), dp,
                         (f.method, f.lora_rank, tuple(f.lora_targets)), p.ep)  # fmt: skip
 
 
@@ -112,6 +113,7 @@ def _param_count(
     tp: int,
     pp: int,
     virtual_stages: int,
+    schedule: str,
     pp_rank: int,
     freeze: tuple,
     dp: int,
@@ -130,7 +132,8 @@ def _param_count(
     sizes, is_matrix = [], []
     units: dict[str, int] = {}  # FSDP unit ("" for the root) -> elements
     gathered: dict[str, int] = {}  # block -> the elements FSDP gathers for it
-    for stage in stage_ids(pp_rank, pp, virtual_stages):
+    counted: set[str] = set()  # whole-model names counted
+    for stage in stage_ids(pp_rank, pp, virtual_stages, schedule):
         chunk = _meta_stage(model, stage, pp * virtual_stages, tp)
         plan = spec.tp_plan(chunk, False) if tp > 1 else {}
         sharded = sharded_parameter_names(chunk, plan)
@@ -160,6 +163,9 @@ def _param_count(
                     elements[f"{module_name}.{adapter}"], rows[f"{module_name}.{adapter}"] = count, width
                     trains[f"{module_name}.{adapter}"], ndims[f"{module_name}.{adapter}"] = True, 2
         for name, count in elements.items():  # ZeRO-3 shards the routed experts' 1/ep over edp = dp / ep
+            if chunk.canonical_name(name) in counted:  # a V's tied head: the embedding the rank holds already
+                continue
+            counted.add(chunk.canonical_name(name))
             shard = math.ceil(count // rows[name] / (max(1, dp // ep) if name in routed else dp)) * rows[name]
             total, shard_total = total + count, shard_total + shard
             if trains[name]:
@@ -239,31 +245,41 @@ def activation_bytes(cfg: JobConfig, pp_rank: int = 0, parts: StageActivations |
     """Bytes saved for backward by one micro-batch on a rank of pipeline rank `pp_rank`, on its device: what
     the family's formula (`parts`: `activation_parts`, when the caller has it) says its blocks and stage
     parts keep, and what features move off the device."""
-    m, p = cfg.model, cfg.parallel
     parts = parts or activation_parts(cfg)
+    given = {"parts": parts, "block_policy": block_policy(cfg), "pp_rank": pp_rank}
+    moved = sum(moved() for _, moved in declared(cfg, "activations", **given))
+    return sum(stage_activation_bytes(cfg, pp_rank, parts).values()) + moved
+
+
+def stage_activation_bytes(cfg: JobConfig, pp_rank: int, parts: StageActivations) -> dict[int, int]:
+    """What the family's formula says one micro-batch keeps on each stage pipeline rank `pp_rank` holds."""
+    m, p = cfg.model, cfg.parallel
     policy = block_policy(cfg)
     num_stages = p.pp * p.virtual_stages
-    total = 0
     per_stage = m.n_layers // num_stages
-    for stage in stage_ids(pp_rank, p.pp, p.virtual_stages):
-        total += sum(parts.block(policy(i), is_moe_layer(m, stage * per_stage + i)) for i in range(per_stage))
-        total += parts.every_stage
-        total += parts.first_stage if stage == 0 else 0
-        total += parts.last_stage if stage == num_stages - 1 else 0
-    given = {"parts": parts, "block_policy": policy, "pp_rank": pp_rank}
-    return total + sum(moved() for _, moved in declared(cfg, "activations", **given))
+    kept = {}
+    for stage in stage_ids(pp_rank, p.pp, p.virtual_stages, p.schedule):
+        kept[stage] = sum(parts.block(policy(i), is_moe_layer(m, stage * per_stage + i)) for i in range(per_stage))
+        kept[stage] += parts.every_stage
+        kept[stage] += parts.first_stage if stage == 0 else 0
+        kept[stage] += parts.last_stage if stage == num_stages - 1 else 0
+    return kept
 
 
 def in_flight(cfg: JobConfig, pp_rank: int = 0) -> float:
-    """Micro-batches (of all its chunks) pipeline rank `pp_rank` holds at its peak: torch's warmup forwards
-    and the first steady-state one, fewer the later the rank (the last runs each backward at once)."""
+    """Micro-batches (of all its chunks) pipeline rank `pp_rank` holds at its peak: counted on the schedule's
+    own actions where torch lists them (`in_flight_chunks`; a zero-bubble schedule holds a micro-batch until
+    its weight half), else torch's warmup forwards and the first steady-state one, fewer the later the rank
+    (1F1B: the last runs each backward at once; interleaved 1F1B's formula, which its actions match)."""
     p, micro = cfg.parallel, cfg.train.grad_accum
     if p.pp == 1:
         return 1
-    if p.virtual_stages == 1:
+    chunks = in_flight_chunks(p, micro, pp_rank)
+    if chunks is None and p.virtual_stages == 1:
         return min(p.pp - pp_rank, micro)
-    chunks = (p.virtual_stages - 1) * p.pp + 2 * (p.pp - 1 - pp_rank) + 1
-    return min(chunks, micro * p.virtual_stages) / p.virtual_stages  # activation_bytes sums all local chunks
+    if chunks is None:
+        chunks = min((p.virtual_stages - 1) * p.pp + 2 * (p.pp - 1 - pp_rank) + 1, micro * p.virtual_stages)
+    return chunks / p.virtual_stages  # activation_bytes sums all local chunks
 
 
 def rule_state_bytes(rule: type[UpdateRule], owned: int, local: LocalParams) -> int:
@@ -285,7 +301,7 @@ def pipeline_buffers(cfg: JobConfig, parts: StageActivations, pp_rank: int = 0) 
     if p.pp == 1:
         return 0
     num_stages = p.pp * p.virtual_stages
-    stages = stage_ids(pp_rank, p.pp, p.virtual_stages)
+    stages = stage_ids(pp_rank, p.pp, p.virtual_stages, p.schedule)
     buffers = sum((stage > 0) + (stage < num_stages - 1) for stage in stages)
     return buffers * micro * parts.layer["full"]
 
@@ -316,7 +332,7 @@ def distinct_ranks(cfg: JobConfig) -> list[int]:
     for pp_rank in range(p.pp):
         parts = tuple((stage == 0, stage == num_stages - 1,
                        tuple(is_moe_layer(m, stage * per_stage + i) for i in range(per_stage)))
-                      for stage in stage_ids(pp_rank, p.pp, p.virtual_stages))  # fmt: skip
+                      for stage in stage_ids(pp_rank, p.pp, p.virtual_stages, p.schedule))  # fmt: skip
         kind = (parts, in_flight(cfg, pp_rank) < cfg.train.grad_accum, pp_rank if cfg.train.freeze else None)
         if kind not in kinds:
             kinds.add(kind)
@@ -366,7 +382,8 @@ def stage_estimate(
     o, dp = cfg.optim, dims.dp * dims.cp  # gradients are averaged, and ZeRO shards, over dp x cp
     cls = optimizer_class(o)
     local = local_param_count(cfg, pp_rank, dp=dp if cls.shards_params else 1)
-    last = pp_rank == dims.pp - 1  # holds the final norm, the head and the loss
+    p = cfg.parallel  # the rank holding the final norm, the head and the loss (the first too, in a V):
+    last = p.pp * p.virtual_stages - 1 in stage_ids(pp_rank, p.pp, p.virtual_stages, p.schedule)
     policy = precision_policy(cfg.train, cfg.optim)
     element, compute = policy.param_bytes, compute_bytes(cfg)
     parts = parts or activation_parts(cfg)
@@ -426,14 +443,23 @@ def stage_estimate(
         else:  # stages 1-2: the owned fp32 gradients' host copy the update reads
             host += 4 * owned
     per_micro = activation_bytes(cfg, pp_rank, parts)
-    activations = int(per_micro * flight)
+    activations, awaiting = int(per_micro * flight), 0
+    stages = stage_activation_bytes(cfg, pp_rank, parts)  # a feature's moved bytes shared evenly by the stages
+    moved = (per_micro - sum(stages.values())) / len(stages)
+    # a split backward's gradients awaiting their weight halves, on each stage
+    blocks, num_stages = cfg.model.n_layers // (p.pp * p.virtual_stages), p.pp * p.virtual_stages
+    weight_grads = {s: (parts.weight_grads_block * blocks + parts.weight_grads_last_stage * (s == num_stages - 1))
+                    * (p.schedule in SPLIT_BACKWARD) for s in stages}  # fmt: skip
+    held = held_at_peak(p, cfg.train.grad_accum, pp_rank, {s: b + moved for s, b in stages.items()}, weight_grads)
+    if held is not None:
+        activations, awaiting = int(held[0]), int(held[1])
     loss_backward = parts.loss_backward if last else 0
     head = parts.last_stage if last else 0  # freed once the loss's and the head's backward are done
     # gradients are held at the activation peak from a backward before it: an earlier micro-batch's (the
     # pipeline's warmup ends with the first backward), or stage 2's owned slices from begin_step
-    chunks, p = flight * cfg.parallel.virtual_stages, cfg.parallel
+    chunks = flight * p.virtual_stages
     held = cls.grads_before_backward or cfg.train.grad_accum * p.virtual_stages > chunks
-    start = activations + (grads if held else 0)
+    start = activations + awaiting + (grads if held else 0)
     start += max(loss_backward, (0 if held else first) + max(0, block + fresh + working - head))
     end = grads + parts.layer["none"] + working + at_end
     total = param_bytes + optimizer + static + max(start, end, grads + update)
@@ -463,7 +489,8 @@ LOW_BIT_FALLBACK = {"adamw": ("adamw8bit", "adamw4bit")}  # what `search` tries 
 
 
 def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) -> list[dict]:
-    """Every layout of `world` ranks (tp within a node of slurm.gpus_per_node or 8, pp, virtual stages,
+    """Every layout of `world` ranks (tp within a node of slurm.gpus_per_node or 8, pp, virtual stages and
+    schedule,
     micro-batch size at a fixed global batch, recompute, zero stage, offload) that passes validation,
     with its memory and estimated step time; those that fit first, fastest first. A layout whose AdamW state
     does not fit is tried with 8-bit, then 4-bit moments (`LOW_BIT_FALLBACK`): the first that fits is its row."""
@@ -477,7 +504,8 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
     choices = itertools.product(
         [x for x in (1, 2, 4, 8) if x <= node],  # tp
         (1, 2, 4, 8, 16),  # pp
-        (1, 2),  # virtual stages
+        # (virtual stages, schedule) at pp > 1
+        ((1, "1f1b"), (2, "interleaved_1f1b"), (2, "interleaved_zb"), (2, "zbv"), (2, "dualpipev")),
         (1, 2, 4, 8),  # micro-batch size
         ("none", "selective", "full"),  # recompute
         [(zero, offload) for zero, cls in OPTIMIZERS.items() for offload in ("none", "cpu")[: 1 + cls.shards_state]],
@@ -488,7 +516,7 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         ],  # fmt: skip
     )
     rows = []
-    for tp, pp, vp, mbs, recompute, (zero, offload), (cp, cp_mode) in choices:
+    for tp, pp, (vp, schedule), mbs, recompute, (zero, offload), (cp, cp_mode) in choices:
         if world % (tp * pp * cp) or (vp > 1 and pp == 1) or global_batch % (mbs * (world // (tp * pp * cp))):
             continue
         dp = world // (tp * pp * cp)
@@ -496,7 +524,7 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         c.parallel, c.train, c.model, c.optim = copy(cfg.parallel), copy(cfg.train), copy(cfg.model), copy(cfg.optim)
         c.parallel.tp, c.parallel.pp, c.parallel.dp, c.parallel.virtual_stages = tp, pp, None, vp
         c.parallel.cp, c.parallel.cp_mode = cp, cp_mode
-        c.parallel.schedule = "interleaved_1f1b" if vp > 1 else "1f1b"
+        c.parallel.schedule = schedule
         c.parallel.sequence_parallel = tp > 1
         c.train.micro_batch_size, c.train.grad_accum, c.train.global_batch_size = mbs, global_batch // (mbs * dp), None
         c.model.recompute, c.optim.zero_stage, c.optim.offload = recompute, zero, offload
@@ -514,7 +542,7 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         else:  # none fits: the row is the rule asked for
             c.optim.name = cfg.optim.name
         rows.append({
-            "tp": tp, "pp": pp, "vp": vp, "dp": dp, "cp": cp, "cp_mode": cp_mode, "mbs": mbs,
+            "tp": tp, "pp": pp, "vp": vp, "schedule": schedule, "dp": dp, "cp": cp, "cp_mode": cp_mode, "mbs": mbs,
             "grad_accum": c.train.grad_accum,
             "recompute": recompute, "zero": zero, "offload": offload, "optim": c.optim.name,
             "total_gib": plan.total / GiB,
@@ -639,12 +667,14 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
 
 
 def format_search(rows: list[dict], limit: int = 20) -> str:
-    head = f"{'tp':>3} {'pp':>3} {'vp':>3} {'dp':>4} {'cp':>8} {'mbs':>4} {'accum':>6} {'recompute':>10} {'zero':>5} " \
-           f"{'offload':>8} {'optim':>10} {'GiB/rank':>9} {'fits':>5} {'step s (est.)':>14}"  # fmt: skip
+    head = f"{'tp':>3} {'pp':>3} {'vp':>3} {'schedule':>16} {'dp':>4} {'cp':>8} {'mbs':>4} {'accum':>6} " \
+           f"{'recompute':>10} {'zero':>5} {'offload':>8} {'optim':>10} {'GiB/rank':>9} {'fits':>5} " \
+           f"{'step s (est.)':>14}"  # fmt: skip
     lines = [head]
     for r in rows[:limit]:
         cp = f"{r.get('cp', 1)} {r.get('cp_mode', 'ring')}" if r.get("cp", 1) > 1 else "1"
-        lines.append(f"{r['tp']:>3} {r['pp']:>3} {r['vp']:>3} {r['dp']:>4} {cp:>8} {r['mbs']:>4} {r['grad_accum']:>6} "
+        lines.append(f"{r['tp']:>3} {r['pp']:>3} {r['vp']:>3} {r.get('schedule', '1f1b'):>16} {r['dp']:>4} "
+                     f"{cp:>8} {r['mbs']:>4} {r['grad_accum']:>6} "
                      f"{r['recompute']:>10} {r['zero']:>5} {r['offload']:>8} {r.get('optim', ''):>10} "
                      f"{r['total_gib']:>9.2f} "
                      f"{'yes' if r['fits'] else 'no':>5} {r['step_s']:>14.3f}")  # fmt: skip

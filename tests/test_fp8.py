@@ -52,6 +52,12 @@ LAYOUTS = {
     "tp2_rowwise": ("reference_rowwise", TP_TOL, [ROWWISE, "parallel.tp=2", *WHOLE]),
     "dp2_zero3": ("reference_split", EXACT, [FP8, "optim.zero_stage=3", "train.micro_batch_size=4"]),
     "pp2_full_recompute": ("reference_split", EXACT, [FP8, "parallel.pp=2", *SPLIT, "model.recompute=full"]),
+    # a V-shaped zero-bubble schedule: float8's backward split into its input and weight halves
+    "pp2_zbv": (
+        "reference_split_deep",
+        EXACT,
+        [FP8, "parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "model.n_layers=4", *SPLIT],
+    ),
     # MoE: float8 attention and shared experts, the routed experts in the training dtype (ep2: exchanged and
     # run on their ranks; tp2: the shared experts in torchao's float8 styles, routed ones replicated)
     "moe_dp2_ep2": ("reference_moe_split", EXACT, [FP8, *MOE, "parallel.ep=2", "train.micro_batch_size=4"]),
@@ -61,6 +67,7 @@ REFERENCES = {
     "reference": [FP8, *WHOLE],
     "reference_rowwise": [ROWWISE, *WHOLE],
     "reference_split": [FP8, *SPLIT],
+    "reference_split_deep": [FP8, *SPLIT, "model.n_layers=4"],
     "reference_off": WHOLE,
     "reference_moe": [FP8, *MOE, *WHOLE],
     "reference_moe_split": [FP8, *MOE, *SPLIT],

@@ -62,6 +62,37 @@ LAYOUTS.update({
 })  # fmt: skip
 
 
+# the schedules past interleaved 1F1B: interleaved zero bubble, ZBV and DualPipeV (each backward split into its
+# input and weight halves, the weight halves run later; the V-shaped ones place stages r and 2pp-1-r on rank r,
+# so gpt2's tied embedding has both ends on the first rank), at pp2 and pp4 (8 layers: two stages per rank),
+# then with the features they compose with: ZeRO-1 (reductions launched from inside backward) + selective
+# recompute, ZeRO-2 + full recompute, ZeRO-3 (FSDP2), tp2 + SP
+DEEPER = "model.n_layers=8"
+SCHEDULE = {name: [f"parallel.schedule={name}", "parallel.virtual_stages=2"]
+            for name in ("interleaved_zb", "zbv", "dualpipev")}  # fmt: skip
+for name, schedule in SCHEDULE.items():
+    LAYOUTS[f"pp2_{name}"] = (2, ["parallel.pp=2", *schedule, DEEP, "train.micro_batch_size=2", "train.grad_accum=4"])
+    LAYOUTS[f"pp4_{name}"] = (4, ["parallel.pp=4", *schedule, DEEPER, "train.micro_batch_size=1", "train.grad_accum=8"])
+ZERO_BUCKETS = "optim.bucket_mb=0.05"
+LAYOUTS.update({
+    "pp2_dp2_zbv_zero1_overlap_recompute": (4, ["parallel.pp=2", *SCHEDULE["zbv"], DEEP, "train.micro_batch_size=2",
+        "train.grad_accum=2", "optim.zero_stage=1", "optim.overlap_grad_reduce=true", ZERO_BUCKETS,
+        "model.recompute=selective"]),
+    "pp2_dp2_dualpipev_zero2_recompute": (4, ["parallel.pp=2", *SCHEDULE["dualpipev"], DEEP, "train.micro_batch_size=1",
+        "train.grad_accum=4", "optim.zero_stage=2", ZERO_BUCKETS, "model.recompute=full"]),
+    "pp2_dp2_interleaved_zb_zero3": (4, ["parallel.pp=2", *SCHEDULE["interleaved_zb"], DEEP, "train.micro_batch_size=2",
+        "train.grad_accum=2", "optim.zero_stage=3"]),
+    "pp2_tp2_zbv": (4, ["parallel.pp=2", "parallel.tp=2", SP, *SCHEDULE["zbv"], DEEP, "train.micro_batch_size=4",
+        "train.grad_accum=2"]),
+})  # fmt: skip
+
+
+def reference_of(layout: str) -> str:
+    """The one-process run a layout compares with: of its depth."""
+    overrides = LAYOUTS.get(layout, (0, []))[1]
+    return "reference_deeper" if DEEPER in overrides else "reference_deep" if DEEP in overrides else "reference"
+
+
 def _derive(variants: dict[str, str], extra: list[str]) -> None:
     """Add each variant: its base layout's world and overrides, plus `extra`."""
     for name, base in variants.items():
@@ -155,7 +186,8 @@ def runs(tmp_path_factory, small_corpus, short_documents):
     docs = lambda arch, name, extra: cfg(arch, name, [*DOCUMENTS, f"data.train_path={short_documents}",
                                                       f"data.valid_path={short_documents}", *extra])  # fmt: skip
     references = [cfg(arch, "reference", ["train.micro_batch_size=8"]) for arch in ARCHS]
-    references += [cfg(arch, "reference_deep", ["train.micro_batch_size=8", DEEP]) for arch in ARCHS]
+    depths = (("reference_deep", DEEP), ("reference_deeper", DEEPER))
+    references += [cfg(arch, name, ["train.micro_batch_size=8", depth]) for arch in ARCHS for name, depth in depths]
     references += [docs(arch, "reference_documents", ["train.micro_batch_size=8"]) for arch in ARCHS]
     references.append(docs("llama", "documents_off", ["train.micro_batch_size=8", *DOCUMENTS_OFF]))
     muon_runs = [muon("reference_muon", ["train.micro_batch_size=8"]),
@@ -179,7 +211,7 @@ def runs(tmp_path_factory, small_corpus, short_documents):
     [(arch, name) for arch in ARCHS for name in LAYOUTS] + [("llama", f"{n}_compiled") for n in COMPILED_LAYOUTS],
 )
 def test_layout_matches_single_process(runs, arch, layout):
-    runs, reference = runs[arch], "reference_deep" if DEEP in LAYOUTS.get(layout, (0, []))[1] else "reference"
+    runs, reference = runs[arch], reference_of(layout)
     ref, got = read_metrics(runs / reference), read_metrics(runs / layout)
     assert len(got) == STEPS
     for r, g in zip(ref, got, strict=True):

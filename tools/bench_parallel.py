@@ -10,6 +10,9 @@ against seq 32768 at cp=4 (ring and Ulysses). Per rank: tokens/s, the step's pea
 (logging.measure_peak_step) beside the planner's total, saved activations, and the bytes sent over cp
 beside the planner's cp traffic; and the largest resident set size over ranks.
 
+--schedules: pp4 with 8 micro-batches (8 layers) under each pipeline schedule: step time against 1F1B, the
+time each rank waits on its receives, and the planner's bubble fraction.
+
 On CPU the layouts share the machine's cores (the single process gets all of them, each of N ranks
 1/N), so the ratio measures what parallelism costs here: communication, pipeline bubble, per-rank
 overheads. On a GPU machine pass train.device=cuda to measure NCCL.
@@ -21,11 +24,13 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from hpc_train.bootstrap import RankEnv
+from hpc_train.distributed.pipeline import bubble_fraction
 from hpc_train.job import JobConfig, check_run, load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.planner import stage_estimate, traffic
@@ -90,6 +95,56 @@ def counted_training(rank_env: RankEnv, cfg: JobConfig) -> None:
     (Path(cfg.run_dir) / f"cp_bytes_{rank_env.rank}").write_text(str(sent[0] / cfg.train.steps))
 
 
+SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+
+
+def waited_training(rank_env: RankEnv, cfg: JobConfig) -> None:
+    """run_training, timing every wait of the pipeline schedule on its point-to-point work (torch's schedules
+    all wait through `schedules._wait_batch_p2p`): the time this rank idles on its neighbours; the mean per
+    step written to run_dir/waited_<rank>."""
+    from torch.distributed.pipelining import schedules
+
+    waited, wait = [0.0], schedules._wait_batch_p2p
+
+    def timed_wait(work):
+        start = time.perf_counter()
+        wait(work)
+        waited[0] += time.perf_counter() - start
+
+    schedules._wait_batch_p2p = timed_wait
+    try:
+        run_training(rank_env, cfg)
+    finally:
+        schedules._wait_batch_p2p = wait
+    (Path(cfg.run_dir) / f"waited_{rank_env.rank}").write_text(str(waited[0] / cfg.train.steps))
+
+
+def bench_schedules(steps: int, warmup: int, overrides: list[str]) -> None:
+    """pp4 with 8 micro-batches under each schedule: step time against 1F1B, each rank's time waiting on its
+    receives (mean per step, over every step) and the planner's bubble fraction."""
+    print(f"{'schedule':<18} {'step ms':>8} {'vs 1f1b':>8} {'waited ms/step per rank':>32} {'waited share':>13} "
+          f"{'planned bubble':>15}")  # fmt: skip
+    base = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in SCHEDULES:
+            run = Path(tmp) / name
+            virtual = 1 if name == "1f1b" else 2
+            cfg = load_config(None, [*MODEL, "model.n_layers=8", f"train.steps={steps}", "train.eval_interval=0",
+                                     "logging.progress=none", "train.save_final_model=false", f"run_dir={run}",
+                                     "parallel.nproc=4", "parallel.pp=4", f"parallel.schedule={name}",
+                                     f"parallel.virtual_stages={virtual}", "train.micro_batch_size=2",
+                                     "train.grad_accum=8", *overrides])  # fmt: skip
+            launch_local(waited_training, 4, cfg)
+            times = [json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+            step = statistics.median(times[warmup:])
+            base = base or step
+            waited = [float((run / f"waited_{r}").read_text()) for r in range(4)]
+            share = max(waited) / statistics.mean(times)
+            print(f"{name:<18} {step * 1e3:>8.1f} {step / base:>8.2f} "
+                  f"{' '.join(f'{w * 1e3:.0f}' for w in waited):>32} {share:>13.2f} "
+                  f"{bubble_fraction(cfg.parallel, cfg.train.grad_accum):>15.3f}")  # fmt: skip
+
+
 def bench_long(steps: int, overrides: list[str]) -> None:
     """The long-sequence rows: seq 8k at cp=1 against seq 32k at cp=4, with packed documents."""
     print(f"{'layout':<20} {'ranks':>5} {'step s':>7} {'tokens/s/rank':>13} {'step peak MiB, measured / planned':>34} "
@@ -125,9 +180,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset")
     parser.add_argument("--long", action="store_true", help="the long-sequence memory run instead (cp=1 vs cp=4)")
+    parser.add_argument("--schedules", action="store_true", help="pp4, 8 micro-batches, under each schedule instead")
     args = parser.parse_args()
     if args.long:
         bench_long(args.steps, args.overrides)
+        return
+    if args.schedules:
+        bench_schedules(args.steps, args.warmup, args.overrides)
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

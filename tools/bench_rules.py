@@ -4,10 +4,11 @@ data, seed and schedule, trained one after another in this process. Prints each 
 many steps the best Muon run needs to reach the best AdamW run's final training loss.
 
 `--low-bit` compares AdamW's fp32 moments with adamw8bit and adamw4bit instead: on the ~86M GPT
-(configs/gpt2_124m.yaml with a byte vocabulary, 64-token samples, fp32, one process) the optimizer-state
-bytes per parameter each rule holds after a step and its step time (median of `--timed` steps; the update
-alone too) against AdamW's, measured in the same process; then each rule's final loss after the tiny
-config's 200 steps at one learning rate, and its gap to AdamW's.
+(configs/gpt2_124m.yaml with a byte vocabulary, 64-token samples, fp32, one process; on the CPU unless
+`train.device=cuda` is given) the optimizer-state bytes per parameter each rule holds after a step and its
+step time (median of `--timed` steps; the update alone too) against AdamW's and, on CUDA, the allocator's
+peak over the timed steps, measured in the same process;
+then each rule's final loss after the tiny config's 200 steps at one learning rate, and its gap to AdamW's.
 
     python tools/bench_rules.py                      # configs/tiny.yaml, 1 process, 200 steps
     python tools/bench_rules.py train.steps=400 --lrs 1e-3 3e-3
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from hpc_train.bootstrap import distributed
+from hpc_train.bootstrap import distributed, select_device
 from hpc_train.builder import build_run
 from hpc_train.data.batch import Batch
 from hpc_train.job import load_config
@@ -57,12 +58,15 @@ def state_and_step_time(rank_env, rule: str, timed: int, overrides: list[str]) -
     after a step, and the median step and update times over `timed` steps after two untimed ones (which
     compile the update with optim.compile_update=true)."""
     cfg = load_config(ROOT / "configs/gpt2_124m.yaml", [*MODEL_86M, f"optim.name={rule}", *overrides])
-    cpu = torch.device("cpu")
-    with distributed(rank_env, cpu, "gloo", 600):
-        run = build_run(cfg, rank_env, cpu, with_data=False)
+    device = select_device(cfg.train.device, rank_env.local_rank)
+    with distributed(rank_env, device, "auto", 600):
+        run = build_run(cfg, rank_env, device, with_data=False)
         tokens = torch.randint(0, 256, (1, cfg.model.seq_len), generator=torch.Generator().manual_seed(0))
+        tokens = tokens.to(device)
         steps, updates = [], []
         for i in range(2 + timed):
+            if i == 2 and device.type == "cuda":  # the timed steps' peak, not the compiling ones'
+                torch.cuda.reset_peak_memory_stats(device)
             timings: dict[str, float] = {}
             start = time.perf_counter()
             train_step(run.model, run.optimizer, [Batch(tokens, tokens)], 1e-4, StepOptions(timings=timings))
@@ -70,19 +74,23 @@ def state_and_step_time(rank_env, rule: str, timed: int, overrides: list[str]) -
                 steps.append(time.perf_counter() - start)
                 updates.append(timings["optimizer"])
         params = sum(p.numel() for p in run.optimizer.params)
-    return {"params": params, "bytes_per_param": run.optimizer.state_bytes() / params,
-            "step_s": statistics.median(steps), "update_s": statistics.median(updates)}  # fmt: skip
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
+    return {"params": params, "bytes_per_param": run.optimizer.state_bytes() / params, "device": str(device),
+            "step_s": statistics.median(steps), "update_s": statistics.median(updates),
+            "peak_gb": peak / 1e9}  # fmt: skip
 
 
 def low_bit(args: argparse.Namespace) -> None:
     extra = [f"optim.compile_update={args.compile_update}"] if args.compile_update is not None else []
+    extra += args.overrides  # train.device=cuda measures on the GPU
     costs = {rule: launch_local(state_and_step_time, 1, rule, args.timed, extra) for rule in args.rules}
     base = costs.get("adamw", next(iter(costs.values())))
-    print(f"~86M GPT ({base['params'] / 1e6:.1f}M parameters), one process, CPU: median of {args.timed} steps")
-    print(f"{'rule':<10}{'state B/param':>14}{'step s':>9}{'vs adamw':>9}{'update s':>10}{'vs adamw':>9}")
+    print(f"~86M GPT ({base['params'] / 1e6:.1f}M parameters), one process on {base['device']}: median of "
+          f"{args.timed} steps; peak GB: the allocator's peak over the timed steps (CUDA only)")  # fmt: skip
+    print(f"{'rule':<10}{'state B/param':>14}{'step s':>9}{'vs adamw':>9}{'update s':>10}{'vs adamw':>9}{'peak GB':>9}")
     for rule, c in costs.items():
         print(f"{rule:<10}{c['bytes_per_param']:>14.3f}{c['step_s']:>9.3f}{c['step_s'] / base['step_s']:>9.2f}"
-              f"{c['update_s']:>10.3f}{c['update_s'] / base['update_s']:>9.2f}")  # fmt: skip
+              f"{c['update_s']:>10.3f}{c['update_s'] / base['update_s']:>9.2f}{c['peak_gb']:>9.3f}")  # fmt: skip
     if args.no_curve:
         return
     lr = args.lrs[0]

@@ -35,6 +35,7 @@ DEEP = "model.n_layers=4"
 DOCUMENTS = ["data.document_mask=true", "data.reset_position_ids=true", "model.d_model=32"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=128",
        "model.moe.num_shared_experts=1", "model.moe.first_dense_layers=1"]  # fmt: skip
+SCHEDULE = lambda name: [f"parallel.schedule={name}", "parallel.virtual_stages=2", "model.n_layers=8"]  # noqa: E731
 LAYOUTS = {  # name -> (world size, overrides)
     "fp32": (1, []),
     "selective": (1, ["model.recompute=selective"]),
@@ -64,6 +65,10 @@ LAYOUTS = {  # name -> (world size, overrides)
             DEEP,
         ],
     ),  # fmt: skip
+    # zero-bubble schedules (8 layers: two stages per rank): activations held until each weight half, and the
+    # gradients awaiting it (a V places the first and the last stage on rank 0)
+    "pp4_interleaved_zb": (4, ["parallel.pp=4", "train.grad_accum=8", *SCHEDULE("interleaved_zb")]),
+    "pp4_dualpipev": (4, ["parallel.pp=4", "train.grad_accum=8", *SCHEDULE("dualpipev")]),
     "tp2_pp2_sp_selective": (
         4,
         ["parallel.tp=2", "parallel.pp=2", SP, "train.grad_accum=2", "model.recompute=selective"],

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.config.fields import RANGES, ConfigError
-from hpc_train.config.schema import BUILTIN_DATA, JobConfig
+from hpc_train.config.schema import BUILTIN_DATA, SPLIT_BACKWARD, V_SHAPED, JobConfig
 
 
 def _get(cfg: JobConfig, key: str):
@@ -300,22 +300,47 @@ def check_skip_samples(ranges: list[list[int]], global_batch: int) -> None:
 
 
 def check_pipeline(cfg: JobConfig) -> None:
-    """Schedules need at least as many micro-batches (train.grad_accum) as pipeline stages."""
+    """Each schedule's stages per rank and micro-batches (train.grad_accum), and what torch's schedules with a
+    split backward cannot run with."""
     p, ga = cfg.parallel, cfg.train.grad_accum
     if p.schedule == "1f1b" and p.virtual_stages > 1:
         raise ConfigError(
-            f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved_1f1b "
-            "(1f1b runs one stage per rank)"
+            f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved_1f1b, "
+            "interleaved_zb, zbv or dualpipev (1f1b runs one stage per rank)"
         )
-    if p.schedule == "interleaved_1f1b" and p.pp > 1 and p.virtual_stages < 2:
-        raise ConfigError("parallel.schedule=interleaved_1f1b needs parallel.virtual_stages >= 2")
-    if p.pp > 1 and ga < p.pp:
+    if p.pp == 1:
+        return
+    if p.schedule in ("interleaved_1f1b", "interleaved_zb") and p.virtual_stages < 2:
+        raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.virtual_stages >= 2")
+    if p.schedule in V_SHAPED and p.virtual_stages != 2:
+        raise ConfigError(
+            f"parallel.schedule={p.schedule} places exactly two stages per rank, in a V: set "
+            f"parallel.virtual_stages=2 (not {p.virtual_stages})"
+        )
+    if ga < p.pp:
         raise ConfigError(
             f"train.grad_accum={ga} gives {ga} micro-batches per step, fewer than parallel.pp={p.pp} pipeline "
             f"stages; set train.grad_accum >= {p.pp} (more micro-batches also shrink the pipeline bubble)"
         )
-    if p.schedule == "interleaved_1f1b" and p.pp > 1 and ga % p.pp:
+    if p.schedule == "interleaved_1f1b" and ga % p.pp:
         raise ConfigError(f"interleaved 1F1B needs train.grad_accum={ga} to be a multiple of parallel.pp={p.pp}")
+    rounds = ga // p.pp
+    if p.schedule == "interleaved_zb" and ga % rounds:
+        raise ConfigError(
+            f"interleaved zero bubble runs train.grad_accum={ga} micro-batches in {rounds} rounds of parallel.pp="
+            f"{p.pp}: set train.grad_accum to a multiple of {rounds} (a multiple of {p.pp} always is)"
+        )
+    if p.schedule == "dualpipev" and ga < 2 * p.pp:
+        raise ConfigError(
+            f"parallel.schedule=dualpipev needs at least as many micro-batches as its {2 * p.pp} stages: set "
+            f"train.grad_accum >= {2 * p.pp} (now {ga})"
+        )
+    if p.schedule in SPLIT_BACKWARD and cfg.train.compile:
+        raise ConfigError(
+            f"parallel.schedule={p.schedule} splits each backward into its input and weight halves, which "
+            "torch's pipelining does not support under torch.compile: set train.compile=false or "
+            "parallel.schedule=1f1b / interleaved_1f1b"
+        )
 
 
 def check_data_path(key: str, prefix: str | None) -> None:

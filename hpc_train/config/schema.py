@@ -69,6 +69,12 @@ class ModelConfig:
         return self.max_position_embeddings or self.seq_len
 
 
+# parallel.schedule's schedules that place two stages per rank in a V, and those that split each backward into
+# its input and weight halves (distributed/pipeline.py)
+V_SHAPED = ("zbv", "dualpipev")
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
+
+
 @dataclass
 class ParallelConfig:
     nproc: int = positive(1)  # local processes when not started by Slurm or torchrun
@@ -81,7 +87,9 @@ class ParallelConfig:
     # expert parallelism: each MoE layer's routed experts split over ep ranks carved from dp (ep divides dp)
     ep: int = positive(1)
     virtual_stages: int = positive(1)
-    schedule: str = choice("1f1b", "interleaved_1f1b")
+    # 1f1b | interleaved_1f1b (virtual_stages >= 2) | interleaved_zb (zero bubble: backward split into its input
+    # and weight halves) | zbv, dualpipev (V-shaped: virtual_stages = 2, rank r holds stages r and 2pp-1-r)
+    schedule: str = choice("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
     sequence_parallel: bool = False
     backend: str = choice("auto", "nccl", "gloo")  # auto: nccl on CUDA, gloo on CPU
     timeout_s: int = positive(600)  # collective timeout: a dead rank ends the job instead of hanging it

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpc_train.config import ModelConfig
+from hpc_train.config.schema import V_SHAPED
 from hpc_train.data.batch import Batch
 from hpc_train.distributed.grads import all_reduce_on, fix_grad_placements
 from hpc_train.distributed.hooks import StepHooks
@@ -52,6 +53,8 @@ class ParallelModel:
     masked_loss: bool = False  # the data has a loss mask: the loss is a mean over the global batch's counted targets
     loss_tokens: torch.Tensor | None = None  # with a mask, this step's counted targets per micro-batch (Decoder.loss)
     schedule_mode: str | None = None  # the pipeline schedule's last call, step or eval (a switch re-infers shapes)
+    stages: list[int] = field(default_factory=lambda: [0])  # the pipeline stages this rank holds, one per chunk
+    num_stages: int = 1
     hooks: list[StepHooks] = field(default_factory=list)  # the features' parts in every step (the builder's)
 
     def scaled_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -65,7 +68,11 @@ class ParallelModel:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every parameter this rank holds, frozen or not, under its whole-model name (`layers.<i>....`;
         a tied head copy under the embedding's name): the same names whatever the layout."""
-        return [(chunk.canonical_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
+        named: dict[int, tuple[str, nn.Parameter]] = {}  # a parameter two stages share (a V's tied head) once
+        for chunk in self.chunks:
+            for n, p in chunk.named_parameters():
+                named.setdefault(id(p), (chunk.canonical_name(n), p))
+        return list(named.values())
 
     def parameter_names(self) -> dict[int, str]:
         """Each parameter's whole-model name, by the parameter's id."""
@@ -88,9 +95,23 @@ class ParallelModel:
             out += [(n, t) for n, t in chunk.state_dict(keep_vars=True).items() if n not in params]
         return out
 
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def holds_last_stage(self) -> bool:
+        """Whether this rank computes the loss (the first pipeline rank too under a V-shaped schedule)."""
+        return self.num_stages - 1 in self.stages
+
+    def backward_passes(self, p: nn.Parameter) -> int:
+        """How many of this rank's stages use `p`: the backward passes that each give part of its gradient of
+        a micro-batch (two for a V's tied embedding, whose stages run their backwards apart)."""
+        return sum(any(q is p for q in chunk.parameters()) for chunk in self.chunks)
+
     def counted_in_norm(self, p: nn.Parameter) -> bool:
         """False for the last stage's copy of a tied embedding: its gradient is the first stage's."""
-        return p is not self.tied_copy or self.mesh.is_first_stage
+        return p is not self.tied_copy or self.holds_first_stage
 
     def holds_tied_copy(self, params: list[nn.Parameter]) -> bool:
         """Whether finalizing `params` talks to another pipeline stage (so never from inside backward)."""
@@ -115,10 +136,17 @@ def freeze(model: ParallelModel, patterns: tuple[str, ...] | list[str]) -> None:
             p.requires_grad_(False)
 
 
-def _tied_pipeline_copy(chunks: list[StageModule], mesh: Mesh) -> tuple[nn.Parameter | None, dist.ProcessGroup | None]:
+def _tied_pipeline_copy(
+    chunks: list[StageModule], mesh: Mesh, v_shaped: bool
+) -> tuple[nn.Parameter | None, dist.ProcessGroup | None]:
     """With tied embeddings and pp > 1: every rank creates the (first, last) stage pair groups; the
-    first and last stages get theirs and the embedding (or head copy) they hold."""
+    first and last stages get theirs and the embedding (or head copy) they hold. Under a V-shaped schedule
+    the first rank holds both ends: its head uses the embedding's parameter itself, as one process does."""
     if mesh.size("pp") == 1 or not chunks[0].tied:
+        return None, None
+    if v_shaped:
+        if mesh.is_first_stage:
+            chunks[-1].output.weight = chunks[0].tok_embeddings.weight
         return None, None
     pairs = [[line[0], line[-1]] for line in mesh.ranks_along("pp")]
     group, _ = dist.new_subgroups_by_enumeration(pairs)
@@ -153,7 +181,7 @@ def parallelize(plan: StagePlan) -> ParallelModel:
     spec, mesh, device, p = plan.spec, plan.mesh, plan.device, plan.parallel
     pp, tp = mesh.size("pp"), mesh.size("tp")
     num_stages = pp * p.virtual_stages
-    stages = stage_ids(mesh.rank("pp"), pp, p.virtual_stages)
+    stages = stage_ids(mesh.rank("pp"), pp, p.virtual_stages, p.schedule)
     chunks = []
     for stage in stages:
         with torch.device("meta"):
@@ -165,12 +193,12 @@ def parallelize(plan: StagePlan) -> ParallelModel:
         for initialize in plan.initializers:
             initialize(chunk)
         chunks.append(chunk)
-    tied_copy, tied_group = _tied_pipeline_copy(chunks, mesh)
+    tied_copy, tied_group = _tied_pipeline_copy(chunks, mesh, p.schedule in V_SHAPED)
     model = ParallelModel(plan.model, spec, chunks, mesh, device, plan.train.grad_accum, plan.compute_dtype,
-                          tied_copy=tied_copy, tied_group=tied_group)  # fmt: skip
+                          tied_copy=tied_copy, tied_group=tied_group, stages=stages, num_stages=num_stages)  # fmt: skip
     freeze(model, plan.train.freeze)
     if pp > 1:
-        if mesh.is_last_stage:  # the schedule's loss function runs the head, a chunk at a time
+        if model.holds_last_stage:  # the schedule's loss function runs the head, a chunk at a time
             chunks[-1].emits_hidden = True
         model.schedule = build_schedule(chunks, stages, p, plan.train.grad_accum, mesh.sub("pp"), device,
                                         model.scaled_loss)  # fmt: skip
@@ -208,8 +236,8 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
             return total
         tokens = torch.cat([b.tokens for b in micro_batches])
         targets = torch.cat([b.labels for b in micro_batches])
-        inputs = (tokens,) if model.mesh.is_first_stage else ()
-        target = targets if model.mesh.is_last_stage else None
+        inputs = (tokens,) if model.holds_first_stage else ()
+        target = targets if model.holds_last_stage else None
         # packed documents reach every stage as keyword inputs, cut into the same micro-batches as the tokens
         documents = {name: torch.cat([getattr(b, name) for b in micro_batches])
                      for name in ("positions", "documents") if getattr(micro_batches[0], name) is not None}  # fmt: skip

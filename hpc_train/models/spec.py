@@ -68,6 +68,10 @@ class StageActivations:
     block_backward: int = 0
     # what an MoE block keeps beyond a dense one, unless it is recomputed whole
     moe_block: int = 0
+    # held between a split backward's input half and its weight half (interleaved_zb, zbv, dualpipev): the
+    # gradients reaching the outputs of a block's projections and norms, and of the last stage's head
+    weight_grads_block: int = 0
+    weight_grads_last_stage: int = 0
 
     def block(self, choice: str, moe: bool = False) -> int:
         """What one block keeps, by its recompute choice (and whether it is an MoE block)."""

@@ -72,8 +72,13 @@ class BucketedReduction:
         deferred: Callable[[list[nn.Parameter]], bool] = lambda bucket: False,
         every_micro_batch: bool = False,
         max_in_flight: int = 2,
+        passes: Callable[[nn.Parameter], int] = lambda p: 1,
     ):
         self.buckets, self.launch, self.overlap = buckets, launch, overlap
+        # backward passes that each give a parameter part of one micro-batch's gradient: two for a tied
+        # embedding both ends of a V-shaped pipeline hold on its first rank (one process's autograd adds
+        # both uses in one pass), one for any other
+        self.passes = {id(p): passes(p) for bucket in buckets for p in bucket}
         self.every_micro_batch, self.max_in_flight = every_micro_batch, max_in_flight
         self.deferred = {i for i, bucket in enumerate(buckets) if deferred(bucket)}
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
@@ -83,7 +88,7 @@ class BucketedReduction:
 
     def _reset(self) -> None:
         self.micro_batches = 0  # 0 until begin_step: no launch from backward
-        self.arrivals: dict[int, int] = {}  # backward passes seen per parameter this step
+        self.arrivals: dict[int, int] = {}  # backward passes seen per parameter this step (`passes` per micro-batch)
         self.launches = [0] * len(self.buckets)  # launches of each bucket this step
         self.missing = [len(b) for b in self.buckets]  # parameters of each bucket short of its next launch
 
@@ -100,7 +105,7 @@ class BucketedReduction:
         self.launches[i] += 1
         if self.every_micro_batch:
             threshold = self._threshold(i)
-            self.missing[i] = sum(self.arrivals.get(id(p), 0) < threshold for p in self.buckets[i])
+            self.missing[i] = sum(self._micro_batches_of(p) < threshold for p in self.buckets[i])
 
     def begin_step(self, micro_batches: int) -> None:
         """Expect `micro_batches` backward passes through every parameter before the next `finish`."""
@@ -112,9 +117,15 @@ class BucketedReduction:
             self.hooked = True
         self.micro_batches = micro_batches
 
+    def _micro_batches_of(self, p: nn.Parameter) -> int:
+        """The micro-batches whose gradient `p` has whole this step."""
+        return self.arrivals.get(id(p), 0) // self.passes[id(p)]
+
     def _arrived(self, p: nn.Parameter) -> None:
-        count = self.arrivals[id(p)] = self.arrivals.get(id(p), 0) + 1
-        i = self.bucket_of[id(p)]
+        self.arrivals[id(p)] = self.arrivals.get(id(p), 0) + 1
+        if self.arrivals[id(p)] % self.passes[id(p)]:
+            return
+        count, i = self._micro_batches_of(p), self.bucket_of[id(p)]
         if self.micro_batches and count == self._threshold(i) and self.launches[i] < self.micro_batches:
             self.missing[i] -= 1
             if self.missing[i] == 0 and i not in self.deferred:

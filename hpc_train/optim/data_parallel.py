@@ -66,7 +66,8 @@ class DataParallelOptimizer:
         self.rule = build_rule(model, self.params, cfg)
         limit = int(cfg.bucket_mb * 2**20)
         buckets = [[self.params[i] for i in b] for b in bucketize([local(p) for p in self.params], limit)]
-        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy)
+        self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy,
+                                           passes=model.backward_passes)  # fmt: skip
 
     @staticmethod
     def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int, int]:

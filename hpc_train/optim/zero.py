@@ -107,7 +107,8 @@ class ZeroOptimizer:
         self.buckets = self._make_buckets(self.params, int(cfg.bucket_mb * 2**20))
         buckets = [b.params for b in self.buckets]
         self.reduction = BucketedReduction(buckets, self._launch, cfg.overlap_grad_reduce, model.holds_tied_copy,
-                                           every_micro_batch=self.every_micro_batch)  # fmt: skip
+                                           every_micro_batch=self.every_micro_batch,
+                                           passes=model.backward_passes)  # fmt: skip
         self.slot = {id(p): (b, start) for b in self.buckets for p, start in zip(b.params, b.offsets, strict=True)}
         # parameters whose gradients arrive as partial sums over tp: the groups to sum them over
         self.partial_sums: dict[int, list[dist.ProcessGroup]] = {}

@@ -90,7 +90,7 @@ def offloaded_bytes(model: ActivationOffloadOptions, parallel: ParallelConfig, p
     per_stage = model.n_layers // (parallel.pp * parallel.virtual_stages)
     choices = [block_policy(i) for i in range(per_stage)]
     return sum(parts.block("none", is_moe_layer(model, stage * per_stage + i))
-               for stage in stage_ids(pp_rank, parallel.pp, parallel.virtual_stages)
+               for stage in stage_ids(pp_rank, parallel.pp, parallel.virtual_stages, parallel.schedule)
                for i in offloaded_blocks(model.activation_offload, choices))  # fmt: skip
 
 

@@ -204,4 +204,13 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         loss_backward=loss_backward,
         block_backward=tokens * f * e // tp + norm_tokens * d * residual_bytes + shape.document_tile * (e + 2),
         moe_block=moe_block,
+        # wq, wk, wv; wo and the MLP's row-parallel output whole; its column-parallel outputs; the two norms
+        weight_grads_block=(
+            tokens * d * (1 + 2 * kv / a) // tp
+            + 2 * tokens * d
+            + len(mlp.column_parallel) * tokens * f // tp
+            + 2 * norm_tokens * d
+        )
+        * e,
+        weight_grads_last_stage=(tokens * vocab // tp * (not chunked) + norm_tokens * d) * e,
     )

@@ -26,6 +26,7 @@ does: on CPU inductor takes seconds per shape and buys little.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import ClassVar
 
@@ -38,6 +39,12 @@ from hpc_train.placement import like_param, local
 
 SCALE = "exp_avg_scale"  # the signed moment's block scale, per element, in checkpoints
 MIN_QUANTIZED = 4096  # elements: smaller parameters keep fp32 moments (bitsandbytes' threshold)
+
+
+@functools.cache
+def _has_torchao() -> bool:
+    """Looked up once: the planner's layout search asks for the rule of every layout it tries."""
+    return importlib.util.find_spec("torchao") is not None
 
 
 class LowBitAdamW:
@@ -79,7 +86,7 @@ class LowBitAdamW:
 
     @staticmethod
     def check(cfg: OptimConfig) -> None:
-        if importlib.util.find_spec("torchao") is None:
+        if not _has_torchao():
             raise ConfigError(
                 f"optim.name={cfg.name} needs torchao (its low-bit state): pip install 'hpc_train[lowbit]'"
             )
