@@ -18,7 +18,7 @@ import torch
 from hpc_train.config import ConfigError, compose, raise_all, validate
 from hpc_train.config import load_config as load_schema
 from hpc_train.distributed.mesh import ParallelDims
-from hpc_train.distributed.pipeline import stage_ids
+from hpc_train.distributed.pipeline import SCHEDULES, schedule_class, stage_ids
 from hpc_train.features import (
     activation_offload,
     context_parallel,
@@ -99,12 +99,25 @@ def check_run(cfg: JobConfig, world_size: int, check_paths: bool = True, here: b
     checks = [lambda: spec.validate(cfg.model, cfg.parallel.tp), lambda: optimizer_class(cfg.optim)]
     if cfg.train.freeze:
         checks.append(lambda: _check_freeze(cfg, spec))
+    if cfg.parallel.pp > 1 and cfg.parallel.schedule not in ("1f1b", "interleaved_1f1b"):
+        checks.append(lambda: _check_schedule_in_torch(cfg.parallel.schedule))
     raise_all(checks)
     given = {"dims": dims, "spec": spec, "here": here, "block_policy": block_policy(cfg)}
     problems = [problem for _, check in declared(cfg, "check", every=True, **given) for problem in check()]
     if problems:
         raise ConfigError("\n".join(problems))
     return dims
+
+
+def _check_schedule_in_torch(schedule: str) -> None:
+    """The newer schedules came with later torch releases than the one pyproject.toml asks for."""
+    try:
+        schedule_class(schedule)
+    except AttributeError:
+        raise ConfigError(
+            f"parallel.schedule={schedule} needs torch.distributed.pipelining's {SCHEDULES[schedule]}, which torch "
+            f"{torch.__version__} does not have: upgrade torch, or use parallel.schedule=interleaved_1f1b"
+        ) from None
 
 
 def _check_freeze(cfg: JobConfig, spec: ModelSpec) -> None:

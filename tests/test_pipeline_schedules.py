@@ -91,6 +91,7 @@ def test_zero_bubble_schedules_idle_a_third_of_interleaved_1f1b():
         (["parallel.schedule=zbv", "parallel.virtual_stages=2", DEEP, "train.grad_accum=2", "train.compile=true"],
          "train.compile=false"),
         (["parallel.schedule=1f1b", "parallel.virtual_stages=2", DEEP], "interleaved_zb, zbv or dualpipev"),
+        (["parallel.pp=1", "parallel.schedule=zbv", "parallel.virtual_stages=2", DEEP], "set parallel.pp > 1"),
     ],
 )  # fmt: skip
 def test_a_schedule_it_cannot_run_is_refused_naming_the_fix(overrides, named):

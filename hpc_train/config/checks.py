@@ -303,6 +303,11 @@ def check_pipeline(cfg: JobConfig) -> None:
     """Each schedule's stages per rank and micro-batches (train.grad_accum), and what torch's schedules with a
     split backward cannot run with."""
     p, ga = cfg.parallel, cfg.train.grad_accum
+    if p.pp == 1 and p.virtual_stages > 1:
+        raise ConfigError(
+            f"parallel.virtual_stages={p.virtual_stages} places several pipeline stages on each rank of a "
+            "pipeline: set parallel.pp > 1, or parallel.virtual_stages=1"
+        )
     if p.schedule == "1f1b" and p.virtual_stages > 1:
         raise ConfigError(
             f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved_1f1b, "

@@ -41,7 +41,7 @@ SCHEDULES = {
 
 def stage_ids(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
     """The stages pipeline rank `pp_rank` holds, in the order it runs their forwards."""
-    if schedule in V_SHAPED:
+    if schedule in V_SHAPED and pp > 1:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
@@ -59,6 +59,7 @@ def _accumulator(p: torch.Tensor):
     return p.view_as(p).grad_fn.next_functions[0][0]
 
 
+@functools.cache
 def _split_backward_stage() -> type:
     from torch.distributed.pipelining import PipelineStage
 
@@ -234,6 +235,8 @@ def held_at_peak(
     after each action; the stages of a V differ), and what gradients awaiting their weight halves
     (`awaiting`: a micro-batch's on each stage) add to that peak at theirs. None where torch cannot list
     them."""
+    if parallel.pp == 1:
+        return None
     figures = _figures(parallel.schedule, parallel.pp, micro_batches, parallel.virtual_stages)
     if figures is None:
         return None
