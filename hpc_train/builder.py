@@ -99,8 +99,11 @@ def keeps_memory_copy(cfg: JobConfig, dims: ParallelDims, ranks_here: int, devic
                       report: Callable[[str], None]) -> bool:  # fmt: skip
     """train.spike_guard.memory_copy, or, unset, whether the planner's copy of a rank's state (the largest
     pipeline stage's) for each of this node's ranks fits in half of the node's available memory on every
-    node (agreed: a rollback restores the copy on every rank or on none)."""
+    node (agreed: a rollback restores the copy on every rank or on none). Always, with node-local
+    checkpoints: they are written from the copy."""
     guard = cfg.train.spike_guard
+    if cfg.checkpoint.local_dir and cfg.checkpoint.local_interval:
+        return True  # node-local checkpoints are written from the copy: it is there anyway
     if not plans_memory_copy(cfg) or guard.memory_copy is not None:
         return plans_memory_copy(cfg)
     need = ranks_here * max(plan.host_copy for plan in stage_estimates(cfg, dims))

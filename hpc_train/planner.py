@@ -64,7 +64,9 @@ class MemoryEstimate:
     host: int  # in host memory, not in the device total: offloaded optimizer state (parameters, gradients)...
     total: int
     host_features: int = 0  # ... and, of `host`, what features keep there (activation offload's activations)
-    host_copy: int = 0  # in host memory besides `host`: train.spike_guard's copy of the parameters and optimizer state
+    # in host memory besides `host`: the copy of the parameters and optimizer state that train.spike_guard
+    # and node-local checkpoints keep (and, across nodes, the partner's a local save receives)
+    host_copy: int = 0
     stage: int = 0  # the pipeline rank these bytes are of
     stages: int = 1  # pp
 
@@ -350,8 +352,10 @@ def stage_estimate(
     stage 2 the gradients) in the optimizer; stage 3 shards the parameters too (FSDP2), so it counts its
     dim-0 shards exactly. Every category is device memory: offload moves the sharded optimizer state
     (stages 1-2: with a host copy of the owned gradients; stage 3: also the parameter and gradient shards)
-    to `host`. train.spike_guard's in-memory copy of the state is `host_copy` (the parameters and the
-    optimizer state as this rank holds them, wherever they live), apart from `host`, which the step measures.
+    to `host`. The in-memory copy of the state that train.spike_guard and node-local checkpoints keep is
+    `host_copy` (the parameters and the optimizer state as this rank holds them, wherever they live; twice
+    that for local checkpoints across nodes, while a save receives the partner's), apart from `host`, which
+    the step measures.
 
     The total is the largest of three moments of a step (each checked against the measured peak of live
     tensor bytes on CPU, tools/validate_planner.py):
@@ -435,7 +439,10 @@ def stage_estimate(
     host = added.host
     # QLoRA's NF4 weights are not copied: they never change
     host_copy = param_bytes - (0 if cls.shards_params else local.quantized_bytes) + optimizer
-    host_copy = host_copy if plans_memory_copy(cfg) else 0
+    local = cfg.checkpoint.local_dir and cfg.checkpoint.local_interval  # written from the same copy
+    # a local save across nodes also receives its partner's copy (sized as this rank's: the same local rank
+    # on the next node, of the same stage where pp stays within a node)
+    host_copy *= (2 if cfg.slurm.nodes > 1 else 1) if local else int(plans_memory_copy(cfg))
     if o.offload == "cpu":
         host, optimizer = host + optimizer, 0
         if cls.shards_params:
@@ -658,7 +665,7 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
         what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state, owned gradients"
         lines.append(f"  {f'in host memory ({what})':<44} {(plan.host - plan.host_features) / GiB:10.3f} GiB")
     if plan.host_copy:
-        lines.append(f"  {'in host memory (the spike guard state copy)':<44} {plan.host_copy / GiB:10.3f} GiB")
+        lines.append(f"  {'in host memory (the state copy)':<44} {plan.host_copy / GiB:10.3f} GiB")
     if plan.host_features:  # each feature's line above says what
         lines.append(f"  {'in host memory (the features above)':<44} {plan.host_features / GiB:10.3f} GiB")
     verdict = "fits" if plan.total <= gpu_mem_bytes else "DOES NOT FIT"

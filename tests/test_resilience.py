@@ -212,24 +212,32 @@ POISONED = {"HPC_TRAIN_FAULT": "batch@7@0@spike"}  # the stream's 7th global bat
 TP2_DP2_ZERO1 = ["parallel.nproc=4", "parallel.tp=2", "parallel.sequence_parallel=true", "optim.zero_stage=1"]
 
 
+# node-local checkpoints every 3 steps: written from the same host copy, the newest save a rollback restores
+LOCAL_EVERY_3 = ["checkpoint.local_interval=3", "parallel.max_restarts=1"]
+
+
 @pytest.mark.parametrize(
-    "layout, skip, skipped, source",
-    [([], "since_checkpoint", [8, 14], "memory"), (["train.spike_guard.memory_copy=false"], "step", [12, 14], "disk"),
-     (TP2_DP2_ZERO1, "step", [24, 28], "memory")],
-    ids=["one_process", "one_process_disk", "tp2_dp2_zero1"],
+    "layout, skip, skipped, source, to_step",
+    [([], "since_checkpoint", [8, 14], "memory", 4),
+     (["train.spike_guard.memory_copy=false"], "step", [12, 14], "disk", 4),
+     ([*TP2_DP2_ZERO1, *LOCAL_EVERY_3], "step", [24, 28], "memory", 6)],
+    ids=["one_process", "one_process_disk", "tp2_dp2_zero1_local"],
 )  # fmt: skip
-def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, source, tmp_path, small_corpus):
-    """A poisoned batch read at step 7 spikes the loss: every rank rolls back to step 4's checkpoint (read
-    from disk, or from the copy each save keeps in host memory, which the planner counts exactly), skips the
-    spiking step's batch (or every batch since the checkpoint), and trains on to step 12. Its weights are
-    those of a run told to skip the same samples from the start (data.skip_samples: it never reads the
-    poisoned batch), exactly, and metrics.jsonl names what was skipped, by dataset index."""
+def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, source, to_step, tmp_path, small_corpus):
+    """A poisoned batch read at step 7 spikes the loss: every rank rolls back to the newest checkpoint, step
+    4's (read from disk, or from the copy each save keeps in host memory, which the planner counts exactly)
+    or, with node-local checkpoints, step 6's local one (written from that same copy), skips the spiking
+    step's batch (or every batch since the checkpoint), and trains on to step 12. Its weights are those of a
+    run told to skip the same samples from the start (data.skip_samples: it never reads the poisoned batch),
+    exactly, and metrics.jsonl names what was skipped, by dataset index."""
+    if "checkpoint.local_interval=3" in layout:
+        layout = [*layout, f"checkpoint.local_dir={tmp_path / 'local'}"]
     base = [*TINY_MODEL, f"data.train_path={small_corpus}", *SPIKE_RUN, *layout]
     guard = ["train.spike_guard.enabled=true", "train.spike_guard.window=4", f"train.spike_guard.skip={skip}"]
     guarded = run_cli("train", *base, *guard, f"run_dir={tmp_path / 'guarded'}", env=POISONED)
     assert guarded.returncode == 0 and "loss spike at step 7: loss " in guarded.stdout, guarded.stderr
     assert (
-        f"rolled back to the checkpoint of step 4 (from {source}), samples {skipped[0]}-{skipped[1]} of the "
+        f"rolled back to the checkpoint of step {to_step} (from {source}), samples {skipped[0]}-{skipped[1]} of the "
         "stream skipped" in guarded.stdout
     )
     run_cli("train", *base, f"data.skip_samples=[{skipped}]", f"run_dir={tmp_path / 'reference'}", env=POISONED)
@@ -238,9 +246,9 @@ def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, source
     assert [r["step"] for r in records] == list(range(1, 13))  # the rolled-back steps' records replaced
     assert [r["loss"] for r in records] == [r["loss"] for r in reference]
     assert [r["consumed_samples"] for r in records] == [r["consumed_samples"] for r in reference]
-    assert [r["step"] for r in records if "rollback" in r] == [5]  # on the first step trained again
-    (rollback,) = records[4]["rollback"]
-    assert rollback["spike_step"] == 7 and rollback["to_step"] == 4 and rollback["skipped_samples"] == skipped
+    assert [r["step"] for r in records if "rollback" in r] == [to_step + 1]  # on the first step trained again
+    (rollback,) = records[to_step]["rollback"]
+    assert rollback["spike_step"] == 7 and rollback["to_step"] == to_step and rollback["skipped_samples"] == skipped
     assert rollback["from"] == source and rollback["rollback_s"] > 0
     assert rollback["loss"] > 100 * rollback["loss_median"]
     assert rollback["grad_norm"] > 100 * rollback["grad_norm_median"]
@@ -253,6 +261,8 @@ def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, source
         planned = stage_estimates(load_config(None, [*base, *guard]), dims)[0]
         assert copied == [planned.host_copy] * 3 == [planned.params + planned.optimizer] * 3
         assert all(r["checkpoint"]["memory_copy_s"] > 0 for r in records if "checkpoint" in r)
+        local = [r["local_checkpoint"]["local_bytes"] - planned.host_copy for r in records if "local_checkpoint" in r]
+        assert (len(local), all(0 < header < 2**16 for header in local)) == ((3, True) if to_step == 6 else (0, True))
     else:
         assert copied == [None] * 3
 

@@ -14,9 +14,11 @@ import pytest
 
 from hpc_train.cli import main
 from hpc_train.config import check_values
+from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.job import load_config
 from hpc_train.launch import slurm
 from hpc_train.launch.local import launch_local
+from hpc_train.planner import stage_estimates
 from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, read_metrics, run_cli
 
@@ -307,29 +309,40 @@ def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
 
 @pytest.mark.usefixtures("cluster")
 def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypatch):
-    """parallel.max_restarts=1, shared checkpoints every 4 steps and node-local ones every step (each node's
-    own directory): the rank on the second node loses its node's local checkpoints and is killed after the
-    local save of step 5; the tasks' supervisors start both ranks again in the same job, which resumes from
-    the local step 5 (rank 1's state from the copy its partner node kept), not the shared step 4, completes
-    and ends on the uninterrupted run's losses. The node is blamed, and a resubmission excludes it."""
+    """parallel.max_restarts=1, shared checkpoints every 3 steps and node-local ones every step (each node's
+    own directory): after the local save of step 5 the rank on the second node loses its node's local
+    checkpoints and is killed, and a bit of the first rank's own copy of step 5 flips. The tasks'
+    supervisors start both ranks again in the same job: step 5 is passed over (rank 0's copy fails its
+    checksum, and the copy its partner kept went with the second node), and the job resumes from the local
+    step 4 (rank 1's state from the copy its partner node kept), not the shared step 3, completes and ends
+    on the uninterrupted run's losses. The node is blamed, and a resubmission excludes it."""
     # sbatch passes the environment to the job: rank 1 wipes its node's local directory, then dies
-    monkeypatch.setenv("HPC_TRAIN_FAULT", "local_saved@5@1@wipe")
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "local_saved@5@1@wipe,local_saved@5@0@corrupt")
     corpus = make_cfg().data.train_path
     steps = ["train.steps=8", "train.micro_batch_size=4"]
     run_dir = tmp_path / "restarted"
     local = [f"checkpoint.local_dir={tmp_path}/local/$SLURMD_NODENAME", "checkpoint.local_interval=1"]
-    out = run_cli("submit", *TINY_MODEL, f"data.train_path={corpus}", *steps, "checkpoint.interval=4", *local,
-                  "slurm.nodes=2", "slurm.tasks_per_node=1", "parallel.max_restarts=1", f"run_dir={run_dir}",
-                  "--wait")  # fmt: skip
+    job = [*TINY_MODEL, f"data.train_path={corpus}", *steps, "checkpoint.interval=3", *local, "slurm.nodes=2",
+           "slurm.tasks_per_node=1", "parallel.max_restarts=1", f"run_dir={run_dir}"]  # fmt: skip
+    out = run_cli("submit", *job, "--wait")
     assert out.returncode == 0, out.stdout + out.stderr
     job_id = out.stdout.split("submitted job ")[1].split(":")[0]
     assert sacct_state(job_id) == "COMPLETED"
     log = (run_dir / "slurm" / f"{job_id}_0_log.err").read_text()
     assert "restarting every rank from the newest checkpoint (in-job restart 1 of parallel.max_restarts=1)" in log
     (resumed,) = [r["resumed_from"] for r in read_metrics(run_dir) if "resumed_from" in r]
-    assert (resumed["step"], resumed["source"], resumed["from_partner"]) == (5, "local", [1]), resumed
+    assert (resumed["step"], resumed["source"], resumed["from_partner"]) == (4, "local", [1]), resumed
+    (passed_over,) = resumed["passed_over"]
+    assert passed_over.startswith("rank 0: ") and "step_0000005/rank00000.pt fails its xxh3_128 checksum" in passed_over
+    printed = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    assert f"node-local checkpoints: passed over {passed_over}" in printed
+    assert "resumed from the node-local checkpoints of step 4, newer than the shared one (ranks [1] from" in printed
     assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["n1", "n2"]  # n2's made again
     assert [r["restart"]["attempt"] for r in read_metrics(run_dir) if "restart" in r] == [1]
+    # one host copy a rank, taken at shared saves too; the planner also counts the partner's a local save receives
+    planned = stage_estimates(load_config(None, job), ParallelDims(dp=2))[0]
+    copied = [r["checkpoint"]["memory_copy_bytes"] for r in read_metrics(run_dir) if "checkpoint" in r]
+    assert len(copied) == 3 and all(2 * c == planned.host_copy for c in copied), (copied, planned.host_copy)
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 9))
     monkeypatch.delenv("HPC_TRAIN_FAULT")
     uninterrupted = make_cfg(*steps, "parallel.nproc=2", run="straight")

@@ -20,7 +20,9 @@ live run can take, and a check that the checkpoints there are this run's. Nothin
 the files (checkpoint/safe_load.py).
 
 With `memory_copy` (train.spike_guard's), each save also copies this rank's state into host memory
-(checkpoint/memory_copy.py), and `roll_back` restores the newest checkpoint from there instead of disk.
+(checkpoint/memory_copy.py), and `roll_back` restores the newest checkpoint from there instead of disk;
+node-local checkpoints are written from the same copy, so with them it is always kept, and a rollback
+goes back to the newest save, local or shared.
 With `checkpoint.local_dir`, every `local_interval` steps each rank's state also goes to node-local disk and
 its partner node (checkpoint/local.py), which an in-job restart reads when newer than the shared checkpoint.
 """
@@ -83,6 +85,7 @@ class Resumed:
     committed_at: float  # when it was committed (its manifest's time), to tell what a restart redoes
     source: str = "disk"  # or "memory" (`Checkpointer.roll_back`'s in-memory copy), or "local" (node-local disk)
     from_partner: list[int] | None = None  # "local": the ranks that read their partner node's copy
+    passed_over: list[str] | None = None  # "local": the node-local copies that failed their checks, and why
 
 
 class Checkpointer:
@@ -129,13 +132,16 @@ class Checkpointer:
         self.lock = DirectoryLock(self.store.root)
         self.abandoned = threading.Event()
         self.own_step: int | None = None  # the newest checkpoint this process saved or resumed: a rollback's
+        # one host copy of the state: the spike guard's and the local checkpoints' (written from it), which
+        # holds the newest step saved either way, so a rollback to a local step needs no disk
+        local = bool(checkpoint.local_dir and checkpoint.local_interval)
         self.memory_copy = None
-        if memory_copy:
+        if memory_copy or local:
             self.memory_copy = MemoryCopy(sharded["model"], sharded["optim"], {**shared, **per_rank})
         self.local = None
-        if checkpoint.local_dir and checkpoint.local_interval:
-            copy = MemoryCopy(sharded["model"], sharded["optim"], {**shared, **per_rank})
-            self.local = LocalCheckpoints(checkpoint.local_dir, run_name, copy, layout, ranks_per_node, report)
+        if local:
+            self.local = LocalCheckpoints(checkpoint.local_dir, run_name, self.memory_copy, layout, ranks_per_node,
+                                          report)  # fmt: skip
 
     # ---- ownership --------------------------------------------------------------------------------
     def claim(self) -> None:
@@ -178,7 +184,9 @@ class Checkpointer:
     def save_local(self, step: int) -> dict[str, Any]:
         """This rank's state of `step` on node-local disk and its partner's: what it cost (`local_s`, bytes)."""
         start = time.perf_counter()
-        return {**self.local.save(step), "local_s": time.perf_counter() - start}
+        saved = self.local.save(step)
+        self.own_step = step  # the newest checkpoint, in the memory copy: a rollback's
+        return {**saved, "local_s": time.perf_counter() - start}
 
     def save(self, step: int) -> dict[str, Any]:
         """Save this step; returns what it cost this rank: `blocked_s` (the time training waited), `state_s`
@@ -384,9 +392,9 @@ class Checkpointer:
         """Load the newest checkpoint that verifies (of `step`, if given) into every registered part; None when
         there is none. Under a change of update rule (optim.reset_state=true) the rule's saved state is not
         loaded."""
-        path, manifest, reset = self._choose(step)
-        if step is None and (resumed := self._resume_locally(manifest["step"] if manifest else 0)):
+        if step is None and (resumed := self._resume_locally()):
             return resumed
+        path, manifest, reset = self._choose(step)
         if path is None:
             return None
         fault_point("resume", 0, self.rank)
@@ -411,17 +419,24 @@ class Checkpointer:
         self.report(f"resumed from {path} (step {step}{change})")
         return Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime)
 
-    def _resume_locally(self, shared_step: int) -> Resumed | None:
-        """After an in-job restart, the node-local checkpoints when every rank has one newer than `shared_step`."""
+    def _resume_locally(self) -> Resumed | None:
+        """After an in-job restart, the node-local checkpoints when every rank has one newer than the newest
+        shared checkpoint (by its manifest: the files of one that is older are not read, nor checksummed)."""
         if self.local is None or os.environ.get("HPC_TRAIN_RESTART", "0") == "0":
             return None
-        restored = self.local.restore(shared_step)
+        newest: list[Any] = [0]
+        if self.rank == 0 and (info := next(self.store.candidates(lambda message: None), None)) is not None:
+            newest = [info.step]
+        dist.broadcast_object_list(newest, src=0)
+        restored = self.local.restore(newest[0])
         if restored is None:
             return None
-        self.own_step, partners = restored["step"], restored["from_partner"]
+        self.own_step, partners, passed_over = restored["step"], restored["from_partner"], restored["passed_over"]
+        for problem in passed_over:
+            self.report(f"node-local checkpoints: passed over {problem}")
         self.report(f"resumed from the node-local checkpoints of step {restored['step']}, newer than the shared one"
                     f"{f' (ranks {partners} from their partner node copy)' if partners else ''}")  # fmt: skip
-        return Resumed(restored["step"], self.layout, restored["committed_at"], "local", partners)
+        return Resumed(restored["step"], self.layout, restored["committed_at"], "local", partners, passed_over)
 
 
 def read_parts(

@@ -5,22 +5,28 @@ Every `local_interval` steps each rank writes its own state as it holds it (chec
 shards in this layout, nothing resharded) to `local_dir` (environment variables expanded on each node, so
 `$SLURM_TMPDIR` or `/tmp/x/$SLURMD_NODENAME` name each node's own disk), and sends the same bytes through a
 gloo group of its own to its partner, the rank of the same local rank on the next node, which writes them
-beside its own: two copies on two nodes. Each file is written under a temporary name, fsynced, checksummed
-(xxh3) and renamed; its record (size, checksum, step, layout) follows it the same way, so a file without a
-record is ignored. The last two steps are kept.
+beside its own: two copies on two nodes. Each file is written under a temporary name, checksummed (xxh3)
+and renamed, not fsynced (`write_verified` says why); its record (size, checksum, step, layout) follows it
+the same way, so a file without a record is ignored. The last two steps are kept; older ones are deleted
+on a thread.
 
 After an in-job restart (HPC_TRAIN_RESTART > 0) `restore` finds the newest step newer than the shared
 checkpoint for which every rank's state exists in this layout, its own copy or its partner's (a node whose
 disk was lost), agreed over all ranks: the partner sends a rank its copy back, every rank verifies what it
-reads and restores it.
+reads and restores it. A copy that fails its checks counts as lost: its partner's is read instead, or,
+where that fails too, an older step (the shared checkpoint where none is left).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import threading
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +51,11 @@ def replica_name(rank: int) -> str:
 
 def write_verified(path: Path, pieces: list[memoryview], record: dict[str, Any]) -> None:
     """`pieces`, one after another, to `path` (hashed as they go out) and its record (size, checksum and
-    `record`) to `path`.json, each under a temporary name, fsynced, then renamed: a file is whole once its
-    record exists."""
+    `record`) to `path`.json, each under a temporary name, then renamed: a file is whole once its record
+    exists. Not fsynced: a copy outlives its process's death in the page cache, a node's loss is what the
+    partner's copy is for, and a file torn by a crash fails its checksum (`restore` passes it over); the
+    flush to disk, which costs a local save more than half its time, is left to the kernel, and a file
+    pruned before it is never written at all."""
     digest, size = new_digest(), sum(len(piece) for piece in pieces)
     for target, content in ((path, pieces), (path.with_suffix(".json"), None)):
         tmp = target.with_name(target.name + ".tmp")
@@ -55,23 +64,25 @@ def write_verified(path: Path, pieces: list[memoryview], record: dict[str, Any])
                 f.write(piece)
                 if content:
                     digest.update(piece)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, target)
 
 
-def read_verified(path: Path) -> memoryview:
-    """The bytes of a file `write_verified` wrote, checked against its record."""
+READ_CHUNK = 64 << 20  # bytes read, then hashed while still in cache
+
+
+def read_verified(path: Path, allocate: Callable[[int], torch.Tensor]) -> memoryview:
+    """The bytes of a file `write_verified` wrote, checked against its record, in a buffer `allocate` gives
+    (writable: it may be sent; not zero-filled first)."""
     record = json.loads(path.with_suffix(".json").read_text())
-    data = memoryview(bytearray(record["size"]))  # one copy, writable: it may be sent (torch.frombuffer)
+    data = memoryview(allocate(record["size"]).numpy()).cast("B")
+    digest = new_digest()
     with open(path, "rb", buffering=0) as f:
         done = 0
-        while done < len(data) and (n := f.readinto(data[done:])):  # a read returns at most ~2 GiB
+        while done < len(data) and (n := f.readinto(data[done : done + READ_CHUNK])):
+            digest.update(data[done : done + n])
             done += n
         if done != len(data) or f.read(1):
             raise CheckpointError(f"{path} is not {record['size']} bytes long, as its record says (corrupted)")
-    digest = new_digest()
-    digest.update(data)
     if digest.hexdigest() != record[WRITE_ALGORITHM]:
         raise CheckpointError(f"{path} fails its {WRITE_ALGORITHM} checksum (corrupted)")
     return data
@@ -88,6 +99,7 @@ class LocalCheckpoints:
         self.partner = (self.rank + ranks_per_node) % self.world
         self.source = (self.rank - ranks_per_node) % self.world
         self.group = dist.new_group(backend="gloo")  # bytes between host buffers, on CPU and GPU alike
+        self.pruning: threading.Thread | None = None  # older steps being deleted after a save
 
     def save(self, step: int) -> dict[str, Any]:
         """Write this rank's state of `step` here and on its partner; the bytes written and the partner's rank."""
@@ -103,7 +115,14 @@ class LocalCheckpoints:
             write_verified(directory / replica_name(self.source), [received], record)
         dist.barrier(group=self.group)  # every copy of this step written before an older one goes
         self._prune()
-        if fault_point("local_saved", step, self.rank):  # a planted loss of this node: its disk, then the rank
+        fault = fault_point("local_saved", step, self.rank)
+        if fault == "corrupt":  # a planted bit flip in this rank's own file: its restore must not trust it
+            with open(directory / own_name(self.rank), "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0xFF]))
+        if fault == "wipe":  # a planted loss of this node: its disk, then the rank
             shutil.rmtree(self.node_dir, ignore_errors=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return {"local_bytes": sum(len(piece) for piece in pieces), "partner": self.partner if replicated else None}
@@ -127,9 +146,21 @@ class LocalCheckpoints:
             work.wait()
 
     def _prune(self) -> None:
+        """Steps older than the last KEEP out of `restore`'s sight at once (renamed), deleted behind the
+        training on a thread (with what a killed process left being deleted): freeing a GB takes ~1 s."""
+        if self.pruning is not None:
+            self.pruning.join()
         steps = sorted(p for p in self.root.glob("step_*") if p.is_dir())
         for old in steps[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):  # the node's other ranks prune the same directory
+                os.replace(old, old.with_name(f"deleting_{old.name}.{uuid.uuid4().hex}"))  # unique: steps recur
+
+        def delete() -> None:
+            for trash in self.root.glob("deleting_step_*"):
+                shutil.rmtree(trash, ignore_errors=True)
+
+        self.pruning = threading.Thread(target=delete, name="local-checkpoint-prune", daemon=True)
+        self.pruning.start()
 
     def _inventory(self) -> dict[str, list[int]]:
         """The steps of this layout whose own copy, and whose copy of `source`, have their record here."""
@@ -146,7 +177,8 @@ class LocalCheckpoints:
 
     def restore(self, newer_than: int) -> dict[str, Any] | None:
         """Collectively: restore the newest step after `newer_than` that every rank can have, from its own copy
-        or its partner's; what was restored (`step`, the ranks that read their partner's copy), or None."""
+        or its partner's, passing over a copy that fails its checks (to the partner's, else to an older step);
+        what was restored (`step`, the ranks that read their partner's copy, the copies passed over), or None."""
         every = [None] * self.world
         dist.all_gather_object(every, self._inventory(), group=self.group)
 
@@ -154,19 +186,51 @@ class LocalCheckpoints:
             return s in every[r]["own"] or s in every[(r + self.ranks_per_node) % self.world]["replica"]
 
         steps = sorted({s for inv in every for s in inv["own"] + inv["replica"] if s > newer_than}, reverse=True)
-        step = next((s for s in steps if all(have(r, s) for r in range(self.world))), None)
-        if step is None:
-            return None
-        lost = [r for r in range(self.world) if step not in every[r]["own"]]
+        passed_over: list[str] = []
+        for step in (s for s in steps if all(have(r, s) for r in range(self.world))):
+            restored = self._restore_step(step, every, passed_over)
+            if restored is not None:
+                return {**restored, "passed_over": passed_over}
+        for problem in passed_over:
+            self.report(f"node-local checkpoints: {problem}")
+        return None
+
+    def _restore_step(self, step: int, every: list[dict], passed_over: list[str]) -> dict[str, Any] | None:
+        """Every rank reads its own copy of `step` (a rank whose copy is missing or fails its checks gets its
+        partner's), agreed over all ranks: what was restored, or None (nothing changed) where some rank's state
+        is in neither copy; what failed its checks joins `passed_over`."""
         directory = self.root / step_dir_name(step)
-        if self.rank in lost or self.source in lost:  # send this rank's copy of `source` back, get its own
-            sends = self.source if self.source in lost else None
-            pieces = split_pieces(read_verified(directory / replica_name(self.source))) if sends is not None else None
+        own = self._read(directory / own_name(self.rank)) if step in every[self.rank]["own"] else None
+        lost = self._agree(own, passed_over)
+        replica = None
+        if self.source in lost and self.source != self.rank:  # the partner of a rank whose own copy is unusable
+            replica = self._read(directory / replica_name(self.source)) if step in every[self.rank]["replica"] else None
+        if self._agree(replica if self.source in lost and self.source != self.rank else b"", passed_over):
+            return None
+        sends = self.source if self.source in lost else None  # send this rank's copy of `source` back
+        pieces = split_pieces(replica) if sends is not None else None
+        if self.rank in lost or sends is not None:
             received = self._exchange(pieces, sends, self.partner if self.rank in lost else None)
-            if self.rank in lost:
+            if self.rank in lost:  # verified by the partner's read; kept here again for a later restart
                 directory.mkdir(parents=True, exist_ok=True)
-                write_verified(directory / own_name(self.rank), [received], {"step": step, "layout": self.layout})
-        own = directory / own_name(self.rank)
-        self.copy.load_bytes(read_verified(own))
+                own = received
+                write_verified(directory / own_name(self.rank), [own], {"step": step, "layout": self.layout})
+        self.copy.load_bytes(own, reusable=self.rank not in lost)  # read into a buffer of the copy's kind
         self.copy.restore()
-        return {"step": step, "from_partner": lost, "committed_at": own.with_suffix(".json").stat().st_mtime}
+        committed_at = (directory / own_name(self.rank)).with_suffix(".json").stat().st_mtime
+        return {"step": step, "from_partner": lost, "committed_at": committed_at}
+
+    def _read(self, path: Path) -> memoryview | str:
+        """The verified bytes of a local file, or why it cannot be used."""
+        try:
+            return read_verified(path, self.copy.host_buffer)
+        except (CheckpointError, OSError, ValueError, KeyError) as err:
+            return f"rank {self.rank}: {err}"
+
+    def _agree(self, held: memoryview | bytes | str | None, passed_over: list[str]) -> list[int]:
+        """The ranks whose `held` is not usable (None: missing; a string: why it failed its checks), known to
+        every rank; each failure joins `passed_over`."""
+        problems: list[str | bool | None] = [None] * self.world
+        dist.all_gather_object(problems, held if isinstance(held, str) else held is None, group=self.group)
+        passed_over += [p for p in problems if isinstance(p, str)]
+        return [r for r, p in enumerate(problems) if p]

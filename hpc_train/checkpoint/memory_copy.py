@@ -7,8 +7,9 @@ It holds this rank's own tensors only, as they live in this layout (the model's 
 the small parts (sampler, loss scaler, metrics position, spike medians, RNG) are copies of their state
 dicts. The tensors lie in one host buffer, one after another (`ALIGN`ed), allocated by the first copy
 (pinned on a GPU) and reused while the shapes stay. As a file (`pieces`) it is a header (what each tensor
-is and where it lies; plain values, loaded with `torch.load(weights_only=True)`) and then that buffer as it
-is: written and sent straight from the copy, never serialized.
+is and where it lies; plain values, loaded with `torch.load(weights_only=True)`; zero-padded to ALIGN, so
+the tensors lie aligned in a buffer the file is read into) and then that buffer as it is: written and sent
+straight from the copy, never serialized.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from hpc_train.checkpoint.safe_load import CheckpointError, load_rank_file
 from hpc_train.checkpoint.state import ModelState, OptimizerState, Stateful
 from hpc_train.placement import like_param, local
 
-ALIGN = 64  # each tensor's offset in the buffer (in a buffer read back from a file, relative to its start)
-HEADER_LENGTH = 8  # a file's first bytes: the header's length, little-endian
+ALIGN = 64  # each tensor's offset in the buffer, and the buffer's in a file
+HEADER_LENGTH = 8  # a file's first bytes: the header's length, then its payload's, little-endian
 
 
 @dataclass
@@ -92,14 +93,19 @@ class MemoryCopy:
         tensors = weights + [t for s in states for t in s.values()]
         layout = describe(tensors)
         if layout != self.layout:  # the first copy, or the shapes changed: a new buffer
-            pinned = any(device.startswith("cuda") for *_, device, _ in layout)
-            self.buffer = torch.empty(buffer_size(layout), dtype=torch.uint8, pin_memory=pinned)
+            self.buffer = self.host_buffer(buffer_size(layout))
             self._place(layout, len(weights))
         for h, t in zip(self.weights + self.states, tensors, strict=True):
             h.values.copy_(local(t).detach())
         self.keys = [list(s) for s in states]
         self.small_states = {name: copy.deepcopy(part.state_dict()) for name, part in self.small.items()}
         self.step = step
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of host memory as the copy keeps it: pinned where the state is on a GPU (copies to and from
+        it are fast and asynchronous), not zero-filled."""
+        pinned = any(local(t).is_cuda for _, t in self.model.live_tensors())
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def _place(self, layout: list[tuple], n_weights: int) -> None:
         held = views(self.buffer, layout)
@@ -127,20 +133,26 @@ class MemoryCopy:
         header = io.BytesIO()
         torch.save({"step": self.step, "keys": self.keys, "small": self.small_states, "layout": self.layout,
                     "weights": len(self.weights)}, header)  # fmt: skip
-        head = bytearray(len(header.getbuffer()).to_bytes(HEADER_LENGTH, "little") + header.getvalue())
+        payload = header.getvalue()
+        head = bytearray(aligned(2 * HEADER_LENGTH + len(payload)))  # zero-padded: the buffer starts ALIGNed
+        head[:HEADER_LENGTH] = (len(head) - HEADER_LENGTH).to_bytes(HEADER_LENGTH, "little")
+        head[HEADER_LENGTH : 2 * HEADER_LENGTH] = len(payload).to_bytes(HEADER_LENGTH, "little")
+        head[2 * HEADER_LENGTH : 2 * HEADER_LENGTH + len(payload)] = payload
         return [memoryview(head), memoryview(self.buffer.numpy()).cast("B")]
 
-    def load_bytes(self, data: memoryview) -> None:
+    def load_bytes(self, data: memoryview, reusable: bool = False) -> None:
         """A copy `pieces` wrote, read back safely (nothing unpickled runs code); its tensors are views of
-        `data` (writable: a bytearray's) until the next `take`, which copies into a buffer of its own (pinned on
-        a GPU)."""
+        `data` (writable). `reusable`: `data` lies in a `host_buffer`, which the next `take` of the same
+        layout copies into (no new allocation); otherwise that take allocates its own."""
         head, body = split_pieces(data)
-        saved = load_rank_file(io.BytesIO(head[HEADER_LENGTH:]))
+        payload = int.from_bytes(head[HEADER_LENGTH : 2 * HEADER_LENGTH], "little")
+        saved = load_rank_file(io.BytesIO(head[2 * HEADER_LENGTH : 2 * HEADER_LENGTH + payload]))
         if len(body) != (expected := buffer_size(saved["layout"])):
             raise CheckpointError(f"a state copy holds {len(body)} bytes of tensors, its header describes {expected}")
         self.buffer = torch.frombuffer(body, dtype=torch.uint8) if len(body) else torch.empty(0, dtype=torch.uint8)
         self._place([tuple(entry) for entry in saved["layout"]], saved["weights"])
-        self.layout = []  # the next take allocates its own buffer
+        if not reusable:
+            self.layout = []
         self.step, self.keys, self.small_states = saved["step"], saved["keys"], saved["small"]
 
 

@@ -246,6 +246,8 @@ def _train(
                                       **resumed_at}  # fmt: skip
             if resumed.from_partner:
                 record["resumed_from"]["from_partner"] = resumed.from_partner
+            if resumed.passed_over:
+                record["resumed_from"]["passed_over"] = resumed.passed_over
         if restart and first:
             record["restart"] = restart
         if rolled_back:  # the rollbacks to the checkpoint before this step (a second one cut the first's line)
