@@ -75,12 +75,19 @@ def evict(root: Path) -> None:
                 os.close(fd)
 
 
-def raw_write(path: Path, nbytes: int) -> None:
+def raw_write(path: Path, nbytes: int, source: memoryview | None = None) -> None:
+    """`nbytes` written and fsynced: one BLOCK over and over (read from the CPU's cache: the strict
+    reference), or `source`'s bytes, BLOCK at a time (from memory, as a save's tensors are)."""
     block = os.urandom(BLOCK)
     with open(path, "wb", buffering=0) as f:
-        for _ in range(-(-nbytes // BLOCK)):
-            f.write(block)
+        for at in range(0, nbytes, BLOCK):
+            f.write(block if source is None else source[at : at + BLOCK])
         os.fsync(f.fileno())
+
+
+def filled_buffer(nbytes: int) -> memoryview:
+    """`nbytes` of distinct, random host memory (pages touched): what a raw write from memory reads."""
+    return memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()).cast("B")
 
 
 def raw_read(path: Path) -> None:
@@ -211,7 +218,8 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
           f"{saves['total']:.2f} s, {saves['cpu'] / saves['total']:.1f} cores on average")  # fmt: skip
 
 
-def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int, seq_len: int) -> None:
+def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int, seq_len: int,
+             every_layout: bool = True) -> None:  # fmt: skip
     """What saves cost a run (ZeRO-1): the extra wall time and CPU seconds of a run saving every step
     (keep_last=2) over the same run without saves, per save, for a sync and an async save, with one rank's
     compute threads on every core, on all but one (OMP_NUM_THREADS), and with one single-threaded rank per
@@ -219,7 +227,9 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
     step is about as long as a save (an async save overlaps one step); beside the sustained raw write
     (+ fsync) of the same bytes on the same disk (a new file per save, the one before last deleted). Runs are
     interleaved `rounds` times and the least disturbed of each kept: the disk's speed drifts, and writing a GB
-    each step makes it slower than one write alone."""
+    each step makes it slower than one write alone. The raw write is timed twice: one block written over
+    and over (from the CPU's cache) and the same number of bytes from distinct memory, as a save reads its
+    tensors. Without `every_layout`, only the first layout."""
     cores = len(os.sched_getaffinity(0))
     common = [*model, f"model.seq_len={seq_len}", "train.micro_batch_size=1", "train.eval_interval=0",
               "logging.progress=none", "train.save_final_model=false", "checkpoint.keep_last=2", "optim.warmup_steps=2",
@@ -230,9 +240,10 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
     layouts = {f"1 rank, compute on {cores} of {cores} cores": (1, cores),
                f"1 rank, compute on {max(1, cores - 1)} of {cores} cores": (1, max(1, cores - 1)),
                f"{cores} ranks (dp{cores}), 1 core each": (cores, 1)}  # fmt: skip
+    layouts = layouts if every_layout else dict(list(layouts.items())[:1])
     walls: dict[tuple[str, str], list[float]] = {(c, s): [] for c in layouts for s in saves}
     cpus: dict[tuple[str, str], list[float]] = {key: [] for key in walls}
-    raw: list[float] = []
+    raw: dict[str, list[float]] = {"cache": [], "memory": []}
     nbytes = 0
     for _ in range(rounds):
         for layout, (ranks, compute) in layouts.items():
@@ -247,21 +258,27 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
                 if save == "sync":
                     record = json.loads((root / "run/metrics.jsonl").read_text().splitlines()[-1])
                     nbytes = record["checkpoint"]["total_bytes"]
-        for i in range(steps):
-            raw.append(timed(partial(raw_write, root / f"raw{i % 3}.bin", nbytes))[0])
+        source = filled_buffer(nbytes)
+        for i in range(2 * steps):
+            raw["cache" if i % 2 else "memory"].append(
+                timed(partial(raw_write, root / f"raw{i % 3}.bin", nbytes, None if i % 2 else source))[0]
+            )
             (root / f"raw{(i + 1) % 3}.bin").unlink(missing_ok=True)
+        del source
     for i in range(3):
         (root / f"raw{i}.bin").unlink(missing_ok=True)
-    per_raw = statistics.mean(raw)
+    per_raw, from_memory = statistics.mean(raw["cache"]), statistics.mean(raw["memory"])
     print(f"a run saving {nbytes / 1e9:.2f} GB each of {steps} steps (ZeRO-1, keep_last=2), best of {rounds}, per "
-          f"save against a run without saves; sustained raw write + fsync of the same bytes {per_raw:.2f} s "
-          f"(mean of {len(raw)}), {cores} cores:")  # fmt: skip
+          f"save against a run without saves; sustained raw write + fsync of the same number of bytes "
+          f"{per_raw:.2f} s from the cache, {from_memory:.2f} s from memory (means of {len(raw['cache'])}), "
+          f"{cores} cores:")  # fmt: skip
     for layout in layouts:
         print(f"  {layout}: a step without saves takes {min(walls[layout, 'none']) / steps:.2f} s (start-up included)")
         for save in ("sync", "async"):
             extra = (min(walls[layout, save]) - min(walls[layout, "none"])) / steps
             cpu = (min(cpus[layout, save]) - min(cpus[layout, "none"])) / steps
-            speed = f"{per_raw / extra:.0%} of the disk's speed" if extra > 0 else "no wall time lost"
+            speed = (f"{per_raw / extra:.0%} of the disk's speed, {from_memory / extra:.0%} from memory"
+                     if extra > 0 else "no wall time lost")  # fmt: skip
             cpu_s = f", {cpu:.2f} CPU s ({cpu / (nbytes / 1e9):.2f} per GB)" if layouts[layout][0] == 1 else ""
             print(f"    {save:>5} save: {extra:+.2f} s wall ({speed}){cpu_s}")
 
@@ -322,16 +339,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the run comparison")
     parser.add_argument("--run-seq-len", type=int, default=256, help="sequence length of those runs")
     parser.add_argument("--no-zero", action="store_true", help="skip the ZeRO stages' async blocking (2 processes)")
+    parser.add_argument(
+        "--run-only",
+        action="store_true",
+        help="only the run comparison, one rank on every core (no single-save figures, no ZeRO part)",
+    )
     args = parser.parse_args()
     model = [f"model.n_layers={args.layers}", f"model.d_model={args.d_model}",
              f"model.n_heads={max(1, args.d_model // 128)}", "model.seq_len=32"]  # fmt: skip
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="bench_ckpt_"))
     try:
-        with single_process_group() as rank_env:
-            measure(root, rank_env, model, torch.device(args.device), args.threads)
+        if not args.run_only:
+            with single_process_group() as rank_env:
+                measure(root, rank_env, model, torch.device(args.device), args.threads)
         if args.device == "cpu":
-            run_cost(root, model, args.threads, args.run_steps, args.rounds, args.run_seq_len)
-            if not args.no_zero:
+            run_cost(root, model, args.threads, args.run_steps, args.rounds, args.run_seq_len, not args.run_only)
+            if not (args.no_zero or args.run_only):
                 launch_local(zero_stage_blocking, 2, root, model, args.threads)
     finally:
         shutil.rmtree(root, ignore_errors=True)

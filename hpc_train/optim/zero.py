@@ -348,8 +348,9 @@ class ZeroOptimizer:
         checkpoint (`writers`; an empty dict on the others): the rule's state and the fp32 master weights
         (checkpoints store them per parameter so they can be resharded). Each bucket's owned slices reach
         their writers with one all-to-all over dp per key, so a rank holds about its 1/dp share of the
-        state for a save, as it does while training, never the whole: the tensors are new, not views of
-        the live state. No rule state before the rule's first step (agreed over dp: a rank may own nothing)."""
+        state for a save, as it does while training, never the whole: the tensors are new (at dp 1, where
+        nothing moves, the live state itself, as ZeRO-0 gives it). No rule state before the rule's first
+        step (agreed over dp: a rank may own nothing)."""
         states: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
         flag = torch.tensor(float(any(self.rule.state(s.master) for b in self.buckets for s in b.spans)),
                             device=self.device)  # fmt: skip
@@ -379,8 +380,9 @@ class ZeroOptimizer:
     def _to_writers(self, bucket: _Bucket, owned: list[torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """The whole local (flattened) values of the bucket's parameters this rank writes, from every dp rank's
         owned spans (`owned`, one tensor per span of this rank): one all-to-all over dp."""
-        if self.dp == 1:  # every span is a whole parameter (copied: the live masters change at the next update)
-            return {s.param: values.to(self.device, copy=True) for s, values in zip(bucket.spans, owned, strict=True)}
+        if self.dp == 1:  # every span is a whole parameter: its live state, as ZeRO-0's (a save writes, or stages,
+            # it before the next update)
+            return {s.param: values.to(self.device) for s, values in zip(bucket.spans, owned, strict=True)}
 
         def overlap(rank: int, start: int, numel: int) -> int:
             lo, hi = rank * bucket.shard_numel, (rank + 1) * bucket.shard_numel
