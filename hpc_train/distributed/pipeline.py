@@ -190,8 +190,8 @@ def _figures(schedule: str, pp: int, micro_batches: int, virtual_stages: int) ->
     on, each schedule keeps the same fill and drain idle time and the same warmup (checked for interleaved
     1F1B, interleaved ZB, ZBV and DualPipeV at pp 2 to 8 and m up to 16pp; tests/test_pipeline_schedules.py),
     so longer steps need not be listed: torch takes seconds to list thousands of actions, and --search plans
-    thousands of layouts."""
-    listed = min(micro_batches, 2 * pp)
+    thousands of layouts. Where m is not a multiple of pp (interleaved ZB's rounds then differ) all m are."""
+    listed = min(micro_batches, 2 * pp) if micro_batches % pp == 0 else micro_batches  # uneven rounds: as they are
     actions = schedule_actions(schedule, pp, listed, virtual_stages)
     if actions is None:
         return None

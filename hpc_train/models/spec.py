@@ -113,6 +113,8 @@ class ModelSpec:
     flops_per_token: Callable[[ModelConfig], int]
     activations: Callable[[ModelConfig, ActivationShape], StageActivations]
     padded_vocab_size: Callable[[ModelConfig, int], int]  # (cfg, tp)
+    # the head shares the embedding (model.tie_embeddings, or the family's default)
+    ties_embeddings: Callable[[ModelConfig], bool]
     validate: Callable[[ModelConfig, int], None]  # (cfg, tp): raises ConfigError
     vocab_params: tuple[str, ...]  # padded on their vocabulary rows: checkpoints store them unpadded
     # its Hugging Face transformers counterparts, for import-hf / export-hf: at most one for dense configs and

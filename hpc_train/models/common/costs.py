@@ -212,5 +212,6 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
             + 2 * norm_tokens * d
         )
         * e,
-        weight_grads_last_stage=(tokens * vocab // tp * (not chunked) + norm_tokens * d) * e,
+        # the logits' gradient, chunked too (each chunk's stays for the head's weight half), and the final norm's
+        weight_grads_last_stage=(tokens * vocab // tp + norm_tokens * d) * e,
     )

@@ -13,6 +13,7 @@ from hpc_train.models.common.decoder import (
     build_stage,
     init_weights,
     padded_vocab_size,
+    ties_embeddings,
     validate_decoder,
 )
 from hpc_train.models.common.hf import HFAdapter
@@ -50,6 +51,7 @@ def decoder_spec(name: str, arch: Architecture, hf: tuple[HFAdapter, ...] = ()) 
         flops_per_token=functools.partial(decoder_flops_per_token, arch=arch),
         activations=functools.partial(decoder_activations, arch=arch),
         padded_vocab_size=padded_vocab_size,
+        ties_embeddings=functools.partial(ties_embeddings, arch=arch),
         validate=functools.partial(validate_family, name=name, arch=arch),
         vocab_params=VOCAB_PARAMS,
         hf=hf,
