@@ -20,7 +20,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from hpc_train.bootstrap import distributed, node_cores
 from hpc_train.builder import build_run
-from hpc_train.checkpoint.checkpointer import async_save_note
+from hpc_train.checkpoint.checkpointer import async_save_note, host_stager, open_stager
 from hpc_train.checkpoint.safe_load import read_dcp_metadata
 from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.cli import main
@@ -539,6 +539,19 @@ def _zero_async_save_checks(rank_env, cfg):
         for i in written:
             assert all(torch.equal(loaded[i][k], states[i][k]) for k in states[i]), i
         dist.barrier()
+
+
+def test_a_stager_torch_closed_after_its_copy_is_replaced():
+    """torch 2.11's DefaultStager closes itself at the end of each copy (pytorch/pytorch#183413), and its next
+    copy fails with `KeyError: <class 'type'>` (an async save's second save on the GPU machine's torch): an
+    async save takes a new stager where the last one was closed, and keeps an open one."""
+    stager, state = host_stager(), {"w": torch.arange(4.0)}
+    assert open_stager(stager) is stager and torch.equal(stager.stage(state).result()["w"], state["w"])
+    stager._state_dict_stager.close()  # as torch 2.11's DefaultStager._stage does after each copy
+    with pytest.raises(KeyError, match="<class 'type'>"):
+        stager.stage(state).result()
+    fresh = open_stager(stager)
+    assert fresh is not stager and torch.equal(fresh.stage(state).result()["w"], state["w"])
 
 
 @pytest.mark.parametrize("records", ["raw", "torch.save"])

@@ -214,6 +214,7 @@ class Checkpointer:
                     "state_s": state_s, "blocked_s": time.perf_counter() - start}  # fmt: skip
         if torch.cuda.is_available():  # the stager's stream does not wait for this one: gathers, clones
             torch.cuda.current_stream().synchronize()
+        self.stager = open_stager(self.stager)
         staging = self.staging = self.stager.stage(state)  # copied on the stager's thread during the next step
         self.staging_wait_s = 0.0  # the next update's wait (this one's is in blocked_s)
 
@@ -498,6 +499,13 @@ def host_stager() -> Any:
     options = StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True,
                              use_non_blocking_copy=gpu)  # fmt: skip
     return DefaultStager(options)
+
+
+def open_stager(stager: Any) -> Any:
+    """`stager`, or a new one where torch closed it after its last copy: torch 2.11's DefaultStager does so
+    after every copy (pytorch/pytorch#183413), and the next copy then fails with `KeyError: <class 'type'>`."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return host_stager() if inner is not None and not getattr(inner, "_deepcopy_dispatch", True) else stager
 
 
 def async_save_note(ranks: int, compute_threads: int, io_threads: int, cores: int) -> str | None:
