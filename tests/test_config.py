@@ -216,3 +216,26 @@ def test_every_command_refuses_the_same_bad_input(overrides, expected, local_onl
     assert all(text == error for text in outcomes.values()), report
     if local_only:  # the cluster's nodes, not this machine, bound a submitted job
         assert outcome([*cluster["submit --dry-run"], *overrides], capsys) == "accepted"
+
+
+def test_the_configuration_reference_is_the_schemas_and_current():
+    """docs/configuration.md is what `python -m hpc_train.config.reference` prints from the composed schema:
+    every key a config can set (features' included), its default, its rule and the schema's comment."""
+    from omegaconf import OmegaConf
+
+    from hpc_train.config.reference import render
+    from hpc_train.job import JobConfig
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page == render(), "stale: run python -m hpc_train.config.reference > docs/configuration.md"
+
+    def keys(tree: dict, prefix: str = "") -> list[str]:
+        return [k for name, v in tree.items()
+                for k in (keys(v, f"{prefix}{name}.") if isinstance(v, dict) else [f"{prefix}{name}"])]  # fmt: skip
+
+    every = keys(OmegaConf.to_container(OmegaConf.structured(JobConfig())))
+    assert len(every) > 140 and all(f"| `{key}` |" in page for key in every)
+    assert "| `model.vocab_multiple` | `128` | > 0 | embedding rows are padded to a multiple of this" in page
+    assert (
+        "| `train.fp8` | `'off'` | one of `off`, `tensorwise`, `rowwise` | float8 matmuls" in page
+    )  # a feature's key, in its section
