@@ -85,6 +85,13 @@ def raw_write(path: Path, nbytes: int, source: memoryview | None = None) -> None
         os.fsync(f.fileno())
 
 
+def write_keeping_two(root: Path, i: int, nbytes: int, source: memoryview | None) -> None:
+    """The `i`th of a series of raw writes (`raw_write`) that keeps the last two files, as keep_last=2 keeps
+    checkpoints: the file before last is deleted after the write."""
+    raw_write(root / f"raw{i % 3}.bin", nbytes, source)
+    (root / f"raw{(i + 1) % 3}.bin").unlink(missing_ok=True)
+
+
 def filled_buffer(nbytes: int) -> memoryview:
     """`nbytes` of distinct, random host memory (pages touched): what a raw write from memory reads."""
     return memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()).cast("B")
@@ -225,7 +232,8 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
     compute threads on every core, on all but one (OMP_NUM_THREADS), and with one single-threaded rank per
     core (dp = cores: the ranks fill the machine, as on a CPU cluster), at a sequence length whose
     step is about as long as a save (an async save overlaps one step); beside the sustained raw write
-    (+ fsync) of the same bytes on the same disk (a new file per save, the one before last deleted). Runs are
+    (+ fsync) of the same bytes on the same disk (a new file per save, the one before last deleted, as the
+    runs' keep_last=2 deletes a checkpoint: freeing a GB takes a tmpfs ~0.1 s). Runs are
     interleaved `rounds` times and the least disturbed of each kept: the disk's speed drifts, and writing a GB
     each step makes it slower than one write alone. The raw write is timed twice: one block written over
     and over (from the CPU's cache) and the same number of bytes from distinct memory, as a save reads its
@@ -260,16 +268,15 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
                     nbytes = record["checkpoint"]["total_bytes"]
         source = filled_buffer(nbytes)
         for i in range(2 * steps):
-            raw["cache" if i % 2 else "memory"].append(
-                timed(partial(raw_write, root / f"raw{i % 3}.bin", nbytes, None if i % 2 else source))[0]
-            )
-            (root / f"raw{(i + 1) % 3}.bin").unlink(missing_ok=True)
+            kept = partial(write_keeping_two, root, i, nbytes, None if i % 2 else source)
+            raw["cache" if i % 2 else "memory"].append(timed(kept)[0])
         del source
     for i in range(3):
         (root / f"raw{i}.bin").unlink(missing_ok=True)
     per_raw, from_memory = statistics.mean(raw["cache"]), statistics.mean(raw["memory"])
     print(f"a run saving {nbytes / 1e9:.2f} GB each of {steps} steps (ZeRO-1, keep_last=2), best of {rounds}, per "
-          f"save against a run without saves; sustained raw write + fsync of the same number of bytes "
+          f"save against a run without saves; sustained raw write + fsync of the same number of bytes, deleting "
+          f"the file before last, "
           f"{per_raw:.2f} s from the cache, {from_memory:.2f} s from memory (means of {len(raw['cache'])}), "
           f"{cores} cores:")  # fmt: skip
     for layout in layouts:
