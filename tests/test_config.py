@@ -219,15 +219,15 @@ def test_every_command_refuses_the_same_bad_input(overrides, expected, local_onl
 
 
 def test_the_configuration_reference_is_the_schemas_and_current():
-    """docs/configuration.md is what `python -m hpc_train.config.reference` prints from the composed schema:
+    """docs/configuration.md is what `python -m hpc_train.commands.config_reference` prints from the composed schema:
     every key a config can set (features' included), its default, its rule and the schema's comment."""
     from omegaconf import OmegaConf
 
-    from hpc_train.config.reference import render
+    from hpc_train.commands.config_reference import render
     from hpc_train.job import JobConfig
 
     page = (ROOT / "docs" / "configuration.md").read_text()
-    assert page == render(), "stale: run python -m hpc_train.config.reference > docs/configuration.md"
+    assert page == render(), "stale: run python -m hpc_train.commands.config_reference > docs/configuration.md"
 
     def keys(tree: dict, prefix: str = "") -> list[str]:
         return [k for name, v in tree.items()

@@ -1,10 +1,10 @@
 """The configuration reference, generated from the schema so it cannot drift: every key of the composed
 config (the core sections and every registered feature's options), its default, its rule and the comment
 the schema gives it (the comment on the field's line, or the comment lines right above it). A section's
-docstring heads its table. `python -m hpc_train.config.reference` prints it; docs/configuration.md is that
+docstring heads its table. `python -m hpc_train.commands.config_reference` prints it; docs/configuration.md is that
 output, and a test fails when the two differ.
 
-    python -m hpc_train.config.reference > docs/configuration.md
+    python -m hpc_train.commands.config_reference > docs/configuration.md
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import tokenize
 from typing import Any
 
 from hpc_train.config.fields import RANGES
+from hpc_train.job import JobConfig  # composed: the registered features' keys included
 
 HEAD = """# Configuration reference
 
-Generated from the schema by `python -m hpc_train.config.reference > docs/configuration.md` (a test fails when
+Generated from the schema by `python -m hpc_train.commands.config_reference > docs/configuration.md` (a test fails when
 this page is stale). Every key can be set in the YAML config or on the command line as `section.key=value`;
 `hpc-train config show CONFIG [key=value ...]` prints the resolved config and checks it. A rule is checked
 before anything runs; what depends on the model family, the layout or another key is checked too, and named
@@ -97,8 +98,7 @@ def section_rows(prefix: str, cls: type) -> tuple[list[str], list[tuple[str, typ
 
 def render(job: type | None = None) -> str:
     """The reference of the composed config `job` (the registered features' by default)."""
-    if job is None:
-        from hpc_train.job import JobConfig as job  # noqa: N813 (the composed class, registered features included)
+    job = JobConfig if job is None else job
     out = [HEAD]
     top = [f for f in dataclasses.fields(job) if not dataclasses.is_dataclass(default_of(f))]
     out += ["## Top level", "", "| key | default | rule | what it is |", "|---|---|---|---|"]
