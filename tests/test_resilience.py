@@ -274,3 +274,20 @@ def test_a_spike_before_the_first_checkpoint_is_reported_and_trained_on(tmp_path
     assert out.returncode == 0 and "loss spike at step 7: loss " in out.stdout, out.stderr
     assert "no checkpoint to roll back to yet, training on" in out.stdout
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))
+
+
+def test_a_corrupt_local_copy_on_one_node_falls_back_to_the_step_before(tmp_path, small_corpus):
+    """One node (each rank its own partner: no replica): rank 0's own local copy of step 3 has a flipped byte
+    and rank 1 is killed in step 4; the in-job restart passes over step 3, naming the file, and resumes from
+    the local step 2 on every rank (it crashed on the missing replica)."""
+    run = tmp_path / "run"
+    out = run_cli("train", *TINY_MODEL, f"data.train_path={small_corpus}", f"run_dir={run}", "parallel.nproc=2",
+                  "train.steps=5", "train.micro_batch_size=2", "checkpoint.interval=4", "parallel.max_restarts=1",
+                  f"checkpoint.local_dir={tmp_path / 'local'}", "checkpoint.local_interval=1",
+                  env={"HPC_TRAIN_FAULT": "local_saved@3@0@corrupt,mid_step@4@1"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (resumed,) = [r["resumed_from"] for r in read_metrics(run) if "resumed_from" in r]
+    assert (resumed["step"], resumed["source"]) == (2, "local"), resumed
+    (passed_over,) = resumed["passed_over"]
+    assert passed_over.startswith("rank 0: ") and "step_0000003/rank00000.pt fails its xxh3_128" in passed_over
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5]

@@ -74,6 +74,8 @@ def read_verified(path: Path, allocate: Callable[[int], torch.Tensor]) -> memory
     """The bytes of a file `write_verified` wrote, checked against its record, in a buffer `allocate` gives
     (writable: it may be sent; not zero-filled first)."""
     record = json.loads(path.with_suffix(".json").read_text())
+    if path.stat().st_size != record["size"]:  # before allocating what a damaged record says
+        raise CheckpointError(f"{path} is not {record['size']} bytes long, as its record says (corrupted)")
     data = memoryview(allocate(record["size"]).numpy()).cast("B")
     digest = new_digest()
     with open(path, "rb", buffering=0) as f:
@@ -202,29 +204,34 @@ class LocalCheckpoints:
         directory = self.root / step_dir_name(step)
         own = self._read(directory / own_name(self.rank)) if step in every[self.rank]["own"] else None
         lost = self._agree(own, passed_over)
-        replica = None
-        if self.source in lost and self.source != self.rank:  # the partner of a rank whose own copy is unusable
-            replica = self._read(directory / replica_name(self.source)) if step in every[self.rank]["replica"] else None
-        if self._agree(replica if self.source in lost and self.source != self.rank else b"", passed_over):
+        # the partner of a rank whose own copy is unusable reads its replica (on one node there is none: the
+        # rank is its own partner, and its state is missing)
+        keeps_replica = self.source in lost and self.source != self.rank and step in every[self.rank]["replica"]
+        replica = self._read(directory / replica_name(self.source)) if keeps_replica else None
+        if self._agree(replica if self.source in lost else b"", passed_over):
             return None
         sends = self.source if self.source in lost else None  # send this rank's copy of `source` back
         pieces = split_pieces(replica) if sends is not None else None
         if self.rank in lost or sends is not None:
             received = self._exchange(pieces, sends, self.partner if self.rank in lost else None)
             if self.rank in lost:  # verified by the partner's read; kept here again for a later restart
-                directory.mkdir(parents=True, exist_ok=True)
                 own = received
-                write_verified(directory / own_name(self.rank), [own], {"step": step, "layout": self.layout})
+                try:  # where this node's disk fails, the restore goes on without the copy (the others wait)
+                    directory.mkdir(parents=True, exist_ok=True)
+                    write_verified(directory / own_name(self.rank), [own], {"step": step, "layout": self.layout})
+                except OSError as err:
+                    self.report(f"node-local checkpoints: rank {self.rank} could not keep its restored copy: {err}")
         self.copy.load_bytes(own, reusable=self.rank not in lost)  # read into a buffer of the copy's kind
         self.copy.restore()
-        committed_at = (directory / own_name(self.rank)).with_suffix(".json").stat().st_mtime
+        record = (directory / own_name(self.rank)).with_suffix(".json")
+        committed_at = record.stat().st_mtime if record.exists() else 0.0
         return {"step": step, "from_partner": lost, "committed_at": committed_at}
 
     def _read(self, path: Path) -> memoryview | str:
         """The verified bytes of a local file, or why it cannot be used."""
         try:
             return read_verified(path, self.copy.host_buffer)
-        except (CheckpointError, OSError, ValueError, KeyError) as err:
+        except Exception as err:  # any: a rank that raised here alone would leave the others in the agreement
             return f"rank {self.rank}: {err}"
 
     def _agree(self, held: memoryview | bytes | str | None, passed_over: list[str]) -> list[int]:
