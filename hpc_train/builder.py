@@ -102,7 +102,7 @@ def keeps_memory_copy(cfg: JobConfig, dims: ParallelDims, ranks_here: int, devic
     node (agreed: a rollback restores the copy on every rank or on none). Always, with node-local
     checkpoints: they are written from the copy."""
     guard = cfg.train.spike_guard
-    if cfg.checkpoint.local_dir and cfg.checkpoint.local_interval:
+    if cfg.checkpoint.saves_locally:
         return True  # node-local checkpoints are written from the copy: it is there anyway
     if not plans_memory_copy(cfg) or guard.memory_copy is not None:
         return plans_memory_copy(cfg)

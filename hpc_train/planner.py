@@ -439,10 +439,9 @@ def stage_estimate(
     host = added.host
     # QLoRA's NF4 weights are not copied: they never change
     host_copy = param_bytes - (0 if cls.shards_params else local.quantized_bytes) + optimizer
-    local = cfg.checkpoint.local_dir and cfg.checkpoint.local_interval  # written from the same copy
-    # a local save across nodes also receives its partner's copy (sized as this rank's: the same local rank
-    # on the next node, of the same stage where pp stays within a node)
-    host_copy *= (2 if cfg.slurm.nodes > 1 else 1) if local else int(plans_memory_copy(cfg))
+    # local checkpoints are written from the same copy; a local save across nodes also receives its partner's
+    # (sized as this rank's: the same local rank on the next node, of the same stage where pp stays in a node)
+    host_copy *= (2 if cfg.slurm.nodes > 1 else 1) if cfg.checkpoint.saves_locally else int(plans_memory_copy(cfg))
     if o.offload == "cpu":
         host, optimizer = host + optimizer, 0
         if cls.shards_params:

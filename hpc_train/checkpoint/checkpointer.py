@@ -134,12 +134,11 @@ class Checkpointer:
         self.own_step: int | None = None  # the newest checkpoint this process saved or resumed: a rollback's
         # one host copy of the state: the spike guard's and the local checkpoints' (written from it), which
         # holds the newest step saved either way, so a rollback to a local step needs no disk
-        local = bool(checkpoint.local_dir and checkpoint.local_interval)
         self.memory_copy = None
-        if memory_copy or local:
+        if memory_copy or checkpoint.saves_locally:
             self.memory_copy = MemoryCopy(sharded["model"], sharded["optim"], {**shared, **per_rank})
         self.local = None
-        if local:
+        if checkpoint.saves_locally:
             self.local = LocalCheckpoints(checkpoint.local_dir, run_name, self.memory_copy, layout, ranks_per_node,
                                           report)  # fmt: skip
 
@@ -433,8 +432,6 @@ class Checkpointer:
         if restored is None:
             return None
         self.own_step, partners, passed_over = restored["step"], restored["from_partner"], restored["passed_over"]
-        for problem in passed_over:
-            self.report(f"node-local checkpoints: passed over {problem}")
         self.report(f"resumed from the node-local checkpoints of step {restored['step']}, newer than the shared one"
                     f"{f' (ranks {partners} from their partner node copy)' if partners else ''}")  # fmt: skip
         return Resumed(restored["step"], self.layout, restored["committed_at"], "local", partners, passed_over)

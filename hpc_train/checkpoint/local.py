@@ -189,13 +189,13 @@ class LocalCheckpoints:
 
         steps = sorted({s for inv in every for s in inv["own"] + inv["replica"] if s > newer_than}, reverse=True)
         passed_over: list[str] = []
+        restored = None
         for step in (s for s in steps if all(have(r, s) for r in range(self.world))):
-            restored = self._restore_step(step, every, passed_over)
-            if restored is not None:
-                return {**restored, "passed_over": passed_over}
+            if (restored := self._restore_step(step, every, passed_over)) is not None:
+                break
         for problem in passed_over:
-            self.report(f"node-local checkpoints: {problem}")
-        return None
+            self.report(f"node-local checkpoints: passed over {problem}")
+        return None if restored is None else {**restored, "passed_over": passed_over}
 
     def _restore_step(self, step: int, every: list[dict], passed_over: list[str]) -> dict[str, Any] | None:
         """Every rank reads its own copy of `step` (a rank whose copy is missing or fails its checks gets its

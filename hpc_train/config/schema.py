@@ -234,6 +234,11 @@ class CheckpointConfig:
     local_dir: str | None = None
     local_interval: int = non_negative(0)  # 0 = no local checkpoints
 
+    @property
+    def saves_locally(self) -> bool:
+        """Node-local checkpoints are on (both keys set)."""
+        return bool(self.local_dir and self.local_interval)
+
 
 @dataclass
 class SlurmConfig:
