@@ -347,13 +347,19 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as `main` reads it (argparse exits 2 on a bad one): overrides may also follow flags."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and (not hasattr(args, "overrides") or any(item.startswith("-") for item in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # overrides after a flag (`plan cfg.yaml --search parallel.tp=2`)
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     try:
         COMMANDS[args.command](args)
     except (UserError, FileNotFoundError) as err:

@@ -161,8 +161,10 @@ class CliResult:
     stderr: str
 
 
-def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout_s: float = 300) -> CliResult:
-    """`hpc-train ARGS` run by the CLI's own `main` in this process, from the repository root, with `env`'s
+def run_cli(
+    *args: str, env: dict[str, str | None] | None = None, timeout_s: float = 300, cwd: Path = ROOT
+) -> CliResult:
+    """`hpc-train ARGS` run by the CLI's own `main` in this process, from `cwd` (the repository root), with `env`'s
     variables set (None: unset) for the call: its ranks are forks of this session's fork server, as they
     would be of the command's own, so only a new interpreter's imports are left out (about 8 s of CPU a
     command: the command's, then its fork server's). Its stdout and stderr, the ranks' included, are
@@ -182,7 +184,7 @@ def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout_s: flo
                 else:
                     os.environ[key] = value
             stack.callback(os.chdir, os.getcwd())
-            os.chdir(ROOT)
+            os.chdir(cwd)
             stack.enter_context(streams_to(out.fileno(), err.fileno()))
             stack.enter_context(_deadline(timeout_s, f"hpc-train {' '.join(args[:1])}"))
             try:

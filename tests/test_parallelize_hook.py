@@ -1,6 +1,6 @@
 """A family whose layers a TP dict cannot describe shards its stages with its own hook
 (`ModelSpec.parallelize_fn`); without one, its `tp_plan` is applied. The features' transforms run in the
-registry's order, the one README gives."""
+registry's order, the one docs/architecture.md gives."""
 
 import dataclasses
 import functools
@@ -45,7 +45,7 @@ EVERY_FEATURE = ["train.fp8=tensorwise", "parallel.tp=2", "parallel.cp=2", "mode
 
 def test_transforms_run_in_the_registry_order(monkeypatch):
     """build_model with every feature on: parallelize runs each feature's transform once per stage, on the meta
-    device, in FEATURES' order (what README's list of transforms is compared with, below)."""
+    device, in FEATURES' order (what docs/architecture.md's list of transforms is compared with, below)."""
     from hpc_train import job
     from hpc_train.builder import build_model
     from hpc_train.distributed.mesh import Mesh, ParallelDims
@@ -69,12 +69,12 @@ def test_transforms_run_in_the_registry_order(monkeypatch):
     assert applied == [(f.name, True) for f in registry]
 
 
-def test_readme_lists_the_transforms_in_the_registry_order():
-    """README's sentence on the order the transforms run in names every registered feature, in FEATURES'
-    order."""
+def test_docs_list_the_transforms_in_the_registry_order():
+    """docs/architecture.md's sentence on the order the transforms run in names every registered feature, in
+    FEATURES' order."""
     from hpc_train.job import FEATURES
 
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
     listed = re.search(r"in the registry's order, `FEATURES` in `job.py`: ((?:`\w+`, )*`\w+`);", readme)
-    assert listed, "README no longer gives the order of the transforms"
+    assert listed, "docs/architecture.md no longer gives the order of the transforms"
     assert re.findall(r"`(\w+)`", listed.group(1)) == [f.name for f in FEATURES]

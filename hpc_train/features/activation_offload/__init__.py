@@ -46,9 +46,15 @@ def check(*, model: ActivationOffloadOptions, train: CompileOptions, parallel: P
                         "model.activation_offload=none")  # fmt: skip
     per_stage = model.n_layers // (parallel.pp * parallel.virtual_stages)
     if not offloaded_blocks(model.activation_offload, [block_policy(i) for i in range(per_stage)]):
+        fix = (
+            "use activation_offload=full or recompute fewer blocks"
+            if model.activation_offload == "selective"
+            else (
+                "recompute fewer blocks (model.recompute_every, model.recompute_first) or set activation_offload=none"
+            )
+        )
         problems.append(f"model.activation_offload={model.activation_offload} moves no block here: every block of a "
-                        "stage recomputes (model.recompute) or is its last; use activation_offload=full or fewer "
-                        "recomputed blocks")  # fmt: skip
+                        f"stage recomputes (model.recompute) or is its last; {fix}")  # fmt: skip
     return problems
 
 

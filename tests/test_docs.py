@@ -1,0 +1,171 @@
+"""The documentation, held to the code: every shell block in README.md and docs/ says how the suite runs it
+(`<!-- run -->`: on this machine's CPU, `<!-- run-slurm -->`: against the local Slurm cluster, `<!-- check -->`:
+a GPU cluster's command, parsed by the CLI and its config and layout checked by `plan`), every test or
+benchmark a page names exists, and README stays a short page that maps every doc."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpc_train.cli import main, parse_args
+from tests.conftest import ROOT, run_cli
+from tests.test_slurm import cluster  # noqa: F401 (the fixture)
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+GENERATED = {ROOT / "docs" / "configuration.md"}  # tested against the schema in test_config
+SHELL = {"bash", "sh", "shell", "console"}
+MODES = ("run", "run-slurm", "check")
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+MARK = re.compile(r"<!-- (\S+) -->\s*$")
+# a path of this repository (a peer's, as `Megatron-LM/tools/x.py`, is not one)
+REFERENCE = re.compile(r"(?<![\w/.-])(tests/test_\w+\.py)(?:::(\w+))?|(?<![\w/.-])(tools/[\w/]+\.py)")
+README_LINES = 210
+
+
+def shell_blocks() -> list[tuple[str, str, str]]:
+    """(where, mode, text) of every shell block, in page order; mode is the marker on the line above, or ''."""
+    blocks = []
+    for page in PAGES:
+        text = page.read_text()
+        for fence in FENCE.finditer(text):
+            if fence.group(1) not in SHELL:
+                continue
+            line = text.count("\n", 0, fence.start()) + 1
+            before = text[: fence.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            mark = MARK.search(before)
+            blocks.append((f"{page.relative_to(ROOT)}:{line}", mark.group(1) if mark else "", fence.group(2)))
+    return blocks
+
+
+def commands(block: str) -> list[list[str]]:
+    """The block's commands as argument lists: continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [words for line in joined.splitlines() if (words := shlex.split(line, comments=True))]
+
+
+def test_every_shell_block_says_how_it_is_run():
+    blocks = shell_blocks()
+    assert len(blocks) >= 10
+    unmarked = [where for where, mode, _ in blocks if mode not in MODES]
+    assert not unmarked, f"mark each shell block with <!-- run -->, <!-- run-slurm --> or <!-- check -->: {unmarked}"
+    assert {mode for _, mode, _ in blocks} == set(MODES)
+
+
+def run_blocks(mode: str, scratch: Path) -> str:
+    """The blocks of one mode in page order, from a scratch directory that sees the repository's configs,
+    docs, tools and sources as a checkout does: each `hpc-train` command by the CLI's own `main` in this
+    process (`run_cli`: a new interpreter's imports left out), any other line by bash. Returns their output;
+    a failing command fails the test, naming its block."""
+    for name in ("configs", "docs", "tools", "hpc_train"):
+        (scratch / name).symlink_to(ROOT / name)
+    output = []
+    for where, block_mode, text in shell_blocks():
+        if block_mode != mode:
+            continue
+        for words in commands(text):
+            if words[0] == "hpc-train":
+                result = run_cli(*words[1:], cwd=scratch, timeout_s=600)
+            else:
+                result = subprocess.run(shlex.join(words), shell=True, cwd=scratch, capture_output=True, text=True)
+            output.append(result.stdout + result.stderr)
+            assert result.returncode == 0, f"{where}: `{shlex.join(words)}` failed:\n{output[-1][-4000:]}"
+    return "".join(output)
+
+
+def test_runnable_blocks_run_on_cpu(tmp_path):
+    """The blocks a user runs on one machine, as written: quick start, resume, checkpoints, plan, data, export."""
+    output = run_blocks("run", tmp_path)
+    assert "resumed from runs/tiny/checkpoints/step_0000020" in output
+    assert (tmp_path / "hf" / "tiny" / "model.safetensors").is_file()
+
+
+@pytest.mark.usefixtures("cluster")
+def test_slurm_blocks_run_on_the_local_cluster(tmp_path):
+    """README's Slurm quick start, submitted for real: a dry run, a two-node job, a second job resuming it."""
+    output = run_blocks("run-slurm", tmp_path)
+    assert output.count("finished: COMPLETED") == 2
+    assert "resumed from runs/tiny/checkpoints/step_0000040" in output
+
+
+def plan_output(argv: list[str], where: str) -> str:
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(["plan", *argv])
+    except SystemExit:
+        pytest.fail(f"{where}: `hpc-train plan {' '.join(argv)}` is refused:\n{err.getvalue()}")
+    return out.getvalue()
+
+
+def test_cluster_blocks_parse_and_their_layouts_check():
+    """A block for a GPU cluster: each `hpc-train` command parses as the CLI reads it; a `plan` runs as written
+    (a `--search`, seconds to minutes, only parses); a run or a submission's config and layout pass `plan`'s
+    checks (the cluster's, without this machine's limits or the data files) and fit the config's GPU memory,
+    as `submit` requires. `model.init_from` is left out there: the config gives the shape it would."""
+    checked = 0
+    for where, mode, text in shell_blocks():
+        if mode != "check":
+            continue
+        for words in commands(text):
+            tools = [word for word in words if word.startswith("tools/")]
+            assert all((ROOT / tool).is_file() for tool in tools), f"{where}: {tools}"
+            if "hpc-train" not in words:
+                continue
+            argv = words[words.index("hpc-train") + 1 :]
+            try:
+                args = parse_args(argv)
+            except SystemExit:
+                pytest.fail(f"{where}: `hpc-train {' '.join(argv)}` does not parse")
+            if args.command == "plan" and not args.search:
+                assert plan_output(argv[1:], where), where
+            if args.command in ("train", "submit", "doctor"):
+                overrides = [item for item in args.overrides if not item.startswith("model.init_from=")]
+                plan = json.loads(plan_output([args.config, *overrides, "--json"], where))
+                assert plan["fits"], f"{where}: {' '.join(argv)} does not fit"
+            checked += 1
+    assert checked >= 10
+
+
+def test_named_tests_and_benchmarks_exist():
+    """Every `tests/test_x.py::name` and `tools/x.py` a page names is there, so a claim keeps its test."""
+    named = 0
+    for page in PAGES:
+        for test_file, test_name, tool in REFERENCE.findall(page.read_text()):
+            path = ROOT / (test_file or tool)
+            assert path.is_file(), f"{page.name} names {path.relative_to(ROOT)}, which does not exist"
+            if test_name:
+                assert re.search(rf"^def {test_name}\(", path.read_text(), re.M), (
+                    f"{page.name} names {test_file}::{test_name}, which does not exist"
+                )
+            named += 1
+    assert named >= 100
+
+
+def test_every_page_ends_with_its_tests_and_readme_maps_every_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_LINES
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in readme, f"README does not link docs/{page.name}"
+        if page in GENERATED:
+            continue
+        references = page.read_text().split("\n## Tests and benchmarks\n")
+        assert len(references) == 2 and REFERENCE.search(references[1]), f"{page.name}: no tests named at its end"
+
+
+def test_composition_table_is_what_the_checks_say():
+    """docs/parallelism.md's table of which feature pairs a run accepts is what `tools/composition.py` prints
+    from the checks every command runs, so a refusal added or lifted shows there (refresh: `--write`)."""
+    spec = importlib.util.spec_from_file_location("composition", ROOT / "tools" / "composition.py")
+    composition = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(composition)
+    page = composition.PAGE.read_text()
+    assert page == composition.page_with(composition.render(), page), "stale: python tools/composition.py --write"
