@@ -117,14 +117,17 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from hpc_train import planner
 
     cfg = _config_and_overrides(args)
-    for flag, value in (("--world", args.world), ("--gpu-mem", args.gpu_mem), ("--peak-tflops", args.peak_tflops)):
+    flags = (("--world", args.world), ("--gpu-mem", args.gpu_mem), ("--host-mem", args.host_mem),
+             ("--peak-tflops", args.peak_tflops))  # fmt: skip
+    for flag, value in flags:
         if value is not None and not 0 < value < float("inf"):
             raise ConfigError(f"{flag} {value} must be a positive number")
     world = args.world or planner.plan_world(cfg)
     gpu_mem = args.gpu_mem * 2**30 if args.gpu_mem else cfg.slurm.gpu_mem_gb * 2**30
     if args.search:
         check_values(cfg)  # check_job's rules for every key; the layout is what --search varies
-        rows = planner.search(cfg, world, gpu_mem, args.peak_tflops * 1e12)
+        host_mem = args.host_mem * 2**30 if args.host_mem else None
+        rows = planner.search(cfg, world, gpu_mem, args.peak_tflops * 1e12, host_mem)
         print(json.dumps(rows, indent=1) if args.json else planner.format_search(rows))
         return
     dims = check_job(cfg, world, starts_here=False, check_paths=False)
@@ -290,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--force", action="store_true", help="submit even if the planner says it does not fit")
     plan = with_config(sub.add_parser("plan", help="memory per rank of a layout; --search ranks layouts"))
     plan.add_argument("--gpu-mem", type=float, help="GiB per GPU (default: slurm.gpu_mem_gb)")
+    plan.add_argument("--host-mem", type=float, help="--search: GiB of host memory per node (default: unbounded)")
     plan.add_argument("--search", action="store_true", help="enumerate layouts, rank those that fit by step time")
     plan.add_argument("--world", type=int, help="ranks (default: slurm nodes x tasks on GPUs, else parallel.nproc)")
     plan.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, for --search (H100 bf16)")

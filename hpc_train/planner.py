@@ -41,6 +41,7 @@ from hpc_train.models.common.moe import is_moe_layer, moe_layers
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen, projections
 from hpc_train.optim import optimizer_class, precision_policy
 from hpc_train.optim.buckets import largest_bucket
+from hpc_train.optim.nvme import ring_bytes
 from hpc_train.optim.rules import UpdateRule, is_hidden_matrix, rule_class
 
 GiB = 2**30
@@ -69,6 +70,7 @@ class MemoryEstimate:
     host_copy: int = 0
     stage: int = 0  # the pipeline rank these bytes are of
     stages: int = 1  # pp
+    disk: int = 0  # on the node's own disk: the optimizer state under optim.offload=nvme
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -442,6 +444,11 @@ def stage_estimate(
     # local checkpoints are written from the same copy; a local save across nodes also receives its partner's
     # (sized as this rank's: the same local rank on the next node, of the same stage where pp stays in a node)
     host_copy *= (2 if cfg.slurm.nodes > 1 else 1) if cfg.checkpoint.saves_locally else int(plans_memory_copy(cfg))
+    disk = 0
+    if o.offload == "nvme":  # the masters and the rule's state in files, streamed through the ring; the
+        # updated weights of the owned slice wait on the device for the all-gather (at dp 1: written in place)
+        ring = ring_bytes(int(o.offload_buffer_mb * 2**20), owned, 3)
+        disk, host, optimizer = optimizer, host + ring, owned * element if dp > 1 else 0
     if o.offload == "cpu":
         host, optimizer = host + optimizer, 0
         if cls.shards_params:
@@ -472,7 +479,7 @@ def stage_estimate(
     comm = static + max(block, at_end, update)
     return MemoryEstimate(param_bytes, grads, optimizer, per_micro, math.ceil(flight), activations, comm,
                           loss_backward, fresh + working, host, total, added.host, host_copy, pp_rank,
-                          dims.pp)  # fmt: skip
+                          dims.pp, disk)  # fmt: skip
 
 
 def plans_memory_copy(cfg: JobConfig) -> bool:
@@ -494,18 +501,23 @@ def feature_memory(cfg: JobConfig, dims: ParallelDims, **given) -> Memory:
 LOW_BIT_FALLBACK = {"adamw": ("adamw8bit", "adamw4bit")}  # what `search` tries where a rule's state does not fit
 
 
-def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) -> list[dict]:
+def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float,
+           host_mem_bytes: float | None = None) -> list[dict]:  # fmt: skip
     """Every layout of `world` ranks (tp within a node of slurm.gpus_per_node or 8, pp, virtual stages and
-    schedule,
-    micro-batch size at a fixed global batch, recompute, zero stage, offload) that passes validation,
-    with its memory and estimated step time; those that fit first, fastest first. A layout whose AdamW state
-    does not fit is tried with 8-bit, then 4-bit moments (`LOW_BIT_FALLBACK`): the first that fits is its row."""
+    schedule, micro-batch size at a fixed global batch, recompute, zero stage, offload: none, cpu, nvme)
+    that passes validation, with its memory and estimated step time; those that fit first, fastest first.
+    With `host_mem_bytes` (a node's), a layout fits only where its node's ranks' host memory does too: so
+    nvme offload, slower than cpu, comes first where cpu offload's state does not fit the host. A layout
+    whose AdamW state does not fit is tried with 8-bit, then 4-bit moments (`LOW_BIT_FALLBACK`): the first
+    that fits is its row."""
     from copy import copy
 
-    from hpc_train.optim import OPTIMIZERS
+    from hpc_train.optim import NVME, OPTIMIZERS
 
     t = cfg.train
-    global_batch = t.micro_batch_size * t.grad_accum * (world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
+    # the config's own global batch (its dp from its own world: --world may be another)
+    own_dp = max(1, plan_world(cfg) // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
+    global_batch = t.global_batch_size or t.micro_batch_size * t.grad_accum * own_dp
     node = cfg.slurm.gpus_per_node or 8
     choices = itertools.product(
         [x for x in (1, 2, 4, 8) if x <= node],  # tp
@@ -514,7 +526,11 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         ((1, "1f1b"), (2, "interleaved_1f1b"), (2, "interleaved_zb"), (2, "zbv"), (2, "dualpipev")),
         (1, 2, 4, 8),  # micro-batch size
         ("none", "selective", "full"),  # recompute
-        [(zero, offload) for zero, cls in OPTIMIZERS.items() for offload in ("none", "cpu")[: 1 + cls.shards_state]],
+        [
+            (zero, offload)
+            for zero, cls in OPTIMIZERS.items()
+            for offload in ("none", "cpu", "nvme")[: (1 + cls.shards_state + (zero in NVME))]
+        ],  # fmt: skip
         # context parallelism for long sequences (activations / cp)
         [(1, "ring")]
         + [
@@ -534,15 +550,22 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
         c.parallel.sequence_parallel = tp > 1
         c.train.micro_batch_size, c.train.grad_accum, c.train.global_batch_size = mbs, global_batch // (mbs * dp), None
         c.model.recompute, c.optim.zero_stage, c.optim.offload = recompute, zero, offload
+        if offload == "nvme" and not c.optim.offload_dir:  # where a job would put it: the node's own disk
+            c.optim.offload_dir = "$SLURM_TMPDIR/hpc_train_offload"
         try:
             dims = check_run(c, world, check_paths=False)
         except ConfigError:
             continue
         plan = estimate(c, dims)
-        for rule in LOW_BIT_FALLBACK.get(cfg.optim.name, ()) if plan.total > gpu_mem_bytes else ():
+
+        def fits(plan: MemoryEstimate) -> bool:
+            host = (plan.host + plan.host_copy) * min(world, node)  # the node's ranks'
+            return plan.total <= gpu_mem_bytes and (host_mem_bytes is None or host <= host_mem_bytes)
+
+        for rule in LOW_BIT_FALLBACK.get(cfg.optim.name, ()) if not fits(plan) and offload != "nvme" else ():
             c.optim.name = rule
             low_bit = estimate(c, dims)
-            if low_bit.total <= gpu_mem_bytes:
+            if fits(low_bit):
                 plan = low_bit
                 break
         else:  # none fits: the row is the rule asked for
@@ -551,8 +574,8 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float) 
             "tp": tp, "pp": pp, "vp": vp, "schedule": schedule, "dp": dp, "cp": cp, "cp_mode": cp_mode, "mbs": mbs,
             "grad_accum": c.train.grad_accum,
             "recompute": recompute, "zero": zero, "offload": offload, "optim": c.optim.name,
-            "total_gib": plan.total / GiB,
-            "fits": plan.total <= gpu_mem_bytes, "step_s": step_time_estimate(c, dims, peak_flops),
+            "total_gib": plan.total / GiB, "host_gib": (plan.host + plan.host_copy) / GiB, "disk_gib": plan.disk / GiB,
+            "fits": fits(plan), "step_s": step_time_estimate(c, dims, peak_flops),
         })  # fmt: skip
     return sorted(rows, key=lambda r: (not r["fits"], r["step_s"], r["total_gib"]))
 
@@ -622,6 +645,10 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
         owned = math.ceil(n / (dp * dims.cp))
         transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
         offload = transfers / (links.pcie_gbps * 1e9) + owned / host_adam_elements_per_s
+    elif o.offload == "nvme":  # + the masters and moments read and written, the node's disk shared by its ranks
+        owned = math.ceil(local_param_count(cfg).trainable / (dp * dims.cp))
+        disk = owned * 12 * 2 / (links.nvme_gbps * 1e9 / links.gpus_per_node)
+        offload = owned * (4 + elt) / (links.pcie_gbps * 1e9) + disk + owned / host_adam_elements_per_s
     given = {"dims": dims, "links": links, "block_policy": policy, "flops_per_s": peak_flops * mfu,
              "parts": activation_parts(cfg)}  # fmt: skip
     features = sum(seconds() for _, seconds in declared(cfg, "step_time", **given))
@@ -662,9 +689,12 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]
     if plan.host > plan.host_features:
         what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state, owned gradients"
+        what = "the nvme offload's buffers" if plan.disk else what
         lines.append(f"  {f'in host memory ({what})':<44} {(plan.host - plan.host_features) / GiB:10.3f} GiB")
     if plan.host_copy:
         lines.append(f"  {'in host memory (the state copy)':<44} {plan.host_copy / GiB:10.3f} GiB")
+    if plan.disk:
+        lines.append(f"  {'on the node disk (optimizer state)':<44} {plan.disk / GiB:10.3f} GiB")
     if plan.host_features:  # each feature's line above says what
         lines.append(f"  {'in host memory (the features above)':<44} {plan.host_features / GiB:10.3f} GiB")
     verdict = "fits" if plan.total <= gpu_mem_bytes else "DOES NOT FIT"
@@ -674,7 +704,7 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
 
 def format_search(rows: list[dict], limit: int = 20) -> str:
     head = f"{'tp':>3} {'pp':>3} {'vp':>3} {'schedule':>16} {'dp':>4} {'cp':>8} {'mbs':>4} {'accum':>6} " \
-           f"{'recompute':>10} {'zero':>5} {'offload':>8} {'optim':>10} {'GiB/rank':>9} {'fits':>5} " \
+           f"{'recompute':>10} {'zero':>5} {'offload':>8} {'optim':>10} {'GiB/rank':>9} {'host GiB':>9} {'fits':>5} " \
            f"{'step s (est.)':>14}"  # fmt: skip
     lines = [head]
     for r in rows[:limit]:
@@ -682,6 +712,6 @@ def format_search(rows: list[dict], limit: int = 20) -> str:
         lines.append(f"{r['tp']:>3} {r['pp']:>3} {r['vp']:>3} {r.get('schedule', '1f1b'):>16} {r['dp']:>4} "
                      f"{cp:>8} {r['mbs']:>4} {r['grad_accum']:>6} "
                      f"{r['recompute']:>10} {r['zero']:>5} {r['offload']:>8} {r.get('optim', ''):>10} "
-                     f"{r['total_gib']:>9.2f} "
+                     f"{r['total_gib']:>9.2f} {r.get('host_gib', 0.0):>9.2f} "
                      f"{'yes' if r['fits'] else 'no':>5} {r['step_s']:>14.3f}")  # fmt: skip
     return "\n".join(lines)

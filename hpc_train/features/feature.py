@@ -44,6 +44,7 @@ class Links:
     nvlink_gbps: float = 300.0
     ib_gbps: float = 25.0
     pcie_gbps: float = 25.0
+    nvme_gbps: float = 3.0  # a node's local disk, shared by its ranks (optim.offload=nvme)
     gpus_per_node: int = 8
 
     def within_node(self, ranks: int) -> float:

@@ -14,10 +14,12 @@ from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.data_parallel import DataParallelOptimizer
 from hpc_train.optim.experts import ExpertParallelOptimizer
 from hpc_train.optim.fsdp import FullyShardedOptimizer
+from hpc_train.optim.nvme import check_offload_dir
 from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
 from hpc_train.optim.rules import choices, rule_class
 from hpc_train.optim.zero import Zero2Optimizer, ZeroOptimizer
+from hpc_train.optim.zero_nvme import NvmeZero2Optimizer, NvmeZeroOptimizer
 
 OPTIMIZERS: dict[int, type[Optimizer]] = {
     0: DataParallelOptimizer,
@@ -25,6 +27,7 @@ OPTIMIZERS: dict[int, type[Optimizer]] = {
     2: Zero2Optimizer,
     3: FullyShardedOptimizer,
 }
+NVME: dict[int, type[Optimizer]] = {1: NvmeZeroOptimizer, 2: NvmeZero2Optimizer}  # optim.offload=nvme
 
 
 def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
@@ -35,7 +38,19 @@ def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
     cls = OPTIMIZERS[cfg.zero_stage]
     if cfg.offload != "none" and not cls.shards_state:
         stage = next(stage for stage, c in OPTIMIZERS.items() if c.shards_state)
-        raise ConfigError(f"optim.offload=cpu offloads the sharded optimizer state: set optim.zero_stage={stage}")
+        raise ConfigError(f"optim.offload={cfg.offload} offloads the sharded optimizer state: set "
+                          f"optim.zero_stage={stage}")  # fmt: skip
+    if cfg.offload == "nvme":
+        if cfg.zero_stage not in NVME:
+            raise ConfigError(f"optim.offload=nvme is built for optim.zero_stage {' or '.join(map(str, NVME))} (not "
+                              f"yet for FSDP2's stage 3): set optim.zero_stage=1, or optim.offload=cpu")  # fmt: skip
+        if cfg.name != "adamw":
+            raise ConfigError(f"optim.offload=nvme streams AdamW's state; optim.name={cfg.name} is not built for it "
+                              "yet: use optim.name=adamw, or optim.offload=cpu")  # fmt: skip
+        problems = check_offload_dir(cfg.offload_dir)
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return NVME[cfg.zero_stage]
     return cls
 
 

@@ -41,7 +41,7 @@ from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.buckets import BucketedReduction, bucketize, weak_hook
 from hpc_train.optim.data_parallel import on_whole
 from hpc_train.optim.rules import Target, is_hidden_matrix, rule_class, target
-from hpc_train.optim.rules.protocol import MatrixFn
+from hpc_train.optim.rules.protocol import MatrixFn, UpdateRule
 from hpc_train.placement import like_param, local
 
 # torch >= 2.13 names these *_single for gloo; older releases only have the *_tensor names
@@ -121,7 +121,14 @@ class ZeroOptimizer:
         self.matrices = {id(p) for p in self.params if is_hidden_matrix(names[id(p)], p.ndim)}
         targets = [target(names[id(s.param)], s.param, s.master) for b in self.buckets for s in b.spans]
         self.writers = self._writer_ranks()  # which dp rank writes each parameter's state into a checkpoint
-        self.rule = rule_class(cfg)(targets, cfg, self._whole_matrices)
+        self.rule = self._make_rule(targets, cfg)
+
+    def _make_rule(self, targets: list[Target], cfg: OptimConfig) -> UpdateRule:
+        return rule_class(cfg)(targets, cfg, self._whole_matrices)
+
+    def _new_master(self, numel: int) -> torch.Tensor:
+        """The fp32 master weights' buffer of the owned slice (on the state's device)."""
+        return torch.empty(numel, dtype=torch.float32, device=self.state_device, pin_memory=self._pinned)
 
     @staticmethod
     def planned_bytes(params: int, dp: int, param_bytes: int, overlap: bool) -> tuple[int, int, int]:
@@ -158,7 +165,7 @@ class ZeroOptimizer:
                 if begin < end:
                     spans.append((bucket, p, start, begin, end))
         owned = sum(end - begin for *_, begin, end in spans)
-        master = torch.empty(owned, dtype=torch.float32, device=self.state_device, pin_memory=self._pinned)
+        master = self._new_master(owned)
         offset = 0
         for bucket, p, start, begin, end in spans:
             view = master[offset : offset + end - begin]
@@ -284,8 +291,13 @@ class ZeroOptimizer:
             spans = [s for b in self.buckets for s in b.spans]
             torch._foreach_copy_([local(s.param).view(-1) for s in spans], [s.master for s in spans])
             return
+        self._gather_params(lambda span: span.master)
+
+    def _gather_params(self, owned: Callable[[_Span], torch.Tensor]) -> None:
+        """All-gather every bucket's owned slices (`owned` of each span: its updated master weights) into the
+        parameters, in their dtype."""
         for bucket in self.buckets:
-            full = self._gather_bucket(bucket, [s.master for s in bucket.spans], local(bucket.params[0]).dtype)
+            full = self._gather_bucket(bucket, [owned(s) for s in bucket.spans], local(bucket.params[0]).dtype)
             for p, start in zip(bucket.params, bucket.offsets, strict=True):
                 tensor = local(p)
                 tensor.copy_(full[start : start + tensor.numel()].view_as(tensor))

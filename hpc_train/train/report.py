@@ -53,6 +53,9 @@ def announce(run: Run, start_step: int) -> StepMeter:
         )
         for line in feature_lines(cfg, dims):
             run.metrics.message(f"hpc_train: {line}")
+        describe = getattr(run.optimizer, "describe", None)  # where a strategy keeps what (optim.offload=nvme)
+        if describe is not None:
+            run.metrics.message(f"hpc_train: {describe()}")
     stages = stage_estimates(cfg, dims)
     predicted = stages[0]  # rank 0's, as its measured memory_bytes beside it
     worst = max(stages, key=lambda plan: plan.total)

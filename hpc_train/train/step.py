@@ -179,9 +179,10 @@ def _train_step(
 
 
 def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:
-    """The bytes by category, with what optim.offload=cpu keeps in host memory under `host` (only then
-    reported): the optimizer's offloaded categories, zero on the device, and its own host buffers."""
-    if not optimizer.offloaded:
+    """The bytes by category, with what optim.offload keeps in host memory under `host` (only then
+    reported): the optimizer's offloaded categories, zero on the device, and its own host buffers (nvme's
+    ring, its state being on disk)."""
+    if not optimizer.offloaded and not optimizer.host_buffer_bytes():
         return memory
     host = optimizer.host_buffer_bytes() + sum(memory[k] for k in optimizer.offloaded)
     return {**memory, **dict.fromkeys(optimizer.offloaded, 0), "host": host}

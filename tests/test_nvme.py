@@ -1,0 +1,197 @@
+"""optim.offload=nvme: the optimizer state in files on the node's disk, streamed through a bounded ring of host
+buffers. At dp 2 it updates exactly as the state in memory does (ZeRO-1 and -2, fp32 and bf16), its host and
+device bytes are the planner's, it resumes exactly, and a rank killed after the files were updated (a step
+ahead of every checkpoint) restarts in the job on the same curve."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hpc_train.config import ConfigError
+from hpc_train.job import check_run, load_config
+from hpc_train.launch.local import launch_local, launch_sequence
+from hpc_train.optim.nvme import padded
+from hpc_train.planner import estimate
+from hpc_train.train.loop import run_training
+from tests.conftest import TINY_MODEL, max_param_diff, read_final_model, read_metrics
+
+BUFFER = "optim.offload_buffer_mb=0.05"  # 1024-element chunks: every update streams many of them
+BF16_Z2 = ["optim.zero_stage=2", "train.precision=bf16", "train.grad_accum=2", "train.micro_batch_size=2"]
+RUNS = {  # name: (overrides, nvme)
+    "zero1_fp32": (["optim.zero_stage=1", "train.micro_batch_size=4", "checkpoint.interval=2"], False),
+    "zero1_fp32_nvme": (["optim.zero_stage=1", "train.micro_batch_size=4", "checkpoint.interval=2"], True),
+    "zero2_bf16": (BF16_Z2, False),
+    "zero2_bf16_nvme": (BF16_Z2, True),
+}
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_corpus):
+    base = tmp_path_factory.mktemp("nvme")
+
+    def cfg(name: str, *extra: str):
+        overrides, nvme = RUNS[name.removesuffix("_resumed").removesuffix("_killed")]
+        offload = ["optim.offload=nvme", f"optim.offload_dir={base / name / 'offload'}", BUFFER] if nvme else []
+        return load_config(None, [*TINY_MODEL, f"data.train_path={small_corpus}", "parallel.nproc=2",
+                                  f"run_dir={base / name}", *overrides, *offload, *extra])  # fmt: skip
+
+    configs = {name: cfg(name, f"train.steps={STEPS}") for name in RUNS}
+    # saved at step 2 and resumed to the end, as a new process does: the files are written from the checkpoint
+    configs["zero1_fp32_nvme_resumed"] = cfg("zero1_fp32_nvme_resumed", "train.steps=2")
+    launch_sequence(run_training, 2, [(c,) for c in configs.values()])
+    resumed = cfg("zero1_fp32_nvme_resumed", f"train.steps={STEPS}")
+    killed = cfg("zero1_fp32_nvme_killed", f"train.steps={STEPS}", "parallel.max_restarts=1")
+    launch_sequence(run_training, 2, [(resumed,)])
+    with pytest.MonkeyPatch.context() as env:  # killed inside step 3's update, the files already written
+        env.setenv("HPC_TRAIN_FAULT", "nvme_written@3@0")
+        launch_local(run_training, 2, killed, max_restarts=1)
+    return {**configs, "zero1_fp32_nvme_resumed": resumed, "zero1_fp32_nvme_killed": killed}
+
+
+def losses(cfg) -> list[float]:
+    return [m["loss"] for m in read_metrics(cfg.run_dir)]
+
+
+@pytest.mark.parametrize("reference", ["zero1_fp32", "zero2_bf16"])
+def test_nvme_offload_updates_exactly_as_the_state_in_memory(runs, reference):
+    """Same kernel, same elements: the losses and final weights equal the in-memory ZeRO run's, bit for bit."""
+    nvme = runs[f"{reference}_nvme"]
+    assert losses(nvme) == losses(runs[reference]) and len(losses(nvme)) == STEPS
+    assert max_param_diff(read_final_model(nvme.run_dir), read_final_model(runs[reference].run_dir)) == 0.0
+    assert losses(nvme)[-1] < losses(nvme)[0]
+
+
+def test_nvme_state_lives_in_its_files_and_the_memory_is_the_planners(runs):
+    """Host memory is the ring (not the state), the device keeps the owned slice's updated weights, and the
+    files hold the masters and both moments of the owned slice: each as the planner counts it."""
+    cfg = runs["zero2_bf16_nvme"]
+    plan = estimate(cfg, check_run(cfg, 2, check_paths=False))
+    measured = read_metrics(cfg.run_dir)[0]["memory_bytes"]
+    assert measured["host"] == plan.host > 0
+    assert measured["optimizer"] == plan.optimizer
+    in_memory = read_metrics(runs["zero2_bf16"].run_dir)[0]["memory_bytes"]
+    assert "host" not in in_memory and in_memory["optimizer"] == 6 * plan.optimizer  # fp32 master + 2 moments
+    files = sorted((Path(cfg.optim.offload_dir) / "rank00000").iterdir())
+    assert [f.name for f in files] == ["exp_avg.bin", "exp_avg_sq.bin", "master.bin"]
+    owned = plan.optimizer // 2
+    assert [f.stat().st_size for f in files] == [4 * padded(owned)] * 3
+    assert plan.disk == 12 * owned
+
+
+def test_nvme_offload_resumes_exactly_and_after_a_kill_in_the_update(runs):
+    """A resume writes the files from the checkpoint; a rank killed after its files took step 3 (the
+    checkpoint is step 2's) restarts in the job from step 2 and ends on the uninterrupted curve."""
+    whole = losses(runs["zero1_fp32"])
+    for name in ("zero1_fp32_nvme_resumed", "zero1_fp32_nvme_killed"):
+        run = runs[name]
+        assert losses(run) == whole, name
+        assert [m["resumed_from"]["step"] for m in read_metrics(run.run_dir) if "resumed_from" in m] == [2], name
+        assert max_param_diff(read_final_model(run.run_dir), read_final_model(runs["zero1_fp32"].run_dir)) == 0
+    (restart,) = [m["restart"] for m in read_metrics(runs["zero1_fp32_nvme_killed"].run_dir) if "restart" in m]
+    assert restart["attempt"] == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, refusal",
+    [
+        (["optim.zero_stage=1"], "optim.offload=nvme needs optim.offload_dir"),
+        (["optim.zero_stage=3", "optim.offload_dir=/tmp/x"], "not yet for FSDP2's stage 3"),
+        (["optim.zero_stage=0", "optim.offload_dir=/tmp/x"], "set optim.zero_stage=1"),
+        (["optim.zero_stage=1", "optim.name=muon", "optim.offload_dir=/tmp/x"], "use optim.name=adamw"),
+    ],
+)
+def test_nvme_offload_refuses_what_it_does_not_support(overrides, refusal):
+    cfg = load_config(None, [*TINY_MODEL, "optim.offload=nvme", *overrides])
+    with pytest.raises(ConfigError, match=refusal.replace(".", r"\.")):
+        check_run(cfg, 1, check_paths=False)
+
+
+def test_state_files_stream_in_whole_blocks_and_read_back_any_range(tmp_path):
+    """A pass that writes every element, then one that reads and changes them, then ranges read back across
+    chunk and block boundaries; the files are opened with O_DIRECT where the probe found it works."""
+    import fcntl
+
+    import torch
+
+    from hpc_train.optim.nvme import StateFiles
+
+    numel = 5000  # not a whole number of blocks or of chunks (1024-element chunks)
+    files = StateFiles(str(tmp_path), "rank00000", ("master", "exp_avg"), numel, 3 * 4 * 3 * 1024, pinned=False)
+    values = torch.arange(numel, dtype=torch.float32)
+
+    def fill(chunk):
+        chunk.slot["master"].copy_(values[chunk.start : chunk.start + chunk.numel])
+        chunk.slot["exp_avg"].fill_(1.0)
+
+    def double(chunk):
+        chunk.slot["master"].mul_(2)
+
+    files.stream(fill, read=False)
+    files.stream(double, keys=("master",))
+    assert files.chunk == 1024
+    assert torch.equal(files.read_range("master", 1000, 3000), 2 * values[1000:4000])
+    assert torch.equal(files.read_range("master", 4999, 1), 2 * values[4999:])
+    assert torch.equal(files.read_range("exp_avg", 0, numel), torch.ones(numel))
+    direct = bool(fcntl.fcntl(files.fds["master"], fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+    assert direct == files.direct
+    files.close()
+
+
+BIG = ["model.d_model=1024", "model.n_layers=5", "model.n_heads=8", "train.micro_batch_size=1"]  # 64M params
+FROZEN = "train.freeze=['layers.*','tok_embeddings.weight','output.weight']"  # the weights, next to no state
+
+
+@pytest.fixture(scope="module")
+def big_runs(tmp_path_factory, small_corpus):
+    """One rank, ZeRO-1, fp32, a 64M-parameter model (AdamW state: 0.77 GB, 1.02 GB with cpu offload's
+    gradient copy), 2 steps: its weights alone (all but the final norm frozen), nvme, cpu offload."""
+    base = tmp_path_factory.mktemp("nvme_rss")
+    common = [*TINY_MODEL, *BIG, f"data.train_path={small_corpus}", "train.steps=2", "parallel.nproc=1",
+              "optim.zero_stage=1", "train.save_final_model=false"]  # fmt: skip
+    runs = {
+        "weights": [FROZEN],
+        "nvme": ["optim.offload=nvme", f"optim.offload_dir={base / 'offload'}", "optim.offload_buffer_mb=64"],
+        "cpu": ["optim.offload=cpu"],
+    }
+    configs = {name: load_config(None, [*common, f"run_dir={base / name}", *extra]) for name, extra in runs.items()}
+    launch_sequence(run_training, 1, [(c,) for c in configs.values()])
+    return {name: read_metrics(c.run_dir) for name, c in configs.items()}
+
+
+def test_nvme_offload_keeps_host_memory_at_the_model_and_its_buffers(big_runs):
+    """Peak RSS (metrics' host_memory_gb) of the nvme run stays within the model's own run (its weights) plus
+    120% of what the nvme run holds besides: gradients, the updated weights, the ring, activations. The same
+    bound fails with optim.offload=cpu, whose state is in host memory."""
+    held = big_runs["nvme"][0]["memory_bytes"]
+    beside = held["grads"] + held["optimizer"] + held["host"] + held["activations_peak"]
+    bound = max(m["host_memory_gb"] for m in big_runs["weights"]) * 1e9 + 1.2 * beside
+    peak = {name: max(m["host_memory_gb"] for m in records) * 1e9 for name, records in big_runs.items()}
+    assert held["host"] <= 64 * 2**20 and held["optimizer"] == 0  # the ring; at dp 1 the update writes in place
+    assert peak["nvme"] <= bound, (peak, bound)
+    assert peak["cpu"] > bound + 0.5e9, (peak, bound)  # its 1.02 GB of state and gradient copy
+
+
+def test_plan_search_offers_nvme_where_cpu_offload_does_not_fit_the_host():
+    """With --host-mem below what cpu offload keeps in host memory, its rows do not fit and the same layout
+    with nvme offload does (its ring and, on disk, the state); without a limit cpu offload is the faster."""
+    from hpc_train.planner import search
+
+    cfg = load_config(None, [*TINY_MODEL, "model.d_model=256", "model.n_layers=4", "parallel.nproc=2", BUFFER])
+    layout = ("tp", "pp", "vp", "schedule", "mbs", "recompute", "zero", "cp")
+
+    def rows(host_mem):
+        found = {}
+        for row in search(cfg, 2, 2**40, 1e12, host_mem):
+            found.setdefault(tuple(row[k] for k in layout), {})[row["offload"]] = row
+        return {key: by for key, by in found.items() if {"cpu", "nvme"} <= by.keys()}
+
+    unbounded = rows(None)
+    assert unbounded and all(by["cpu"]["step_s"] < by["nvme"]["step_s"] for by in unbounded.values())
+    cpu_host = min(by["cpu"]["host_gib"] for by in unbounded.values()) * 2**30 * 2  # the node's 2 ranks
+    bounded = rows(cpu_host / 2)
+    assert bounded and all(not by["cpu"]["fits"] and by["nvme"]["fits"] and by["nvme"]["disk_gib"] > 0
+                           for by in bounded.values())  # fmt: skip
