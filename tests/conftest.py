@@ -66,6 +66,7 @@ SLOWEST_FIRST = (
     "test_fp8",
     "test_finetune",
     "test_expert_parallel",
+    "test_docs",
 )
 
 

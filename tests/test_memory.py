@@ -146,6 +146,8 @@ def test_activation_offload_refusals_name_the_fix(make_cfg):
 
     with pytest.raises(ConfigError, match="model.activation_offload=full with train.compile"):
         check_run(make_cfg("model.activation_offload=full", "train.compile=true"), 1, check_paths=False)
-    with pytest.raises(ConfigError, match="moves no block here"):
+    with pytest.raises(ConfigError, match=r"moves no block here.*recompute fewer blocks .*activation_offload=none"):
         check_run(make_cfg("model.activation_offload=full", "model.recompute=full"), 1, check_paths=False)
+    with pytest.raises(ConfigError, match="moves no block here.*use activation_offload=full or recompute fewer"):
+        check_run(make_cfg("model.activation_offload=selective", "model.n_layers=1"), 1, check_paths=False)
     check_run(make_cfg("model.activation_offload=selective"), 1, check_paths=False)

@@ -372,3 +372,16 @@ def test_doctor_job_tests_the_allocation(tmp_path):
     assert "doctor: 2 ranks (pp 1, dp 2, cp 1, tp 1) joined through n1:" in out.stdout
     assert "    0  n1 " in out.stdout and "    1  n2 " in out.stdout
     assert "  world  (2 ranks per group): " in out.stdout and "finished: COMPLETED" in out.stdout
+
+
+@pytest.mark.usefixtures("cluster")
+def test_docs_slurm_blocks_run_on_the_local_cluster(tmp_path):
+    """README's Slurm quick start (a `<!-- run-slurm -->` block, tests/test_docs.py), submitted for real, here
+    with the other Slurm jobs: a job followed by its printed lines, a dry run, a two-node job and a second
+    job resuming it."""
+    from tests.test_docs import run_blocks
+
+    output = run_blocks("run-slurm", tmp_path)
+    assert "follow: tail -f" in output and "squeue -j" in output
+    assert output.count("finished: COMPLETED") == 2
+    assert "resumed from runs/tiny/checkpoints/step_0000040" in output

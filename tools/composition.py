@@ -32,44 +32,47 @@ BASE = [
     "train.grad_accum=4",
 ]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
-# name: (overrides, ranks the feature multiplies dp 2 by)
-FEATURES: dict[str, tuple[list[str], int]] = {
-    "tp2+sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], 2),
-    "pp2": (["parallel.pp=2"], 2),
-    "zbv": (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2"], 2),
-    "cp2 ring": (["parallel.cp=2", "parallel.cp_mode=ring"], 2),
-    "cp2 ulysses": (["parallel.cp=2", "parallel.cp_mode=ulysses"], 2),
-    "zero1": (["optim.zero_stage=1"], 1),
-    "zero2": (["optim.zero_stage=2"], 1),
-    "zero3": (["optim.zero_stage=3"], 1),
-    "cpu offload": (["optim.zero_stage=1", "optim.offload=cpu"], 1),
-    "moe": (MOE, 1),
-    "ep2": ([*MOE, "parallel.ep=2"], 1),
-    "fp8": (["train.fp8=tensorwise", "train.precision=bf16"], 1),
-    "fp16": (["train.precision=fp16"], 1),
-    "compile": (["train.compile=true"], 1),
-    "recompute": (["model.recompute=selective"], 1),
-    "act. offload": (["model.activation_offload=full"], 1),
-    "documents": (["data.document_mask=true", "data.reset_position_ids=true"], 1),
-    "muon": (["optim.name=muon"], 1),
-    "adamw8bit": (["optim.name=adamw8bit"], 1),
-    "lora": (["finetune.method=lora"], 1),
-    "qlora": (["finetune.method=qlora", "train.precision=bf16"], 1),
+# name: (its own overrides, what it needs set, which the other feature of a pair may set otherwise)
+FEATURES: dict[str, tuple[list[str], list[str]]] = {
+    "tp2+sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], []),
+    "pp2": (["parallel.pp=2"], []),
+    "zbv": (["parallel.schedule=zbv", "parallel.virtual_stages=2"], ["parallel.pp=2"]),
+    "cp2 ring": (["parallel.cp=2", "parallel.cp_mode=ring"], []),
+    "cp2 ulysses": (["parallel.cp=2", "parallel.cp_mode=ulysses"], []),
+    "zero1": (["optim.zero_stage=1"], []),
+    "zero2": (["optim.zero_stage=2"], []),
+    "zero3": (["optim.zero_stage=3"], []),
+    "cpu offload": (["optim.offload=cpu"], ["optim.zero_stage=1"]),
+    "nvme offload": (["optim.offload=nvme", "optim.offload_dir=$SLURM_TMPDIR/offload"], ["optim.zero_stage=1"]),
+    "moe": (MOE, []),
+    "ep2": (["parallel.ep=2"], MOE),
+    "fp8": (["train.fp8=tensorwise"], ["train.precision=bf16"]),
+    "fp16": (["train.precision=fp16"], []),
+    "compile": (["train.compile=true"], []),
+    "recompute": (["model.recompute=selective"], []),
+    "act. offload": (["model.activation_offload=full"], []),
+    "documents": (["data.document_mask=true", "data.reset_position_ids=true"], []),
+    "muon": (["optim.name=muon"], []),
+    "adamw8bit": (["optim.name=adamw8bit"], []),
+    "lora": (["finetune.method=lora"], []),
+    "qlora": (["finetune.method=qlora"], ["train.precision=bf16"]),
 }
 
 
+def _pairs(items: list[str]) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in items)
+
+
 def merged(a: str, b: str) -> tuple[list[str], int] | None:
-    """The pair's overrides and world, or None where the two set one key two ways (two cp modes)."""
-    keys: dict[str, str] = {}
-    for item in FEATURES[a][0] + FEATURES[b][0]:
-        key, value = item.split("=", 1)
-        if keys.setdefault(key, value) != value:
-            return None
-    dims = {"tp": 1, "pp": 1, "cp": 1}
-    for key, value in keys.items():
-        name = key.removeprefix("parallel.")
-        if name in dims:
-            dims[name] = int(value)
+    """The pair's overrides and world (dp 2 times tp x pp x cp), or None where it is not a pair of features:
+    the two set one of their own keys two ways (two cp modes), or one is what the other needs (pp2 and zbv)."""
+    (own_a, needs_a), (own_b, needs_b) = (map(_pairs, FEATURES[a]), map(_pairs, FEATURES[b]))
+    if any(own_b.get(k, v) != v for k, v in own_a.items()):
+        return None
+    if own_a.items() <= needs_b.items() or own_b.items() <= needs_a.items():
+        return None
+    keys = {**needs_a, **needs_b, **own_a, **own_b}  # a feature's own value over what the other needs
+    dims = {name: int(keys.get(f"parallel.{name}", 1)) for name in ("tp", "pp", "cp")}
     return [f"{k}={v}" for k, v in keys.items()], 2 * dims["tp"] * dims["pp"] * dims["cp"]
 
 
