@@ -41,7 +41,7 @@ from hpc_train.models.common.moe import is_moe_layer, moe_layers
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen, projections
 from hpc_train.optim import optimizer_class, precision_policy
 from hpc_train.optim.buckets import largest_bucket
-from hpc_train.optim.nvme import ring_bytes
+from hpc_train.optim.nvme import padded, ring_bytes
 from hpc_train.optim.rules import UpdateRule, is_hidden_matrix, rule_class
 
 GiB = 2**30
@@ -447,8 +447,9 @@ def stage_estimate(
     disk = 0
     if o.offload == "nvme":  # the masters and the rule's state in files, streamed through the ring; the
         # updated weights of the owned slice wait on the device for the all-gather (at dp 1: written in place)
-        ring = ring_bytes(int(o.offload_buffer_mb * 2**20), owned, 3)
-        disk, host, optimizer = optimizer, host + ring, owned * element if dp > 1 else 0
+        rings = 2 if cfg.parallel.ep > 1 else 1  # under ep the experts' state streams through a ring of its own
+        ring = rings * ring_bytes(int(o.offload_buffer_mb * 2**20), owned, 3)
+        disk, host, optimizer = 3 * 4 * padded(owned), host + ring, owned * element if dp > 1 else 0
     if o.offload == "cpu":
         host, optimizer = host + optimizer, 0
         if cls.shards_params:
@@ -515,9 +516,9 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float,
     from hpc_train.optim import NVME, OPTIMIZERS
 
     t = cfg.train
-    # the config's own global batch (its dp from its own world: --world may be another)
-    own_dp = max(1, plan_world(cfg) // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
-    global_batch = t.global_batch_size or t.micro_batch_size * t.grad_accum * own_dp
+    # the config's micro-batches per dp rank at `world` (at least one dp rank, where its own layout is larger)
+    own_dp = max(1, world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
+    global_batch = t.micro_batch_size * t.grad_accum * own_dp
     node = cfg.slurm.gpus_per_node or 8
     choices = itertools.product(
         [x for x in (1, 2, 4, 8) if x <= node],  # tp

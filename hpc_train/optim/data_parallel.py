@@ -112,6 +112,12 @@ class DataParallelOptimizer:
     def host_buffer_bytes(self) -> int:
         return 0
 
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
     @property
     def state_keys(self) -> tuple[str, ...]:
         return self.rule.state_keys

@@ -64,6 +64,13 @@ class ExpertParallelOptimizer:
     def host_buffer_bytes(self) -> int:
         return sum(part.host_buffer_bytes() for part in self.parts)
 
+    def disk_bytes(self) -> int:
+        return sum(part.disk_bytes() for part in self.parts)
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+
     def param_states(self) -> list[dict[str, torch.Tensor]]:
         return [state for part in self.parts for state in part.param_states()]
 

@@ -13,10 +13,12 @@ one: a run (re)starting writes them again, from the checkpoint or from the model
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
-import shutil
+import re
+import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,28 +28,46 @@ from hpc_train.config import ConfigError
 
 ALIGN = 4096  # bytes: O_DIRECT's alignment of buffers, offsets and lengths on any common device
 ELEMENTS = ALIGN // 4  # fp32 elements per aligned block
-SLOTS = 3  # chunks in flight: one read ahead, one updating, one written behind
+# chunks in flight: two read ahead, one updating, one being written behind (a slot is read into two
+# chunks after its write began, so the write overlaps the next chunk's update)
+SLOTS = 4
+READ_AHEAD = SLOTS - 2
+# filesystems a node's own disk is not: the state would cross a network every step (memory-backed ones,
+# tmpfs and ramfs, are the node's own, but hold the state in host memory: the start-up line says so)
+NETWORK_FILESYSTEMS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "wekafs",
+                       "panfs", "afs", "9p", "fuse.sshfs", "fuse.glusterfs", "fuse.juicefs", "fuse.gcsfuse",
+                       "fuse.s3fs", "fuse.ceph"}  # fmt: skip
+MEMORY_FILESYSTEMS = {"tmpfs", "ramfs"}
 
 
-def filesystem_of(path: str | os.PathLike) -> str | None:
-    """The name of a shared (or memory-backed) filesystem `path` is on, None for a local disk's: read from
-    /proc/mounts by the longest mount point that holds it (Linux; None elsewhere)."""
-    try:
-        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
-    except OSError:
-        return None
+def filesystem_of(path: str | os.PathLike, mounts_text: str | None = None) -> str:
+    """The type of the filesystem `path` is on ('' where unknown): the longest mount point of /proc/mounts
+    (or `mounts_text`, as it reads) that holds it, its escapes (a space is \\040) decoded."""
+    if mounts_text is None:
+        try:
+            mounts_text = Path("/proc/mounts").read_text()
+        except OSError:
+            return ""
     target = os.path.realpath(path)
     best, kind = "", ""
-    for point, fstype in mounts:
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
         if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, kind = point, fstype
-    shared = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "fuse.sshfs", "tmpfs", "ramfs"}
-    return kind if kind in shared else None
+            best, kind = point, fields[2]
+    return kind
 
 
 def aligned_empty(numel: int, pinned: bool) -> torch.Tensor:
-    """fp32 host memory whose first element sits on an ALIGN boundary, as O_DIRECT wants it."""
-    raw = torch.empty(numel + ELEMENTS, dtype=torch.float32, pin_memory=pinned)
+    """fp32 host memory whose first element sits on an ALIGN boundary, as O_DIRECT wants it: pinned memory
+    comes in whole pages already (asked for as is: its allocator rounds a request up to a power of two)."""
+    if pinned:
+        buffer = torch.empty(numel, dtype=torch.float32, pin_memory=True)
+        assert buffer.data_ptr() % ALIGN == 0, "pinned host memory off a page boundary"
+        return buffer
+    raw = torch.empty(numel + ELEMENTS, dtype=torch.float32)
     skip = (-raw.data_ptr() % ALIGN) // 4
     return raw[skip : skip + numel]
 
@@ -57,9 +77,10 @@ def padded(numel: int) -> int:
 
 
 def chunk_elements(buffer_bytes: int, numel: int, keys: int) -> int:
-    """Elements of a chunk: every slot of the ring holds one of each key plus its gradient, in whole blocks."""
-    per_slot = max(ELEMENTS, buffer_bytes // (4 * SLOTS * (keys + 1)) // ELEMENTS * ELEMENTS)
-    return min(per_slot, padded(max(numel, 1)))
+    """Elements of a chunk: every slot of the ring holds one of each key plus its gradient, a power of two
+    of whole blocks (what a pinned allocation is rounded to anyway), or the state's size if smaller."""
+    budget = max(ELEMENTS, buffer_bytes // (4 * SLOTS * (keys + 1)))
+    return min(1 << (budget.bit_length() - 1), padded(max(numel, 1)))
 
 
 def ring_bytes(buffer_bytes: int, numel: int, keys: int) -> int:
@@ -104,22 +125,36 @@ class StateFiles:
 
     def __init__(self, directory: str, name: str, keys: tuple[str, ...], numel: int, buffer_bytes: int,
                  pinned: bool) -> None:  # fmt: skip
-        problems = check_offload_dir(directory)
+        problems = check_offload_dir(directory, on_node=True)
         if problems:
             raise ConfigError("\n".join(problems))
         self.dir = Path(os.path.expandvars(directory)) / name
-        if self.dir.exists():  # a previous process's working copy: the state is written again from the start
-            shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.lock = os.open(self.dir, os.O_RDONLY)
+        try:  # one process per directory: another live one is refused, not overwritten
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.lock)
+            raise ConfigError(f"{self.dir} is in use by another process's optim.offload=nvme; give each run its "
+                              "own optim.offload_dir") from None  # fmt: skip
+        for stale in self.dir.iterdir():  # a previous attempt's working copy: written again from the start
+            stale.unlink()
         self.keys, self.numel = keys, numel
+        self.filesystem = filesystem_of(self.dir)
         self.direct = direct_io_works(self.dir)
         self.fds = {key: _open(self.dir / f"{key}.bin", self.direct) for key in keys}
-        for fd in self.fds.values():
-            os.ftruncate(fd, 4 * padded(numel))
+        for key, fd in self.fds.items():
+            try:  # the disk space taken now: a full disk fails here, not in a writer thread mid-step
+                os.posix_fallocate(fd, 0, 4 * padded(numel))
+            except OSError as err:
+                raise ConfigError(f"{self.dir / key}.bin: cannot take {4 * padded(numel) / 2**30:.2f} GiB for "
+                                  f"optim.offload=nvme ({err.strerror})") from None  # fmt: skip
         self.chunk = chunk_elements(buffer_bytes, numel, len(keys))
         self.slots = [{key: aligned_empty(self.chunk, pinned) for key in (*keys, "grad")} for _ in range(SLOTS)]
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
+        # at the process's end (or the optimizer's), the threads, the files and the working copy are let go
+        self._finalizer = weakref.finalize(self, _release, self.reader, self.writer, self.fds, self.lock, self.dir)
 
     @property
     def buffer_bytes(self) -> int:
@@ -172,20 +207,21 @@ class StateFiles:
 
         starts = list(range(0, self.numel, self.chunk))
         try:
-            for i in range(min(SLOTS - 1, len(starts))):
+            for i in range(min(READ_AHEAD, len(starts))):
                 submit(i, starts[i])
             for i, _ in enumerate(starts):
-                if i + SLOTS - 1 < len(starts):
-                    submit(i + SLOTS - 1, starts[i + SLOTS - 1])
+                if i + READ_AHEAD < len(starts):  # into the slot whose write began two chunks ago
+                    submit(i + READ_AHEAD, starts[i + READ_AHEAD])
                 chunk = reads.pop(i).result()
                 view = Chunk(chunk.start, chunk.numel, {k: v[: chunk.numel] for k, v in chunk.slot.items()})
                 update(view)
                 if keys:
                     pending[i % SLOTS] = self.writer.submit(self._write, chunk, keys)
-        finally:
-            for future in [*pending, *reads.values()]:
-                if future is not None:
-                    future.result()
+        finally:  # every read and write finished (none left writing into a slot), then the first error raised
+            futures = [f for f in (*pending, *reads.values()) if f is not None]
+            wait(futures)
+            for future in futures:
+                future.result()
 
     def read_range(self, key: str, start: int, numel: int) -> torch.Tensor:
         """A new tensor with `numel` elements of `key` from element `start` (a checkpoint's share of a span):
@@ -193,18 +229,26 @@ class StateFiles:
         out = torch.empty(numel, dtype=torch.float32)
         buffer = self.slots[0][key]
         for begin in range(start - start % ELEMENTS, start + numel, self.chunk):
-            n = min(self.chunk, padded(self.numel) - begin)
+            n = min(self.chunk, padded(start + numel) - begin)  # whole blocks, no further than the range
             self._io(False, key, begin, buffer[:n])
             lo, hi = max(begin, start), min(begin + n, start + numel)
             out[lo - start : hi - start] = buffer[lo - begin : hi - begin]
         return out
 
     def close(self) -> None:
-        self.reader.shutdown()
-        self.writer.shutdown()
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
+        """Threads stopped, files closed and deleted (the checkpoints hold the state)."""
+        self._finalizer()
+
+
+def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, fds: dict[str, int], lock: int,
+             directory: Path) -> None:  # fmt: skip
+    reader.shutdown()
+    writer.shutdown()
+    for key, fd in list(fds.items()):
+        os.close(fd)
+        (directory / f"{key}.bin").unlink(missing_ok=True)
+        del fds[key]
+    os.close(lock)
 
 
 def _done(value: Chunk) -> Future:
@@ -213,18 +257,20 @@ def _done(value: Chunk) -> Future:
     return future
 
 
-def check_offload_dir(directory: str | None) -> list[str]:
+def check_offload_dir(directory: str | None, on_node: bool = False) -> list[str]:
     """optim.offload=nvme needs a directory on a node's own disk: checked before any process starts where
-    the path is known here (no variable left to expand on the node), and again by each rank on its node."""
+    the path is known there (no variable left to expand on the node), and again by each rank on its node
+    (`on_node`), where a variable left unexpanded is an error."""
     if not directory:
         return ["optim.offload=nvme needs optim.offload_dir: a directory on each node's local NVMe disk"]
     expanded = os.path.expandvars(directory)
     if "$" in expanded:
-        return []
-    shared = filesystem_of(expanded)
-    if shared and shared not in ("tmpfs", "ramfs"):
+        return [f"optim.offload_dir={directory}: {expanded} holds a variable this node does not set; set it, or give "
+                "the directory itself"] if on_node else []  # fmt: skip
+    kind = filesystem_of(expanded)
+    if kind in NETWORK_FILESYSTEMS:
         return [
-            f"optim.offload_dir={directory} is on a {shared} filesystem, shared over the network: the optimizer "
+            f"optim.offload_dir={directory} is on a {kind} filesystem, shared over the network: the optimizer "
             "state would cross it every step; use a directory on the node's own disk (e.g. $SLURM_TMPDIR)"
         ]
     return []

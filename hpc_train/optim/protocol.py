@@ -58,6 +58,14 @@ class Optimizer(Protocol):
         """Bytes it holds in host memory besides its `offloaded` categories (with optim.offload=cpu)."""
         ...
 
+    def disk_bytes(self) -> int:
+        """Bytes of state it keeps on the node's disk (optim.offload=nvme)."""
+        ...
+
+    def close(self) -> None:
+        """At the run's end: what it holds outside the process let go (nvme's files)."""
+        ...
+
     def param_states(self) -> list[dict[str, torch.Tensor]]:
         """Per trainable parameter, in the parameter's own shape and placement (checkpoints reshard it)."""
         ...

@@ -320,6 +320,12 @@ class ZeroOptimizer:
         """Offload: the owned gradients' host copy (the state itself is the offloaded `optimizer` category)."""
         return self.host_grads.nbytes
 
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
     def _gather_bucket(
         self, bucket: _Bucket, owned: list[torch.Tensor], dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:

@@ -12,13 +12,14 @@ files (the writers' share, as ZeRO-1's save holds it) and a resume writes them f
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.optim.nvme import Chunk, StateFiles
+from hpc_train.optim.nvme import MEMORY_FILESYSTEMS, Chunk, StateFiles
 from hpc_train.optim.rules import Target
 from hpc_train.optim.rules.adamw import MOMENTS
 from hpc_train.optim.zero import Zero2Optimizer, ZeroOptimizer, _flat_slice, _Span
@@ -65,6 +66,7 @@ class NvmeState:
     def __init__(self, model: ParallelModel, cfg: OptimConfig, params: list | None = None, role: str = "dp_cp"):
         self.cfg, self.role = cfg, role
         super().__init__(model, cfg, params, role)  # type: ignore[call-arg]
+        self.state_device = torch.device("cpu")  # where a save's or a state copy's share is read to, not the GPU
         self.offloaded = ()  # the state is on disk; the ring is its host buffers, the updated weights on the device
         self.spans = [s for b in self.buckets for s in b.spans]
         # the updated weights of the owned slice in the parameters' dtype, on the device, for the all-gather
@@ -78,7 +80,10 @@ class NvmeState:
     def _new_master(self, numel: int) -> torch.Tensor:
         pinned = self.device.type == "cuda"
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        name = f"rank{rank:05d}" + ("" if self.role == "dp_cp" else f"-{self.role}")  # ep: the experts' own files
+        # a job's own directory (its restarts reuse it; another job on the node has its own), a rank's own files
+        # in it (under ep: the experts' too)
+        job = os.environ.get("SLURM_JOB_ID") or f"local{os.getppid()}"
+        name = f"{job}/rank{rank:05d}" + ("" if self.role == "dp_cp" else f"-{self.role}")
         self.files = StateFiles(self.cfg.offload_dir, name, KEYS, numel, int(self.cfg.offload_buffer_mb * 2**20),
                                 pinned)  # fmt: skip
         return torch.empty(numel, dtype=torch.float32, device="meta")  # never whole in memory
@@ -114,6 +119,8 @@ class NvmeState:
         """Each chunk: its gradients to the ring, torch's fused AdamW over it, the new weights to the device;
         then the all-gather into the parameters. A skipped step changes no state and no step count."""
         found_inf = None if skip is None else skip.to("cpu", torch.float32)
+        if found_inf is not None and found_inf.item():  # a dropped step changes nothing: no pass over the disk
+            return
         dtype = local(self.params[0]).dtype if self.params else torch.float32
         if self.dp > 1 and (self.updated.numel() != self.master.numel() or self.updated.dtype != dtype):
             self.updated = torch.empty(self.master.numel(), dtype=dtype, device=self.device)
@@ -154,8 +161,14 @@ class NvmeState:
             self._gather_params(lambda span: self.updated[span.offset : span.offset + span.numel])
 
     def _span_state(self, span: _Span, key: str, rule_state: dict) -> torch.Tensor:
-        """A span's `key`, read from its file (a checkpoint's or a state copy's share)."""
-        return self.files.read_range(key, span.offset, span.numel).to(self.device)
+        """A span's `key`, read from its file into host memory (a checkpoint's or a state copy's share)."""
+        return self.files.read_range(key, span.offset, span.numel)
+
+    def _to_writers(self, bucket, owned: list[torch.Tensor]) -> dict:
+        """At dp 1 the spans' values as read, in host memory (ZeRO-1's would go to the device)."""
+        if self.dp == 1:
+            return {s.param: values for s, values in zip(bucket.spans, owned, strict=True)}
+        return super()._to_writers(bucket, owned)  # type: ignore[misc]
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
@@ -163,13 +176,18 @@ class NvmeState:
         not saved: zeros, and the step count starts again, as AdamW's does)."""
         by_param = {id(p): s for p, s in zip(self.params, states, strict=True)}
         saved = all(all(k in by_param[id(s.param)] for k in MOMENTS) for s in self.spans)
+        on_host: dict[tuple[int, str], torch.Tensor | None] = {}  # each span's value moved to the host once
 
         def value(span: _Span, key: str) -> torch.Tensor | None:
-            state = by_param[id(span.param)]
-            if key == "master":
-                master = state.get("master")
-                return _flat_slice(span.param, span.param_offset, span.numel) if master is None else master.cpu()
-            return state[key].cpu() if saved and key in state else None
+            if (id(span), key) not in on_host:
+                state = by_param[id(span.param)]
+                if key == "master":
+                    master = state.get("master")
+                    given = _flat_slice(span.param, span.param_offset, span.numel) if master is None else master
+                else:
+                    given = state[key] if saved and key in state else None
+                on_host[id(span), key] = None if given is None else local(given).detach().reshape(-1).cpu()
+            return on_host[id(span), key]
 
         self._write_state(value)
         self.rule.step_count.fill_(float(step) if saved else 0.0)
@@ -185,9 +203,15 @@ class NvmeState:
     def disk_bytes(self) -> int:
         return self.files.disk_bytes
 
+    def close(self) -> None:
+        """The working copy let go: threads stopped, files deleted (the checkpoints hold the state)."""
+        self.files.close()
+
     def describe(self) -> str:
         """The start-up line: where the state is, how it is written, and the disk's speed at the first fill."""
         direct = "O_DIRECT" if self.files.direct else "buffered writes (the filesystem refuses O_DIRECT)"
+        if self.files.filesystem in MEMORY_FILESYSTEMS:
+            direct += f"; on {self.files.filesystem}, so the state is in host memory after all"
         return (f"optim.offload=nvme: {self.files.disk_bytes / 2**30:.3f} GiB of optimizer state in {self.files.dir} "
                 f"({direct}; written at {self.write_gbps:.2f} GB/s at start-up), through "
                 f"{self.files.buffer_bytes / 2**20:.1f} MiB of host buffers")  # fmt: skip

@@ -91,6 +91,7 @@ def train(
     finally:
         hang.close()
         run.checkpointer.release()
+        run.optimizer.close()
 
 
 def _nonfinite(run: Run, step: int, reason: str, skipped: int) -> None:
