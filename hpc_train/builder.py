@@ -81,7 +81,7 @@ def build_model(
     hooks into every step."""
     o, given = cfg.optim, {"mesh": mesh, "block_policy": block_policy(cfg)}
     plan = StagePlan(cfg.model, cfg.parallel, cfg.train, get_spec(cfg.model.arch), mesh, device, compute_dtype,
-                     params_on_host=optimizer_class(o).shards_params and o.offload == "cpu",
+                     params_on_host=optimizer_class(o).shards_params and o.offload != "none",
                      transforms=tuple(fn for _, fn in declared(cfg, "transform", **given)),
                      initializers=tuple(fn for _, fn in declared(cfg, "initialize", **given)))  # fmt: skip
     model = parallelize(plan)

@@ -445,10 +445,16 @@ def stage_estimate(
     # (sized as this rank's: the same local rank on the next node, of the same stage where pp stays in a node)
     host_copy *= (2 if cfg.slurm.nodes > 1 else 1) if cfg.checkpoint.saves_locally else int(plans_memory_copy(cfg))
     disk = 0
-    if o.offload == "nvme":  # the masters and the rule's state in files, streamed through the ring; the
-        # updated weights of the owned slice wait on the device for the all-gather (at dp 1: written in place)
+    if o.offload == "nvme" and cls.shards_params:  # FSDP2's shards and gradients in host memory (the shards are
+        # the masters); the moments in files, streamed through a ring of two buffers a slot
+        ring = ring_bytes(int(o.offload_buffer_mb * 2**20), owned, 2)
+        disk, host, optimizer = 2 * 4 * padded(owned), host + ring + param_bytes + grads, 0
+        param_bytes, grads = 0, 0
+    elif o.offload == "nvme":  # the masters and the rule's state in files, streamed through the ring (with the
+        # owned gradients); the updated weights of the owned slice wait on the device for the all-gather (at dp 1:
+        # written in place)
         rings = 2 if cfg.parallel.ep > 1 else 1  # under ep the experts' state streams through a ring of its own
-        ring = rings * ring_bytes(int(o.offload_buffer_mb * 2**20), owned, 3)
+        ring = rings * ring_bytes(int(o.offload_buffer_mb * 2**20), owned, 4)
         disk, host, optimizer = 3 * 4 * padded(owned), host + ring, owned * element if dp > 1 else 0
     if o.offload == "cpu":
         host, optimizer = host + optimizer, 0
@@ -646,10 +652,12 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
         owned = math.ceil(n / (dp * dims.cp))
         transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
         offload = transfers / (links.pcie_gbps * 1e9) + owned / host_adam_elements_per_s
-    elif o.offload == "nvme":  # + the masters and moments read and written, the node's disk shared by its ranks
+    elif o.offload == "nvme":  # cpu offload's transfers + the state read and written (stage 3: the moments), over
+        # the node's disk shared by its ranks
         owned = math.ceil(local_param_count(cfg).trainable / (dp * dims.cp))
-        disk = owned * 12 * 2 / (links.nvme_gbps * 1e9 / links.gpus_per_node)
-        offload = owned * (4 + elt) / (links.pcie_gbps * 1e9) + disk + owned / host_adam_elements_per_s
+        transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
+        disk = owned * (12 if o.zero_stage < 3 else 8) * 2 / (links.nvme_gbps * 1e9 / links.gpus_per_node)
+        offload = transfers / (links.pcie_gbps * 1e9) + disk + owned / host_adam_elements_per_s
     given = {"dims": dims, "links": links, "block_policy": policy, "flops_per_s": peak_flops * mfu,
              "parts": activation_parts(cfg)}  # fmt: skip
     features = sum(seconds() for _, seconds in declared(cfg, "step_time", **given))
@@ -690,7 +698,8 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     lines += [f"  {name:<44} {value / GiB:10.3f} GiB" for name, value in rows]
     if plan.host > plan.host_features:
         what = "optimizer state, parameters, gradients" if plan.params == 0 else "optimizer state, owned gradients"
-        what = "the nvme offload's buffers" if plan.disk else what
+        if plan.disk:
+            what = "parameters, gradients, nvme buffers" if plan.params == 0 else "the nvme offload's buffers"
         lines.append(f"  {f'in host memory ({what})':<44} {(plan.host - plan.host_features) / GiB:10.3f} GiB")
     if plan.host_copy:
         lines.append(f"  {'in host memory (the state copy)':<44} {plan.host_copy / GiB:10.3f} GiB")

@@ -30,6 +30,8 @@ RUNS = {  # name: (overrides, nvme)
     "zero2_bf16_nvme": (BF16_Z2, True),
     "zero1_fp16": (FP16_SKIPS, False),
     "zero1_fp16_nvme": (FP16_SKIPS, True),
+    "zero3_fp32": (["optim.zero_stage=3", "train.micro_batch_size=4"], False),
+    "zero3_fp32_nvme": (["optim.zero_stage=3", "train.micro_batch_size=4"], True),  # FSDP2's shards on the host
 }
 STEPS = 4
 
@@ -61,7 +63,7 @@ def losses(cfg) -> list[float]:
     return [m["loss"] for m in read_metrics(cfg.run_dir)]
 
 
-@pytest.mark.parametrize("reference", ["zero1_fp32", "zero2_bf16", "zero1_fp16"])
+@pytest.mark.parametrize("reference", ["zero1_fp32", "zero2_bf16", "zero1_fp16", "zero3_fp32"])
 def test_nvme_offload_updates_exactly_as_the_state_in_memory(runs, reference):
     """Same kernel, same elements: the losses and final weights equal the in-memory ZeRO run's, bit for bit;
     in fp16 the steps its loss scale drops change nothing on disk either."""
@@ -71,6 +73,18 @@ def test_nvme_offload_updates_exactly_as_the_state_in_memory(runs, reference):
     skipped = [bool(m.get("skipped")) for m in read_metrics(nvme.run_dir)]
     assert skipped == [bool(m.get("skipped")) for m in read_metrics(runs[reference].run_dir)]
     assert (any(skipped) and not all(skipped)) if "fp16" in reference else losses(nvme)[-1] < losses(nvme)[0]
+
+
+def test_nvme_under_zero3_keeps_the_shards_on_the_host_and_the_moments_on_disk(runs):
+    """FSDP2's shards (the masters) and gradients in host memory with the ring, nothing of the state on the
+    device, both moments on disk: each as the planner counts it."""
+    cfg = runs["zero3_fp32_nvme"]
+    plan = estimate(cfg, check_run(cfg, 2, check_paths=False))
+    measured = read_metrics(cfg.run_dir)[0]["memory_bytes"]
+    assert measured["params"] == measured["grads"] == measured["optimizer"] == 0
+    assert measured["host"] == plan.host and measured["disk"] == plan.disk > 0
+    in_memory = read_metrics(runs["zero3_fp32"].run_dir)[0]["memory_bytes"]
+    assert plan.disk == 2 * 4 * padded(in_memory["optimizer"] // 8)  # two fp32 moments of the shard
 
 
 def test_nvme_state_lives_in_its_files_and_the_memory_is_the_planners(runs):
@@ -108,7 +122,6 @@ def test_nvme_offload_resumes_exactly_and_after_a_kill_in_the_update(runs):
     "overrides, refusal",
     [
         (["optim.zero_stage=1"], "optim.offload=nvme needs optim.offload_dir"),
-        (["optim.zero_stage=3", "optim.offload_dir=/tmp/x"], "not yet for FSDP2's stage 3"),
         (["optim.zero_stage=0", "optim.offload_dir=/tmp/x"], "set optim.zero_stage=1"),
         (["optim.zero_stage=1", "optim.name=muon", "optim.offload_dir=/tmp/x"], "use optim.name=adamw"),
     ],
@@ -187,15 +200,22 @@ def big_runs(tmp_path_factory, small_corpus):
     configs = {name: load_config(None, [*common, f"run_dir={base / name}", *extra]) for name, extra in runs.items()}
     # and at dp 1 for the update in place: the tiny model with and without nvme, saved and consolidated
     tiny = [*TINY_MODEL, f"data.train_path={small_corpus}", "train.steps=3", "parallel.nproc=1", "optim.zero_stage=1"]
-    for name, extra in (("dp1", []), ("dp1_nvme", ["optim.offload=nvme", f"optim.offload_dir={base / 'o1'}", BUFFER])):
+    nvme = ["optim.offload=nvme", BUFFER]
+    for name, extra in (
+        ("dp1", []),
+        ("dp1_nvme", [*nvme, f"optim.offload_dir={base / 'o1'}"]),
+        ("dp1_zero3_nvme", [*nvme, f"optim.offload_dir={base / 'o3'}", "optim.zero_stage=3"]),
+    ):
         configs[name] = load_config(None, [*tiny, f"run_dir={base / name}", *extra])
     launch_sequence(run_training, 1, [(c,) for c in configs.values()])
     return {name: (c, read_metrics(c.run_dir)) for name, c in configs.items()}
 
 
-def test_nvme_offload_at_dp_1_writes_the_weights_in_place_exactly(big_runs):
-    """One rank: every span a whole parameter, updated in place from the ring: as the state in memory."""
-    (plain, plain_metrics), (nvme, nvme_metrics) = big_runs["dp1"], big_runs["dp1_nvme"]
+@pytest.mark.parametrize("name", ["dp1_nvme", "dp1_zero3_nvme"])
+def test_nvme_offload_at_dp_1_updates_exactly(big_runs, name):
+    """One rank: ZeRO-1's spans are whole parameters, updated in place from the ring; ZeRO-3 (FSDP2 over one
+    rank, its shards on the host: the one-GPU case) updates them there. Both as the state in memory."""
+    (plain, plain_metrics), (nvme, nvme_metrics) = big_runs["dp1"], big_runs[name]
     assert [m["loss"] for m in nvme_metrics] == [m["loss"] for m in plain_metrics]
     assert max_param_diff(read_final_model(nvme.run_dir), read_final_model(plain.run_dir)) == 0.0
 
@@ -224,7 +244,8 @@ def test_plan_search_offers_nvme_where_cpu_offload_does_not_fit_the_host():
     def rows(host_mem):
         found = {}
         for row in search(cfg, 2, 2**40, 1e12, host_mem):
-            found.setdefault(tuple(row[k] for k in layout), {})[row["offload"]] = row
+            if row["zero"] < 3:  # ZeRO-3's shards and gradients are in host memory either way
+                found.setdefault(tuple(row[k] for k in layout), {})[row["offload"]] = row
         return {key: by for key, by in found.items() if {"cpu", "nvme"} <= by.keys()}
 
     unbounded = rows(None)
@@ -233,3 +254,10 @@ def test_plan_search_offers_nvme_where_cpu_offload_does_not_fit_the_host():
     bounded = rows(cpu_host / 2)
     assert bounded and all(not by["cpu"]["fits"] and by["nvme"]["fits"] and by["nvme"]["disk_gib"] > 0
                            for by in bounded.values())  # fmt: skip
+
+
+def test_zero3_at_dp_1_runs_with_an_offload_only():
+    """ZeRO-3 over one rank shards nothing: refused as it was, unless its shards are offloaded (one GPU)."""
+    with pytest.raises(ConfigError, match="optim.offload=cpu or nvme"):
+        check_run(load_config(None, [*TINY_MODEL, "optim.zero_stage=3"]), 1, check_paths=False)
+    check_run(load_config(None, [*TINY_MODEL, "optim.zero_stage=3", "optim.offload=cpu"]), 1, check_paths=False)

@@ -19,7 +19,7 @@ from hpc_train.optim.precision import PrecisionPolicy
 from hpc_train.optim.protocol import Optimizer
 from hpc_train.optim.rules import choices, rule_class
 from hpc_train.optim.zero import Zero2Optimizer, ZeroOptimizer
-from hpc_train.optim.zero_nvme import NvmeZero2Optimizer, NvmeZeroOptimizer
+from hpc_train.optim.zero_nvme import NvmeFullyShardedOptimizer, NvmeZero2Optimizer, NvmeZeroOptimizer
 
 OPTIMIZERS: dict[int, type[Optimizer]] = {
     0: DataParallelOptimizer,
@@ -27,7 +27,7 @@ OPTIMIZERS: dict[int, type[Optimizer]] = {
     2: Zero2Optimizer,
     3: FullyShardedOptimizer,
 }
-NVME: dict[int, type[Optimizer]] = {1: NvmeZeroOptimizer, 2: NvmeZero2Optimizer}  # optim.offload=nvme
+NVME: dict[int, type[Optimizer]] = {1: NvmeZeroOptimizer, 2: NvmeZero2Optimizer, 3: NvmeFullyShardedOptimizer}
 
 
 def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
@@ -41,9 +41,6 @@ def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
         raise ConfigError(f"optim.offload={cfg.offload} offloads the sharded optimizer state: set "
                           f"optim.zero_stage={stage}")  # fmt: skip
     if cfg.offload == "nvme":
-        if cfg.zero_stage not in NVME:
-            raise ConfigError(f"optim.offload=nvme is built for optim.zero_stage {' or '.join(map(str, NVME))} (not "
-                              f"yet for FSDP2's stage 3): set optim.zero_stage=1, or optim.offload=cpu")  # fmt: skip
         if cfg.name != "adamw":
             raise ConfigError(f"optim.offload=nvme streams AdamW's state; optim.name={cfg.name} is not built for it "
                               "yet: use optim.name=adamw, or optim.offload=cpu")  # fmt: skip

@@ -76,16 +76,17 @@ def padded(numel: int) -> int:
     return -(-numel // ELEMENTS) * ELEMENTS
 
 
-def chunk_elements(buffer_bytes: int, numel: int, keys: int) -> int:
-    """Elements of a chunk: every slot of the ring holds one of each key plus its gradient, a power of two
-    of whole blocks (what a pinned allocation is rounded to anyway), or the state's size if smaller."""
-    budget = max(ELEMENTS, buffer_bytes // (4 * SLOTS * (keys + 1)))
+def chunk_elements(buffer_bytes: int, numel: int, per_slot: int) -> int:
+    """Elements of a chunk: every slot of the ring holds `per_slot` buffers (one per key, and the gradient's
+    where the update copies it in), a power of two of whole blocks (what a pinned allocation is rounded to
+    anyway), or the state's size if smaller."""
+    budget = max(ELEMENTS, buffer_bytes // (4 * SLOTS * per_slot))
     return min(1 << (budget.bit_length() - 1), padded(max(numel, 1)))
 
 
-def ring_bytes(buffer_bytes: int, numel: int, keys: int) -> int:
+def ring_bytes(buffer_bytes: int, numel: int, per_slot: int) -> int:
     """Host bytes of the ring for `numel` elements of state per key (what the planner counts)."""
-    return 4 * SLOTS * (keys + 1) * chunk_elements(buffer_bytes, numel, keys)
+    return 4 * SLOTS * per_slot * chunk_elements(buffer_bytes, numel, per_slot)
 
 
 def _open(path: Path, direct: bool) -> int:
@@ -124,7 +125,7 @@ class StateFiles:
     buffers the state streams through."""
 
     def __init__(self, directory: str, name: str, keys: tuple[str, ...], numel: int, buffer_bytes: int,
-                 pinned: bool) -> None:  # fmt: skip
+                 pinned: bool, extra: tuple[str, ...] = ("grad",)) -> None:  # fmt: skip
         problems = check_offload_dir(directory, on_node=True)
         if problems:
             raise ConfigError("\n".join(problems))
@@ -149,8 +150,8 @@ class StateFiles:
             except OSError as err:
                 raise ConfigError(f"{self.dir / key}.bin: cannot take {4 * padded(numel) / 2**30:.2f} GiB for "
                                   f"optim.offload=nvme ({err.strerror})") from None  # fmt: skip
-        self.chunk = chunk_elements(buffer_bytes, numel, len(keys))
-        self.slots = [{key: aligned_empty(self.chunk, pinned) for key in (*keys, "grad")} for _ in range(SLOTS)]
+        self.chunk = chunk_elements(buffer_bytes, numel, len(keys) + len(extra))
+        self.slots = [{key: aligned_empty(self.chunk, pinned) for key in (*keys, *extra)} for _ in range(SLOTS)]
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
         # at the process's end (or the optimizer's), the threads, the files and the working copy are let go

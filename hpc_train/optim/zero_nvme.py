@@ -1,4 +1,4 @@
-"""ZeRO-1 and -2 with optim.offload=nvme: the owned slice's fp32 master weights and AdamW moments in files on
+"""ZeRO-1, -2 and -3 with optim.offload=nvme: the owned slice's fp32 master weights and AdamW moments in files on
 the node's disk (optim/nvme.py), streamed through a bounded ring of host buffers at each update.
 
 The strategies are ZeRO-1's and ZeRO-2's (gradients reduced, checked and clipped on the device as there);
@@ -19,14 +19,90 @@ import torch
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.parallelize import ParallelModel
+from hpc_train.optim.fsdp import FullyShardedOptimizer
 from hpc_train.optim.nvme import MEMORY_FILESYSTEMS, Chunk, StateFiles
-from hpc_train.optim.rules import Target
+from hpc_train.optim.rules import Target, target
 from hpc_train.optim.rules.adamw import MOMENTS
 from hpc_train.optim.zero import Zero2Optimizer, ZeroOptimizer, _flat_slice, _Span
-from hpc_train.placement import local
+from hpc_train.placement import like_param, local
 from hpc_train.resilience.faults import fault_point
 
 KEYS = ("master", *MOMENTS)
+
+
+def rank_files(cfg: OptimConfig, keys: tuple[str, ...], numel: int, pinned: bool, role: str = "dp_cp",
+               extra: tuple[str, ...] = ("grad",)) -> StateFiles:  # fmt: skip
+    """This rank's files under the job's own directory (its restarts reuse it; another job on the node has its
+    own; under ep the experts' state has its own files)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    job = os.environ.get("SLURM_JOB_ID") or f"local{os.getppid()}"
+    name = f"{job}/rank{rank:05d}" + ("" if role == "dp_cp" else f"-{role}")
+    return StateFiles(cfg.offload_dir, name, keys, numel, int(cfg.offload_buffer_mb * 2**20), pinned, extra)
+
+
+def dropped(skip: torch.Tensor | None) -> bool:
+    """Whether the step is dropped (an fp16 overflow): it changes nothing, so there is no pass over the disk."""
+    return skip is not None and bool(skip.item())
+
+
+def adamw(groups: dict[bool, list[list[torch.Tensor]]], lr: float, cfg: OptimConfig, step: torch.Tensor) -> None:
+    """torch's fused AdamW kernel (the in-memory rule's) over a chunk's pieces: [params, grads, exp_avgs,
+    exp_avg_sqs] with and without weight decay; `step` is already counted."""
+    for decay, (params, grads, exp_avgs, exp_avg_sqs) in groups.items():
+        if params:
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=lr,
+                                beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay if decay else 0.0,
+                                eps=cfg.eps, amsgrad=False, maximize=False)  # fmt: skip
+
+
+@torch.no_grad()
+def write_all(files: StateFiles, keys: tuple[str, ...], overlaps, value) -> None:
+    """Every chunk of `files` written, no reads: `overlaps(chunk)` gives (item, its first element, lo, hi) of
+    what the chunk covers, `value(item, key)` the item's values (None: zeros)."""
+
+    def fill(chunk: Chunk) -> None:
+        for key in keys:
+            chunk.slot[key].zero_()
+        for item, start, lo, hi in overlaps(chunk):
+            for key in keys:
+                values = value(item, key)
+                if values is not None:
+                    part = values.reshape(-1)[lo - start : hi - start]
+                    chunk.slot[key][lo - chunk.start : hi - chunk.start].copy_(part)
+
+    files.stream(fill, read=False)
+
+
+def decay_groups() -> dict[bool, list[list[torch.Tensor]]]:
+    return {True: [[], [], [], []], False: [[], [], [], []]}
+
+
+class OnDisk:
+    """What a strategy with its state in `files` reports: the ring in host memory, the files on disk, the
+    start-up line; and lets go of them at the run's end."""
+
+    files: StateFiles
+    write_gbps: float
+    holds = "optimizer state"
+
+    def host_buffer_bytes(self) -> int:
+        return self.files.buffer_bytes
+
+    def disk_bytes(self) -> int:
+        return self.files.disk_bytes
+
+    def close(self) -> None:
+        """The working copy let go: threads stopped, files deleted (the checkpoints hold the state)."""
+        self.files.close()
+
+    def describe(self) -> str:
+        """The start-up line: where the state is, how it is written, and the disk's speed at the first fill."""
+        direct = "O_DIRECT" if self.files.direct else "buffered writes (the filesystem refuses O_DIRECT)"
+        if self.files.filesystem in MEMORY_FILESYSTEMS:
+            direct += f"; on {self.files.filesystem}, so the state is in host memory after all"
+        return (f"optim.offload=nvme: {self.files.disk_bytes / 2**30:.3f} GiB of {self.holds} in {self.files.dir} "
+                f"({direct}; written at {self.write_gbps:.2f} GB/s at start-up), through "
+                f"{self.files.buffer_bytes / 2**20:.1f} MiB of host buffers")  # fmt: skip
 
 
 class StreamedAdamW:
@@ -56,7 +132,7 @@ class StreamedAdamW:
         return 0  # on disk
 
 
-class NvmeState:
+class NvmeState(OnDisk):
     """Mixed in before ZeroOptimizer or Zero2Optimizer (see the module docstring)."""
 
     files: StateFiles
@@ -78,14 +154,7 @@ class NvmeState:
         self.write_gbps = self.files.disk_bytes / max(time.perf_counter() - start, 1e-9) / 1e9  # the first fill's
 
     def _new_master(self, numel: int) -> torch.Tensor:
-        pinned = self.device.type == "cuda"
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        # a job's own directory (its restarts reuse it; another job on the node has its own), a rank's own files
-        # in it (under ep: the experts' too)
-        job = os.environ.get("SLURM_JOB_ID") or f"local{os.getppid()}"
-        name = f"{job}/rank{rank:05d}" + ("" if self.role == "dp_cp" else f"-{self.role}")
-        self.files = StateFiles(self.cfg.offload_dir, name, KEYS, numel, int(self.cfg.offload_buffer_mb * 2**20),
-                                pinned)  # fmt: skip
+        self.files = rank_files(self.cfg, KEYS, numel, self.device.type == "cuda", self.role)
         return torch.empty(numel, dtype=torch.float32, device="meta")  # never whole in memory
 
     def _make_rule(self, targets: list[Target], cfg: OptimConfig) -> StreamedAdamW:
@@ -97,29 +166,16 @@ class NvmeState:
         return [(s, max(s.offset, chunk.start), min(s.offset + s.numel, end)) for s in self.spans
                 if s.offset < end and s.offset + s.numel > chunk.start]  # fmt: skip
 
-    @torch.no_grad()
     def _write_state(self, value) -> None:
-        """Every chunk of the files written from `value(span, key)` (a flat tensor of the span's elements, or
-        None for zeros): no reads."""
-
-        def fill(chunk: Chunk) -> None:
-            for key in KEYS:
-                chunk.slot[key].zero_()
-            for span, lo, hi in self._overlaps(chunk):
-                for key in KEYS:
-                    values = value(span, key)
-                    if values is not None:
-                        part = values.reshape(-1)[lo - span.offset : hi - span.offset]
-                        chunk.slot[key][lo - chunk.start : hi - chunk.start].copy_(part)
-
-        self.files.stream(fill, read=False)
+        """Every chunk of the files written from `value(span, key)` (a tensor of the span's elements, or None
+        for zeros): no reads."""
+        write_all(self.files, KEYS, lambda c: [(s, s.offset, lo, hi) for s, lo, hi in self._overlaps(c)], value)
 
     @torch.no_grad()
     def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
         """Each chunk: its gradients to the ring, torch's fused AdamW over it, the new weights to the device;
         then the all-gather into the parameters. A skipped step changes no state and no step count."""
-        found_inf = None if skip is None else skip.to("cpu", torch.float32)
-        if found_inf is not None and found_inf.item():  # a dropped step changes nothing: no pass over the disk
+        if dropped(skip):
             return
         dtype = local(self.params[0]).dtype if self.params else torch.float32
         if self.dp > 1 and (self.updated.numel() != self.master.numel() or self.updated.dtype != dtype):
@@ -129,7 +185,7 @@ class NvmeState:
         cfg = self.cfg
 
         def update(chunk: Chunk) -> None:
-            groups: dict[bool, list[list[torch.Tensor]]] = {True: [[], [], [], []], False: [[], [], [], []]}
+            groups = decay_groups()
             pieces = self._overlaps(chunk)
             for span, lo, hi in pieces:
                 at = slice(lo - chunk.start, hi - chunk.start)
@@ -138,12 +194,7 @@ class NvmeState:
                 group = groups[self.rule.decay[id(span.master)]]
                 for i, tensor in enumerate((chunk.slot["master"][at], grad, *(chunk.slot[k][at] for k in MOMENTS))):
                     group[i].append(tensor)
-            for decay, (params, grads_, exp_avgs, exp_avg_sqs) in groups.items():
-                if params:
-                    torch._fused_adamw_(params, grads_, exp_avgs, exp_avg_sqs, [], [self.rule.step_count] * len(params),
-                                        lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                                        weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps, amsgrad=False,
-                                        maximize=False, grad_scale=None, found_inf=found_inf)  # fmt: skip
+            adamw(groups, lr, cfg, self.rule.step_count)
             if self.dp > 1:  # the spans lie back to back in the owned slice: the chunk is theirs whole
                 self.updated[chunk.start : chunk.start + chunk.numel].copy_(chunk.slot["master"])
                 return
@@ -155,8 +206,6 @@ class NvmeState:
         self.files.stream(update)
         # a failure test's kill here finds the files a step ahead of every checkpoint
         fault_point("nvme_written", int(self.rule.step_count.item()), torch.distributed.get_rank())
-        if found_inf is not None:
-            self.rule.step_count.sub_(found_inf)
         if self.dp > 1:
             self._gather_params(lambda span: self.updated[span.offset : span.offset + span.numel])
 
@@ -197,25 +246,6 @@ class NvmeState:
         on disk; at dp 1 the update writes the parameters in place)."""
         return self.updated.nbytes
 
-    def host_buffer_bytes(self) -> int:
-        return self.files.buffer_bytes
-
-    def disk_bytes(self) -> int:
-        return self.files.disk_bytes
-
-    def close(self) -> None:
-        """The working copy let go: threads stopped, files deleted (the checkpoints hold the state)."""
-        self.files.close()
-
-    def describe(self) -> str:
-        """The start-up line: where the state is, how it is written, and the disk's speed at the first fill."""
-        direct = "O_DIRECT" if self.files.direct else "buffered writes (the filesystem refuses O_DIRECT)"
-        if self.files.filesystem in MEMORY_FILESYSTEMS:
-            direct += f"; on {self.files.filesystem}, so the state is in host memory after all"
-        return (f"optim.offload=nvme: {self.files.disk_bytes / 2**30:.3f} GiB of optimizer state in {self.files.dir} "
-                f"({direct}; written at {self.write_gbps:.2f} GB/s at start-up), through "
-                f"{self.files.buffer_bytes / 2**20:.1f} MiB of host buffers")  # fmt: skip
-
 
 class NvmeZeroOptimizer(NvmeState, ZeroOptimizer):
     """zero_stage 1 with optim.offload=nvme."""
@@ -223,3 +253,83 @@ class NvmeZeroOptimizer(NvmeState, ZeroOptimizer):
 
 class NvmeZero2Optimizer(NvmeState, Zero2Optimizer):
     """zero_stage 2 with optim.offload=nvme."""
+
+
+class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
+    """zero_stage 3 with optim.offload=nvme: FSDP2 keeps the parameter shards (the fp32 master weights) and
+    their gradients in host memory, as with offload=cpu (each block's weights copied to the device as it
+    runs: at dp 1, the one-GPU case), and AdamW's two moments are in files, streamed through the ring: each
+    chunk's moments are read, updated with the shards and gradients in place by torch's fused AdamW kernel
+    and written back."""
+
+    offloaded = ("params", "grads")  # in host memory; the optimizer state is on disk
+    holds = "AdamW moments (the shards and their gradients in host memory)"
+
+    def __init__(self, model: ParallelModel, cfg: OptimConfig):
+        super().__init__(model, cfg)
+        self.cfg, self.offloaded = cfg, ("params", "grads")
+        names = model.parameter_names()
+        self.decay = {id(p): target(names[id(p)], p).decay for p in self.params}
+        sizes = [local(p).numel() for p in self.params]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.files = rank_files(cfg, MOMENTS, sum(sizes), model.device.type == "cuda", extra=())
+        self.step_count = torch.zeros((), dtype=torch.float32)
+        start = time.perf_counter()
+        self._write_moments(lambda i, key: None)
+        self.write_gbps = self.files.disk_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
+
+    def _overlaps(self, chunk: Chunk) -> list[tuple[int, int, int]]:
+        """The parameters a chunk covers: (index, first, last + 1) in the flat layout's elements."""
+        end = chunk.start + chunk.numel
+        return [(i, max(off, chunk.start), min(off + local(p).numel(), end))
+                for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True))
+                if off < end and off + local(p).numel() > chunk.start]  # fmt: skip
+
+    def _write_moments(self, value) -> None:
+        """Every chunk of the files written from `value(i, key)` (parameter i's flat moment, None: zeros)."""
+        write_all(self.files, MOMENTS, lambda c: [(i, self.offsets[i], lo, hi) for i, lo, hi in self._overlaps(c)],
+                  value)  # fmt: skip
+
+    @torch.no_grad()
+    def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
+        if dropped(skip):
+            return
+        self.step_count.add_(1)
+        cfg = self.cfg
+
+        def update(chunk: Chunk) -> None:
+            groups = decay_groups()
+            for i, lo, hi in self._overlaps(chunk):
+                p, off = self.params[i], self.offsets[i]
+                if p.grad is None:
+                    continue
+                at = slice(lo - chunk.start, hi - chunk.start)
+                tensors = (local(p).view(-1)[lo - off : hi - off], local(p.grad).view(-1)[lo - off : hi - off],
+                           *(chunk.slot[k][at] for k in MOMENTS))  # fmt: skip
+                for group, tensor in zip(groups[self.decay[id(p)]], tensors, strict=True):
+                    group.append(tensor)
+            adamw(groups, lr, cfg, self.step_count)
+
+        self.files.stream(update)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def param_states(self) -> list[dict[str, torch.Tensor]]:
+        """Each parameter's moments read from the files, in its own placement (in host memory, as the shards)."""
+        if not self.step_count.item():
+            return [{} for _ in self.params]
+        return [{key: like_param(p, self.files.read_range(key, off, local(p).numel()).view(local(p).shape))
+                 for key in MOMENTS} for p, off in zip(self.params, self.offsets, strict=True)]  # fmt: skip
+
+    @torch.no_grad()
+    def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
+        """The files written from the loaded moments (none saved: zeros, and the step count starts again)."""
+        saved = all(all(k in state for k in MOMENTS) for state in states)
+        flat = [{k: local(state[k]).detach().reshape(-1).cpu() for k in MOMENTS} if saved else {} for state in states]
+        self._write_moments(lambda i, key: flat[i].get(key))
+        self.step_count.fill_(float(step) if saved else 0.0)
+
+    def state_bytes(self) -> int:
+        return 0  # on disk: `disk_bytes`

@@ -23,8 +23,10 @@ def check(*, optim: OptimConfig, parallel: ParallelConfig, model: ModelConfig, d
         return ["optim.reshard_after_forward is for optim.zero_stage=3 (FSDP2): drop it"] * (
             optim.reshard_after_forward is not None
         )
-    if dims.dp * dims.cp == 1:
-        return ["optim.zero_stage=3 shards over dp x cp, and dp x cp=1 here: use optim.zero_stage=1 (or more ranks)"]
+    if dims.dp * dims.cp == 1 and optim.offload == "none":  # with offload: the one-GPU case, its shards on the host
+        return ["optim.zero_stage=3 shards over dp x cp, and dp x cp=1 here: use optim.zero_stage=1, more ranks, or "
+                "optim.offload=cpu or nvme (the parameters and gradients in host memory, each block's weights "
+                "copied to the device as it runs)"]  # fmt: skip
     if optim.overlap_grad_reduce:
         return ["optim.overlap_grad_reduce is for zero stages 0-2 (FSDP2 always reduces in backward): drop it with "
                 "optim.zero_stage=3"]  # fmt: skip

@@ -86,7 +86,7 @@ def shard(stage: StageModule, plan: StagePlan, *, optim: OptimConfig, parallel: 
     """The transform: `stage` sharded over dp x cp (its routed experts, under expert parallelism, over edp)."""
     experts = plan.mesh.sub("edp") if plan.mesh.ep > 1 else None
     apply_fsdp(stage, plan.mesh.sub("dp_cp"), plan.compute_dtype, reshards_after_forward(optim, parallel),
-               optim.offload == "cpu", plan.device, experts)  # fmt: skip
+               optim.offload != "none", plan.device, experts)  # fmt: skip
 
 
 class Reshard(StepHooks):
