@@ -656,7 +656,8 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
         # the node's disk shared by its ranks
         owned = math.ceil(local_param_count(cfg).trainable / (dp * dims.cp))
         transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
-        disk = owned * (12 if o.zero_stage < 3 else 8) * 2 / (links.nvme_gbps * 1e9 / links.gpus_per_node)
+        node = min(dims.world_size, links.gpus_per_node)  # the ranks sharing the node's disk
+        disk = owned * (12 if o.zero_stage < 3 else 8) * 2 / (links.nvme_gbps * 1e9 / node)
         offload = transfers / (links.pcie_gbps * 1e9) + disk + owned / host_adam_elements_per_s
     given = {"dims": dims, "links": links, "block_policy": policy, "flops_per_s": peak_flops * mfu,
              "parts": activation_parts(cfg)}  # fmt: skip

@@ -144,7 +144,7 @@ class StateFiles:
         self.filesystem = filesystem_of(self.dir)
         self.direct = direct_io_works(self.dir)
         self.fds = {key: _open(self.dir / f"{key}.bin", self.direct) for key in keys}
-        for key, fd in self.fds.items():
+        for key, fd in self.fds.items() if numel else ():  # a rank with nothing to update takes no space
             try:  # the disk space taken now: a full disk fails here, not in a writer thread mid-step
                 os.posix_fallocate(fd, 0, 4 * padded(numel))
             except OSError as err:

@@ -8,6 +8,8 @@ gradients of the chunk into the ring, runs torch's fused AdamW kernel on it (the
 runs, so the same arithmetic), writes the chunk back behind it and keeps the updated weights, in the
 parameters' dtype, on the device for the all-gather. A checkpoint reads each parameter's state from the
 files (the writers' share, as ZeRO-1's save holds it) and a resume writes them from the checkpoint.
+ZeRO-3 (`NvmeFullyShardedOptimizer`): FSDP2's shards (the masters) and gradients stay in host memory, and
+only the moments are in files. AdamW's step is counted per span or parameter, as torch counts it.
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ def dropped(skip: torch.Tensor | None) -> bool:
     return skip is not None and bool(skip.item())
 
 
-def adamw(groups: dict[bool, list[list[torch.Tensor]]], lr: float, cfg: OptimConfig, step: torch.Tensor) -> None:
+def adamw(groups: dict[bool, list[list[torch.Tensor]]], lr: float, cfg: OptimConfig) -> None:
     """torch's fused AdamW kernel (the in-memory rule's) over a chunk's pieces: [params, grads, exp_avgs,
-    exp_avg_sqs] with and without weight decay; `step` is already counted."""
-    for decay, (params, grads, exp_avgs, exp_avg_sqs) in groups.items():
+    exp_avg_sqs, steps] with and without weight decay; each piece's step already counted."""
+    for decay, (params, grads, exp_avgs, exp_avg_sqs, steps) in groups.items():
         if params:
-            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=lr,
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr,
                                 beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay if decay else 0.0,
                                 eps=cfg.eps, amsgrad=False, maximize=False)  # fmt: skip
 
@@ -74,7 +76,7 @@ def write_all(files: StateFiles, keys: tuple[str, ...], overlaps, value) -> None
 
 
 def decay_groups() -> dict[bool, list[list[torch.Tensor]]]:
-    return {True: [[], [], [], []], False: [[], [], [], []]}
+    return {True: [[], [], [], [], []], False: [[], [], [], [], []]}
 
 
 class OnDisk:
@@ -116,14 +118,15 @@ class StreamedAdamW:
     def __init__(self, targets: list[Target], cfg: OptimConfig) -> None:
         self.decay = {id(t.tensor): t.decay for t in targets}
         self.cfg = cfg
-        self.step_count = torch.zeros((), dtype=torch.float32)  # AdamW's step, as torch keeps it (a float)
+        # AdamW's step per target, as torch keeps it (a float tensor each): a resume may start one afresh
+        self.steps = {id(t.tensor): torch.zeros((), dtype=torch.float32) for t in targets}
 
     def keys(self, matrix: bool) -> tuple[str, ...]:
         return MOMENTS
 
     def state(self, tensor: torch.Tensor) -> dict[str, None]:
         """Non-empty once stepped (the values are read from the files by the strategy)."""
-        return dict.fromkeys(MOMENTS) if self.step_count.item() > 0 else {}
+        return dict.fromkeys(MOMENTS) if self.steps[id(tensor)].item() > 0 else {}
 
     def zero_grad(self) -> None:
         pass
@@ -180,7 +183,8 @@ class NvmeState(OnDisk):
         dtype = local(self.params[0]).dtype if self.params else torch.float32
         if self.dp > 1 and (self.updated.numel() != self.master.numel() or self.updated.dtype != dtype):
             self.updated = torch.empty(self.master.numel(), dtype=dtype, device=self.device)
-        self.rule.step_count.add_(1)
+        steps = [self.rule.steps[id(s.master)] for s in self.spans]
+        torch._foreach_add_(steps, 1.0)
         grads = {id(s): g for b in self.buckets for s, g in zip(b.spans, self._owned_grads(b), strict=True)}
         cfg = self.cfg
 
@@ -192,9 +196,11 @@ class NvmeState(OnDisk):
                 grad = chunk.slot["grad"][at]
                 grad.copy_(grads[id(span)][lo - span.offset : hi - span.offset])
                 group = groups[self.rule.decay[id(span.master)]]
-                for i, tensor in enumerate((chunk.slot["master"][at], grad, *(chunk.slot[k][at] for k in MOMENTS))):
+                pieces_ = (chunk.slot["master"][at], grad, *(chunk.slot[k][at] for k in MOMENTS),
+                           self.rule.steps[id(span.master)])  # fmt: skip
+                for i, tensor in enumerate(pieces_):
                     group[i].append(tensor)
-            adamw(groups, lr, cfg, self.rule.step_count)
+            adamw(groups, lr, cfg)
             if self.dp > 1:  # the spans lie back to back in the owned slice: the chunk is theirs whole
                 self.updated[chunk.start : chunk.start + chunk.numel].copy_(chunk.slot["master"])
                 return
@@ -205,7 +211,7 @@ class NvmeState(OnDisk):
 
         self.files.stream(update)
         # a failure test's kill here finds the files a step ahead of every checkpoint
-        fault_point("nvme_written", int(self.rule.step_count.item()), torch.distributed.get_rank())
+        fault_point("nvme_written", int(steps[0].item()) if steps else 0, torch.distributed.get_rank())
         if self.dp > 1:
             self._gather_params(lambda span: self.updated[span.offset : span.offset + span.numel])
 
@@ -224,7 +230,7 @@ class NvmeState(OnDisk):
         """The files written from each span's saved state (a master not saved: the loaded weights; moments
         not saved: zeros, and the step count starts again, as AdamW's does)."""
         by_param = {id(p): s for p, s in zip(self.params, states, strict=True)}
-        saved = all(all(k in by_param[id(s.param)] for k in MOMENTS) for s in self.spans)
+        saved = {id(s): all(k in by_param[id(s.param)] for k in MOMENTS) for s in self.spans}  # else: afresh
         on_host: dict[tuple[int, str], torch.Tensor | None] = {}  # each span's value moved to the host once
 
         def value(span: _Span, key: str) -> torch.Tensor | None:
@@ -234,12 +240,13 @@ class NvmeState(OnDisk):
                     master = state.get("master")
                     given = _flat_slice(span.param, span.param_offset, span.numel) if master is None else master
                 else:
-                    given = state[key] if saved and key in state else None
+                    given = state[key] if saved[id(span)] else None
                 on_host[id(span), key] = None if given is None else local(given).detach().reshape(-1).cpu()
             return on_host[id(span), key]
 
         self._write_state(value)
-        self.rule.step_count.fill_(float(step) if saved else 0.0)
+        for span in self.spans:
+            self.rule.steps[id(span.master)].fill_(float(step) if saved[id(span)] else 0.0)
 
     def state_bytes(self) -> int:
         """On the device: the owned slice's updated weights awaiting the all-gather, at dp > 1 (the state is
@@ -273,7 +280,7 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
         sizes = [local(p).numel() for p in self.params]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.files = rank_files(cfg, MOMENTS, sum(sizes), model.device.type == "cuda", extra=())
-        self.step_count = torch.zeros((), dtype=torch.float32)
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]  # AdamW's, per parameter
         start = time.perf_counter()
         self._write_moments(lambda i, key: None)
         self.write_gbps = self.files.disk_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
@@ -294,7 +301,7 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
     def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
         if dropped(skip):
             return
-        self.step_count.add_(1)
+        torch._foreach_add_([s for p, s in zip(self.params, self.steps, strict=True) if p.grad is not None], 1.0)
         cfg = self.cfg
 
         def update(chunk: Chunk) -> None:
@@ -305,12 +312,14 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
                     continue
                 at = slice(lo - chunk.start, hi - chunk.start)
                 tensors = (local(p).view(-1)[lo - off : hi - off], local(p.grad).view(-1)[lo - off : hi - off],
-                           *(chunk.slot[k][at] for k in MOMENTS))  # fmt: skip
+                           *(chunk.slot[k][at] for k in MOMENTS), self.steps[i])  # fmt: skip
                 for group, tensor in zip(groups[self.decay[id(p)]], tensors, strict=True):
                     group.append(tensor)
-            adamw(groups, lr, cfg, self.step_count)
+            adamw(groups, lr, cfg)
 
         self.files.stream(update)
+        # a failure test's kill here finds the files a step ahead of every checkpoint
+        fault_point("nvme_written", int(max(self.steps, default=torch.zeros(())).item()), torch.distributed.get_rank())
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -318,18 +327,19 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
 
     def param_states(self) -> list[dict[str, torch.Tensor]]:
         """Each parameter's moments read from the files, in its own placement (in host memory, as the shards)."""
-        if not self.step_count.item():
-            return [{} for _ in self.params]
         return [{key: like_param(p, self.files.read_range(key, off, local(p).numel()).view(local(p).shape))
-                 for key in MOMENTS} for p, off in zip(self.params, self.offsets, strict=True)]  # fmt: skip
+                 for key in MOMENTS} if step.item() else {}
+                for p, off, step in zip(self.params, self.offsets, self.steps, strict=True)]  # fmt: skip
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
         """The files written from the loaded moments (none saved: zeros, and the step count starts again)."""
-        saved = all(all(k in state for k in MOMENTS) for state in states)
-        flat = [{k: local(state[k]).detach().reshape(-1).cpu() for k in MOMENTS} if saved else {} for state in states]
+        saved = [all(k in state for k in MOMENTS) for state in states]  # a parameter without: afresh, as AdamW's
+        flat = [{k: local(state[k]).detach().reshape(-1).cpu() for k in MOMENTS} if ok else {}
+                for state, ok in zip(states, saved, strict=True)]  # fmt: skip
         self._write_moments(lambda i, key: flat[i].get(key))
-        self.step_count.fill_(float(step) if saved else 0.0)
+        for count, ok in zip(self.steps, saved, strict=True):
+            count.fill_(float(step) if ok else 0.0)
 
     def state_bytes(self) -> int:
         return 0  # on disk: `disk_bytes`
