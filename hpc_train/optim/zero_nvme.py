@@ -108,8 +108,8 @@ class OnDisk:
 
 
 class StreamedAdamW:
-    """The rule's face for a strategy whose state is in files: which keys it keeps and whether it has stepped.
-    The arithmetic is `NvmeState._update_chunk`'s; this holds the hyperparameters and the step count."""
+    """The rule's face for a strategy whose state is in files: which keys it keeps and whether a target has
+    stepped. The arithmetic is `NvmeState.step`'s; this holds each target's weight decay and AdamW step."""
 
     state_keys = MOMENTS
     gathers_matrices = False
@@ -117,7 +117,6 @@ class StreamedAdamW:
 
     def __init__(self, targets: list[Target], cfg: OptimConfig) -> None:
         self.decay = {id(t.tensor): t.decay for t in targets}
-        self.cfg = cfg
         # AdamW's step per target, as torch keeps it (a float tensor each): a resume may start one afresh
         self.steps = {id(t.tensor): torch.zeros((), dtype=torch.float32) for t in targets}
 
