@@ -526,6 +526,11 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float,
     own_dp = max(1, world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
     global_batch = t.micro_batch_size * t.grad_accum * own_dp
     node = cfg.slurm.gpus_per_node or 8
+
+    def fits(plan: MemoryEstimate) -> bool:
+        host = (plan.host + plan.host_copy) * min(world, node)  # the node's ranks'
+        return plan.total <= gpu_mem_bytes and (host_mem_bytes is None or host <= host_mem_bytes)
+
     choices = itertools.product(
         [x for x in (1, 2, 4, 8) if x <= node],  # tp
         (1, 2, 4, 8, 16),  # pp
@@ -564,11 +569,6 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float,
         except ConfigError:
             continue
         plan = estimate(c, dims)
-
-        def fits(plan: MemoryEstimate) -> bool:
-            host = (plan.host + plan.host_copy) * min(world, node)  # the node's ranks'
-            return plan.total <= gpu_mem_bytes and (host_mem_bytes is None or host <= host_mem_bytes)
-
         for rule in LOW_BIT_FALLBACK.get(cfg.optim.name, ()) if not fits(plan) and offload != "nvme" else ():
             c.optim.name = rule
             low_bit = estimate(c, dims)
@@ -647,18 +647,14 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
     elif o.overlap_grad_reduce:
         dp_time = max(0.0, dp_time - 2 / 3 * compute / t.grad_accum)
     offload = 0.0
-    if o.offload == "cpu":
-        n = local_param_count(cfg).trainable
-        owned = math.ceil(n / (dp * dims.cp))
-        transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
-        offload = transfers / (links.pcie_gbps * 1e9) + owned / host_adam_elements_per_s
-    elif o.offload == "nvme":  # cpu offload's transfers + the state read and written (stage 3: the moments), over
-        # the node's disk shared by its ranks
+    if o.offload != "none":
         owned = math.ceil(local_param_count(cfg).trainable / (dp * dims.cp))
         transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
-        node = min(dims.world_size, links.gpus_per_node)  # the ranks sharing the node's disk
-        disk = owned * (12 if o.zero_stage < 3 else 8) * 2 / (links.nvme_gbps * 1e9 / node)
-        offload = transfers / (links.pcie_gbps * 1e9) + disk + owned / host_adam_elements_per_s
+        offload = transfers / (links.pcie_gbps * 1e9) + owned / host_adam_elements_per_s
+    if o.offload == "nvme":  # + the state read and written (stage 3: the moments), over the node's disk shared by
+        # the ranks on the node
+        node = min(dims.world_size, links.gpus_per_node)
+        offload += owned * (12 if o.zero_stage < 3 else 8) * 2 / (links.nvme_gbps * 1e9 / node)
     given = {"dims": dims, "links": links, "block_policy": policy, "flops_per_s": peak_flops * mfu,
              "parts": activation_parts(cfg)}  # fmt: skip
     features = sum(seconds() for _, seconds in declared(cfg, "step_time", **given))

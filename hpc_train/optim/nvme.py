@@ -203,7 +203,7 @@ class StateFiles:
             if pending[slot] is not None:
                 pending[slot].result()  # the slot is free once its last chunk is written
                 pending[slot] = None
-            chunk = Chunk(start, min(self.chunk, self.numel - start), {k: v for k, v in self.slots[slot].items()})
+            chunk = Chunk(start, min(self.chunk, self.numel - start), self.slots[slot])
             reads[i] = self.reader.submit(self._read, chunk) if read else _done(chunk)
 
         starts = list(range(0, self.numel, self.chunk))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -57,20 +58,30 @@ def adamw(groups: dict[bool, list[list[torch.Tensor]]], lr: float, cfg: OptimCon
                                 eps=cfg.eps, amsgrad=False, maximize=False)  # fmt: skip
 
 
+def covered(chunk: Chunk, extents: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The items of a flat layout a chunk covers, their (start, numel) in `extents`: (index, first, last + 1)
+    in the layout's elements."""
+    end = chunk.start + chunk.numel
+    return [(i, max(start, chunk.start), min(start + numel, end)) for i, (start, numel) in enumerate(extents)
+            if start < end and start + numel > chunk.start]  # fmt: skip
+
+
 @torch.no_grad()
-def write_all(files: StateFiles, keys: tuple[str, ...], overlaps, value) -> None:
-    """Every chunk of `files` written, no reads: `overlaps(chunk)` gives (item, its first element, lo, hi) of
-    what the chunk covers, `value(item, key)` the item's values (None: zeros)."""
+def write_all(files: StateFiles, keys: tuple[str, ...], extents: list[tuple[int, int]], value) -> None:
+    """Every chunk of `files` written, no reads, from `value(i, key)`: item i's values (None: zeros), the
+    items laid out at their (start, numel) `extents`."""
 
     def fill(chunk: Chunk) -> None:
         for key in keys:
             chunk.slot[key].zero_()
-        for item, start, lo, hi in overlaps(chunk):
+        for i, lo, hi in covered(chunk, extents):
             for key in keys:
-                values = value(item, key)
+                values = value(i, key)
                 if values is not None:
-                    part = values.reshape(-1)[lo - start : hi - start]
-                    chunk.slot[key][lo - chunk.start : hi - chunk.start].copy_(part)
+                    start = extents[i][0]
+                    chunk.slot[key][lo - chunk.start : hi - chunk.start].copy_(
+                        values.reshape(-1)[lo - start : hi - start]
+                    )
 
     files.stream(fill, read=False)
 
@@ -96,6 +107,12 @@ class OnDisk:
     def close(self) -> None:
         """The working copy let go: threads stopped, files deleted (the checkpoints hold the state)."""
         self.files.close()
+
+    def _first_fill(self, fill: Callable[[], None]) -> None:
+        """The files written at start-up, timed: the disk's write speed for the start-up line."""
+        start = time.perf_counter()
+        fill()
+        self.write_gbps = self.files.disk_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
 
     def describe(self) -> str:
         """The start-up line: where the state is, how it is written, and the disk's speed at the first fill."""
@@ -147,13 +164,15 @@ class NvmeState(OnDisk):
         self.state_device = torch.device("cpu")  # where a save's or a state copy's share is read to, not the GPU
         self.offloaded = ()  # the state is on disk; the ring is its host buffers, the updated weights on the device
         self.spans = [s for b in self.buckets for s in b.spans]
+        self.extents = [(s.offset, s.numel) for s in self.spans]  # back to back in the owned slice
         # the updated weights of the owned slice in the parameters' dtype, on the device, for the all-gather
         # (made at the first update: the precision policy casts the parameters after construction)
         self.updated = torch.empty(0, device=self.device)
-        start = time.perf_counter()
-        self._write_state(lambda span, key: _flat_slice(span.param, span.param_offset, span.numel)
-                          if key == "master" else None)  # fmt: skip
-        self.write_gbps = self.files.disk_bytes / max(time.perf_counter() - start, 1e-9) / 1e9  # the first fill's
+
+        def weights(span: _Span, key: str) -> torch.Tensor | None:  # the masters from the model, moments at zero
+            return _flat_slice(span.param, span.param_offset, span.numel) if key == "master" else None
+
+        self._first_fill(lambda: self._write_state(weights))
 
     def _new_master(self, numel: int) -> torch.Tensor:
         self.files = rank_files(self.cfg, KEYS, numel, self.device.type == "cuda", self.role)
@@ -162,16 +181,10 @@ class NvmeState(OnDisk):
     def _make_rule(self, targets: list[Target], cfg: OptimConfig) -> StreamedAdamW:
         return StreamedAdamW(targets, cfg)
 
-    def _overlaps(self, chunk: Chunk) -> list[tuple[_Span, int, int]]:
-        """The spans a chunk of the owned slice covers: (span, first, last + 1) in the slice's elements."""
-        end = chunk.start + chunk.numel
-        return [(s, max(s.offset, chunk.start), min(s.offset + s.numel, end)) for s in self.spans
-                if s.offset < end and s.offset + s.numel > chunk.start]  # fmt: skip
-
     def _write_state(self, value) -> None:
         """Every chunk of the files written from `value(span, key)` (a tensor of the span's elements, or None
         for zeros): no reads."""
-        write_all(self.files, KEYS, lambda c: [(s, s.offset, lo, hi) for s, lo, hi in self._overlaps(c)], value)
+        write_all(self.files, KEYS, self.extents, lambda i, key: value(self.spans[i], key))
 
     @torch.no_grad()
     def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
@@ -189,7 +202,7 @@ class NvmeState(OnDisk):
 
         def update(chunk: Chunk) -> None:
             groups = decay_groups()
-            pieces = self._overlaps(chunk)
+            pieces = [(self.spans[i], lo, hi) for i, lo, hi in covered(chunk, self.extents)]
             for span, lo, hi in pieces:
                 at = slice(lo - chunk.start, hi - chunk.start)
                 grad = chunk.slot["grad"][at]
@@ -277,24 +290,14 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
         names = model.parameter_names()
         self.decay = {id(p): target(names[id(p)], p).decay for p in self.params}
         sizes = [local(p).numel() for p in self.params]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.extents = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # the local shards back to back
         self.files = rank_files(cfg, MOMENTS, sum(sizes), model.device.type == "cuda", extra=())
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]  # AdamW's, per parameter
-        start = time.perf_counter()
-        self._write_moments(lambda i, key: None)
-        self.write_gbps = self.files.disk_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
-
-    def _overlaps(self, chunk: Chunk) -> list[tuple[int, int, int]]:
-        """The parameters a chunk covers: (index, first, last + 1) in the flat layout's elements."""
-        end = chunk.start + chunk.numel
-        return [(i, max(off, chunk.start), min(off + local(p).numel(), end))
-                for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True))
-                if off < end and off + local(p).numel() > chunk.start]  # fmt: skip
+        self._first_fill(lambda: self._write_moments(lambda i, key: None))
 
     def _write_moments(self, value) -> None:
         """Every chunk of the files written from `value(i, key)` (parameter i's flat moment, None: zeros)."""
-        write_all(self.files, MOMENTS, lambda c: [(i, self.offsets[i], lo, hi) for i, lo, hi in self._overlaps(c)],
-                  value)  # fmt: skip
+        write_all(self.files, MOMENTS, self.extents, value)
 
     @torch.no_grad()
     def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
@@ -305,8 +308,8 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
 
         def update(chunk: Chunk) -> None:
             groups = decay_groups()
-            for i, lo, hi in self._overlaps(chunk):
-                p, off = self.params[i], self.offsets[i]
+            for i, lo, hi in covered(chunk, self.extents):
+                p, off = self.params[i], self.extents[i][0]
                 if p.grad is None:
                     continue
                 at = slice(lo - chunk.start, hi - chunk.start)
@@ -318,7 +321,7 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
 
         self.files.stream(update)
         # a failure test's kill here finds the files a step ahead of every checkpoint
-        fault_point("nvme_written", int(max(self.steps, default=torch.zeros(())).item()), torch.distributed.get_rank())
+        fault_point("nvme_written", int(self.steps[0].item()) if self.steps else 0, torch.distributed.get_rank())
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -326,9 +329,9 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
 
     def param_states(self) -> list[dict[str, torch.Tensor]]:
         """Each parameter's moments read from the files, in its own placement (in host memory, as the shards)."""
-        return [{key: like_param(p, self.files.read_range(key, off, local(p).numel()).view(local(p).shape))
+        return [{key: like_param(p, self.files.read_range(key, off, numel).view(local(p).shape))
                  for key in MOMENTS} if step.item() else {}
-                for p, off, step in zip(self.params, self.offsets, self.steps, strict=True)]  # fmt: skip
+                for p, (off, numel), step in zip(self.params, self.extents, self.steps, strict=True)]  # fmt: skip
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:

@@ -182,7 +182,8 @@ def by_place(memory: dict[str, int], optimizer: Optimizer) -> dict[str, int]:
     """The bytes by category, with what optim.offload keeps in host memory under `host` (only then
     reported): the optimizer's offloaded categories, zero on the device, and its own host buffers (nvme's
     ring, its state being on disk)."""
-    disk = {"disk": optimizer.disk_bytes()} if optimizer.disk_bytes() else {}  # nvme's state, on the node's disk
+    on_disk = optimizer.disk_bytes()  # nvme's state, on the node's disk
+    disk = {"disk": on_disk} if on_disk else {}
     if not optimizer.offloaded and not optimizer.host_buffer_bytes():
         return {**memory, **disk}
     host = optimizer.host_buffer_bytes() + sum(memory[k] for k in optimizer.offloaded)
