@@ -7,11 +7,19 @@ import inspect
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of `t`: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def origin_of(t: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's part of `t` starts in the whole (a checkpoint stores a DTensor's shards there)."""
+    if not isinstance(t, DTensor):
+        return (0,) * t.dim()
+    return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
 
 
 def local_summed(t: torch.Tensor) -> torch.Tensor:

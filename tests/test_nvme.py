@@ -23,6 +23,7 @@ BF16_Z2 = ["optim.zero_stage=2", "train.precision=bf16", "train.grad_accum=2", "
 # fp16 from a loss scale its gradients overflow now and then (steps 1 and 3 dropped, decided on the device)
 FP16_SKIPS = ["optim.zero_stage=1", "train.precision=fp16", "train.initial_loss_scale=262144",
               "train.micro_batch_size=4"]  # fmt: skip
+ZERO3 = ["optim.zero_stage=3", "train.micro_batch_size=2", "train.grad_accum=2", "checkpoint.interval=2"]
 RUNS = {  # name: (overrides, nvme)
     "zero1_fp32": (["optim.zero_stage=1", "train.micro_batch_size=4", "checkpoint.interval=2"], False),
     "zero1_fp32_nvme": (["optim.zero_stage=1", "train.micro_batch_size=4", "checkpoint.interval=2"], True),
@@ -30,9 +31,8 @@ RUNS = {  # name: (overrides, nvme)
     "zero2_bf16_nvme": (BF16_Z2, True),
     "zero1_fp16": (FP16_SKIPS, False),
     "zero1_fp16_nvme": (FP16_SKIPS, True),
-    "zero3_fp32": (["optim.zero_stage=3", "train.micro_batch_size=4", "checkpoint.interval=2"], False),
-    # FSDP2's shards on the host
-    "zero3_fp32_nvme": (["optim.zero_stage=3", "train.micro_batch_size=4", "checkpoint.interval=2"], True),
+    "zero3_fp32": (ZERO3, False),
+    "zero3_fp32_nvme": (ZERO3, True),  # FSDP2's shards and their gradients (accumulated there) on the host
 }
 STEPS = 4
 
@@ -49,8 +49,9 @@ def runs(tmp_path_factory, small_corpus):
 
     configs = {name: cfg(name, f"train.steps={STEPS}") for name in RUNS}
     # saved at step 2 and resumed to the end, as a new process does: the files are written from the checkpoint
-    for name in ("zero1_fp32_nvme_resumed", "zero3_fp32_nvme_resumed"):
-        configs[name] = cfg(name, "train.steps=2")
+    # (ZeRO-3's saved asynchronously: from a snapshot of its files)
+    for name, extra in (("zero1_fp32_nvme_resumed", ()), ("zero3_fp32_nvme_resumed", ("checkpoint.async_save=true",))):
+        configs[name] = cfg(name, "train.steps=2", *extra)
     launch_sequence(run_training, 2, [(c,) for c in configs.values()])
     resumed = {name: cfg(name, f"train.steps={STEPS}") for name in ("zero1_fp32_nvme_resumed",
                                                                      "zero3_fp32_nvme_resumed")}  # fmt: skip
@@ -186,6 +187,108 @@ def test_state_files_stream_in_whole_blocks_and_read_back_any_range(tmp_path):
     assert not any((tmp_path / "rank00000").iterdir())
 
 
+def test_a_save_writes_the_state_from_its_files_and_an_async_one_from_a_snapshot(tmp_path):
+    """A region of a state file reads back the elements it names, a piece at a time, as DCP's plan describes
+    them; a snapshot (an async save's) keeps the values it was taken with after the files change, and leaves
+    no file behind: it has no name."""
+    import torch
+
+    from hpc_train.optim.nvme import Scratch, StateFiles, snapshot
+
+    numel, shape = 5000, (30, 100)  # a 30 x 100 tensor's elements from element 1000, across chunks and blocks
+    files = StateFiles(str(tmp_path), "rank00000", ("exp_avg",), numel, 4 * 4 * 2 * 1024, pinned=False)
+    values = torch.arange(numel, dtype=torch.float32)
+
+    def write(scale):
+        def fill(chunk):
+            chunk.slot["exp_avg"].copy_(scale * values[chunk.start : chunk.start + chunk.numel])
+
+        files.stream(fill, read=False)
+
+    write(1.0)
+    live = files.region("exp_avg", 1000, torch.empty(shape))
+    (item,) = live.__create_write_items__("w.exp_avg", live)
+    assert tuple(item.tensor_data.chunk.sizes) == shape and live.nbytes == 12000
+    assert torch.equal(live.read(), values[1000:4000].view(shape))
+    assert b"".join(bytes(p) for p in live.pieces(bytearray(4096 * 3 + 4))) == live.read().numpy().tobytes()
+    taken = snapshot({"w.exp_avg": live, "other": 1})
+    scratch = Scratch(files.dir).append(values[:7], torch.empty(7))
+    write(2.0)  # the next update
+    assert torch.equal(live.read(), 2 * values[1000:4000].view(shape))
+    assert taken["w.exp_avg"].stable and taken["other"] == 1
+    assert torch.equal(taken["w.exp_avg"].read(), values[1000:4000].view(shape))
+    assert torch.equal(scratch.read(), values[:7])
+    assert sorted(os.listdir(files.dir)) == ["exp_avg.bin"]
+    files.close()
+    with pytest.raises(OSError, match="let go"):  # not whatever file took its descriptor's number
+        live.read()
+    assert torch.equal(taken["w.exp_avg"].read(), values[1000:4000].view(shape))  # the snapshot outlives them
+
+
+def _async_save_and_in_place_resume_checks(rank_env, cfg, other_stage):
+    """One rank, ZeRO-1 or -3: the start-up line prices an update's disk traffic at the measured speed; an
+    async save whose write waits until the next update changed the files still commits the state of its step
+    (it writes from a snapshot), and a resume reads it straight into the files' mapped pages, no template of
+    its own (the vocabulary's too, its padding rows left out); a state copy reads it into memory. A resume at
+    the other ZeRO stage (`other_stage`) keeps the moments it loaded into the files, and ZeRO-1's masters,
+    which ZeRO-3 does not save, are filled in from the loaded weights through the ring (a pass that reads the
+    chunks first)."""
+    import torch
+
+    from hpc_train.bootstrap import distributed
+    from hpc_train.builder import build_run
+    from hpc_train.train.step import StepOptions, train_step
+
+    cpu = torch.device("cpu")
+    with distributed(rank_env, cpu, "gloo", 120):
+        run = build_run(cfg, rank_env, cpu)
+        disk_s = 2 * run.optimizer.disk_bytes() / 1e9 / run.optimizer.write_gbps  # the start-up line's step cost
+        assert f"an update reads and writes it, {disk_s:.2f} s a step at that speed" in run.optimizer.describe()
+        batch = lambda: [run.train_set.batch(run.sampler.next_micro_batches()[0])]  # noqa: E731
+        train_step(run.model, run.optimizer, batch(), 1e-3)
+        at_save = [{key: region.read() for key, region in state.items()} for state in run.optimizer.param_states()]
+        run.checkpointer.save(1)
+        train_step(run.model, run.optimizer, batch(), 1e-3, StepOptions(before_update=run.checkpointer.staged))
+        changed = [{key: region.read() for key, region in state.items()} for state in run.optimizer.param_states()]
+        assert all(not torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(at_save, changed, strict=True))
+        run.checkpointer.wait()
+        run.optimizer.close()
+
+        fresh = build_run(cfg, rank_env, cpu)
+        part, optimizer, given, loaded_into = fresh.checkpointer.sharded["optim"], fresh.optimizer, [], []
+        targets, template = optimizer.load_targets, part.template
+        optimizer.load_targets = lambda: given.append(targets()) or given[-1]
+        part.template = lambda stored: loaded_into.append(template(stored)) or loaded_into[-1]
+        assert fresh.checkpointer.resume().step == 1
+        into = {f"{name}.{key}": t for name, ts in zip(part.names, given[0], strict=True) for key, t in ts.items()}
+        assert len(loaded_into[0]) == len(into) > 4 and all(loaded_into[0][k].values is t for k, t in into.items())
+        copy = optimizer.local_states()  # a state copy's (the spike guard's): read into host memory, flat
+        assert all(torch.equal(c[k], a[k].view(-1)) for c, a in zip(copy, at_save, strict=True) for k in a)
+        loaded = [{key: region.read() for key, region in state.items()} for state in optimizer.param_states()]
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(at_save, loaded, strict=True) for k in a)
+        optimizer.close()
+
+        other = build_run(other_stage, rank_env, cpu)  # resharded: ZeRO-1's masters are not in ZeRO-3's checkpoint
+        assert other.checkpointer.resume().step == 1
+        for state, saved, p in zip(other.optimizer.local_states(), at_save, other.optimizer.params, strict=True):
+            assert all(torch.equal(state[k], saved[k].view(-1)) for k in ("exp_avg", "exp_avg_sq"))
+            assert "master" not in state or torch.equal(state["master"], p.detach().view(-1))  # the loaded weights
+        other.optimizer.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nvme_async_save_writes_its_step_and_a_resume_loads_into_the_files(stage, tmp_path, small_corpus,
+                                                                          monkeypatch):  # fmt: skip
+    def cfg(*extra: str):
+        return load_config(None, [*TINY_MODEL, f"data.train_path={small_corpus}", "parallel.nproc=1",
+                                  f"run_dir={tmp_path}", f"optim.zero_stage={stage}", "optim.offload=nvme",
+                                  f"optim.offload_dir={tmp_path / 'o'}", BUFFER, "checkpoint.async_save=true",
+                                  *extra])  # fmt: skip
+
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "staged@1@0@slow")  # the write waits SLOW_S: the next update goes first
+    launch_local(_async_save_and_in_place_resume_checks, 1, cfg(), cfg(f"optim.zero_stage={4 - stage}"))
+
+
 BIG = ["model.d_model=1024", "model.n_layers=5", "model.n_heads=8", "train.micro_batch_size=1"]  # 64M params
 FROZEN = "train.freeze=['layers.*','tok_embeddings.weight','output.weight']"  # the weights, next to no state
 
@@ -193,10 +296,10 @@ FROZEN = "train.freeze=['layers.*','tok_embeddings.weight','output.weight']"  # 
 @pytest.fixture(scope="module")
 def big_runs(tmp_path_factory, small_corpus):
     """One rank, ZeRO-1, fp32, a 64M-parameter model (AdamW state: 0.77 GB, 1.02 GB with cpu offload's
-    gradient copy), 2 steps: its weights alone (all but the final norm frozen), nvme, cpu offload."""
+    gradient copy), 2 steps, each saved: its weights alone (all but the final norm frozen), nvme, cpu offload."""
     base = tmp_path_factory.mktemp("nvme_rss")
     common = [*TINY_MODEL, *BIG, f"data.train_path={small_corpus}", "train.steps=2", "parallel.nproc=1",
-              "optim.zero_stage=1", "train.save_final_model=false"]  # fmt: skip
+              "optim.zero_stage=1", "train.save_final_model=false", "checkpoint.interval=1"]  # fmt: skip
     runs = {
         "weights": [FROZEN],
         "nvme": ["optim.offload=nvme", f"optim.offload_dir={base / 'offload'}", "optim.offload_buffer_mb=64"],
@@ -227,12 +330,15 @@ def test_nvme_offload_at_dp_1_updates_exactly(big_runs, name):
 
 
 def test_nvme_offload_keeps_host_memory_at_the_model_and_its_buffers(big_runs):
-    """Peak RSS (metrics' host_memory_gb) of the nvme run stays within the model's own run (its weights) plus
-    120% of what the nvme run holds besides: gradients, the updated weights, the ring, activations. The same
-    bound fails with optim.offload=cpu, whose state is in host memory."""
+    """Peak RSS (metrics' host_memory_gb, step 2's after step 1's save) of the nvme run stays within the
+    model's own run (its weights, saved too) plus 130% of what the nvme run holds besides: gradients, the
+    updated weights, the ring, activations, and the save's one buffer (it writes the state from its files,
+    never read whole into memory). The same bound fails with optim.offload=cpu, whose state is in host memory."""
+    from hpc_train.checkpoint.dcp_io import REGION_PIECE
+
     held = big_runs["nvme"][1][0]["memory_bytes"]
-    beside = held["grads"] + held["optimizer"] + held["host"] + held["activations_peak"]
-    bound = max(m["host_memory_gb"] for m in big_runs["weights"][1]) * 1e9 + 1.2 * beside
+    beside = held["grads"] + held["optimizer"] + held["host"] + held["activations_peak"] + REGION_PIECE
+    bound = max(m["host_memory_gb"] for m in big_runs["weights"][1]) * 1e9 + 1.3 * beside
     peak = {name: max(m["host_memory_gb"] for m in big_runs[name][1]) * 1e9 for name in ("nvme", "cpu")}
     assert held["host"] <= 64 * 2**20 and held["optimizer"] == 0  # the ring; at dp 1 the update writes in place
     assert peak["nvme"] <= bound, (peak, bound)

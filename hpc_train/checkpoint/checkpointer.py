@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import hpc_train
 from hpc_train.bootstrap import node_cores
-from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader
+from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader, RegionSavePlanner
 from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_digest
 from hpc_train.checkpoint.local import LocalCheckpoints
 from hpc_train.checkpoint.memory_copy import MemoryCopy
@@ -58,6 +58,7 @@ from hpc_train.checkpoint.slices import FlatSlice, SliceLoadPlanner
 from hpc_train.checkpoint.state import ShardedPart, Stateful
 from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from hpc_train.config import CheckpointConfig
+from hpc_train.optim.nvme import FileRegion, snapshot
 from hpc_train.resilience.faults import fault_point
 
 # of the per-rank files; format 1 (hpc_train 08c1275) kept the sampler's count at top level, formats 1 and
@@ -214,13 +215,15 @@ class Checkpointer:
         if torch.cuda.is_available():  # the stager's stream does not wait for this one: gathers, clones
             torch.cuda.current_stream().synchronize()
         self.stager = open_stager(self.stager)
-        staging = self.staging = self.stager.stage(state)  # copied on the stager's thread during the next step
+        # state in files (optim.offload=nvme): copied on the disk now, not staged in memory
+        on_disk = snapshot({k: v for k, v in state.items() if isinstance(v, FileRegion)}, self.async_group)
+        staging = self.staging = self.stager.stage({k: v for k, v in state.items() if k not in on_disk})
         self.staging_wait_s = 0.0  # the next update's wait (this one's is in blocked_s)
 
         def write(staging: Future) -> dict[str, Any]:
             staged = staging.result()
             fault_point("staged", step, self.rank)
-            return self._write_and_commit(step, staged, rank_state.getbuffer(), self.async_group)
+            return self._write_and_commit(step, {**staged, **on_disk}, rank_state.getbuffer(), self.async_group)
 
         self.pending = (step, in_background(write, staging))
         return {**copied, "state_s": state_s, "blocked_s": time.perf_counter() - start}
@@ -285,7 +288,7 @@ class Checkpointer:
         writer = ChecksummedWriter(tmp, self.options.io_threads, step, self.rank)
         dcp_start = time.perf_counter()
         with io_errors_named(doing, tmp):
-            dcp.save(state, storage_writer=writer, process_group=group)
+            dcp.save(state, storage_writer=writer, planner=RegionSavePlanner(), process_group=group)
         records = {**writer.records, rank_file(self.rank): file_record(len(rank_state), digest)}
         # DCP's planning (collectives) and its metadata file are its save less its data write
         breakdown = {"plan_s": time.perf_counter() - dcp_start - writer.data_s, **writer.figures}

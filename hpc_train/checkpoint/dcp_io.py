@@ -5,7 +5,9 @@ A shard file holds each tensor's bytes as they lie in memory (row-major, little-
 dtype), one record after another, written straight from the tensor (`RAW`, marked in DCP's metadata as the
 record's one transform): no serialization, no per-record CRC, no small writes. The shape and dtype are in
 DCP's metadata; the manifest's xxh3 digest of the whole file is the integrity check. Checkpoints written
-before (torch.save records, one zip per tensor) still load.
+before (torch.save records, one zip per tensor) still load. A record whose tensor lies in a file
+(optim.offload=nvme's `FileRegion`) is copied from there a piece at a time (`RegionSavePlanner` hands it
+to the writer as it is).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
@@ -36,10 +38,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from hpc_train.checkpoint.integrity import file_record, new_digest
 from hpc_train.checkpoint.safe_load import RAW, SafeFileSystemReader
+from hpc_train.optim.nvme import FileRegion
 from hpc_train.resilience.faults import fault_point
 
 SECONDS = ("io_s", "hash_s", "fsync_s")  # where a writer thread's time goes
 WRITE_BUFFER = 2**20  # records under this size are gathered into writes of it; larger ones go out directly
+REGION_PIECE = 2**24  # bytes of a FileRegion read and written at a time (a buffer per writer thread)
 
 
 class _HashingStream:
@@ -145,14 +149,20 @@ class ChecksummedWriter(FileSystemWriter):
     def _write_file(self, name: str, items: list, planner: Any) -> list[WriteResult]:
         """`items`' tensors, one RAW record each, into the new file `name`: large records go to the OS
         straight from the tensor's memory, small ones through one buffer; hashed in the same pass."""
-        results = []
+        results, buffer = [], None
         with open(Path(self.path) / name, "xb", buffering=WRITE_BUFFER) as raw:
             stream = _HashingStream(raw)
             for item in items:
-                data = raw_bytes(planner.resolve_data(item), item.index.fqn)
-                info = _StorageInfo(name, stream.size, len(data), transform_descriptors=[RAW])
-                stream.write(data)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=info))
+                source = planner.resolve_data(item)
+                if isinstance(source, FileRegion):  # from its file, a piece at a time
+                    buffer = buffer or bytearray(REGION_PIECE)
+                    start, pieces = stream.size, source.pieces(buffer)
+                else:
+                    start, pieces = stream.size, [raw_bytes(source, item.index.fqn)]
+                for piece in pieces:
+                    stream.write(piece)
+                info = _StorageInfo(name, start, stream.size - start, transform_descriptors=[RAW])
+                results.append(WriteResult(index=item.index, size_in_bytes=stream.size - start, storage_data=info))
             stream.close()  # flushed and fsynced (timed)
         with self.lock:
             self.records[name] = file_record(stream.size, stream.digest)
@@ -160,6 +170,15 @@ class ChecksummedWriter(FileSystemWriter):
                 self.seconds[key] += value
         fault_point("mid_write", self.fs.step, self.fs.rank)  # one file complete, others maybe half written
         return results
+
+
+class RegionSavePlanner(DefaultSavePlanner):
+    """DCP's save planner, handing a `FileRegion` to the writer as it is (DCP looks up only tensors by their
+    shard offsets)."""
+
+    def lookup_object(self, index: Any) -> Any:
+        value = self.state_dict.get(index.fqn)
+        return value if isinstance(value, FileRegion) else super().lookup_object(index)
 
 
 def _little_endian_host() -> None:

@@ -58,11 +58,15 @@ class FlatSlice:
     boxes: list[tuple[ChunkStorageMetadata, int]]
 
 
-def flat_slice(shape: Sequence[int], start: int, count: int, origin: Sequence[int], rows: int | None) -> FlatSlice:
+def flat_slice(shape: Sequence[int], start: int, count: int, origin: Sequence[int], rows: int | None,
+               values: torch.Tensor | None = None) -> FlatSlice:  # fmt: skip
     """Elements [start, start + count) of a tensor of `shape` whose element 0 is at `origin` in the stored
-    tensor (a tp shard's offsets), in fp32. `rows`: the stored tensor's rows, when the tensor has more
-    (vocabulary padding, never stored): those elements are zero, as padding starts."""
-    values = torch.zeros(count) if rows is not None else torch.empty(count)
+    tensor (a tp shard's offsets), in fp32, into `values` (given, or new). `rows`: the stored tensor's rows,
+    when the tensor has more (vocabulary padding, never stored): those elements are zero, as padding starts."""
+    if values is None:
+        values = torch.zeros(count) if rows is not None else torch.empty(count)
+    elif rows is not None:
+        values.zero_()
     boxes = []
     for offsets, sizes, where in flat_boxes(shape, start, count):
         placed = [o + shift for o, shift in zip(offsets, origin, strict=True)]

@@ -17,15 +17,14 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from hpc_train.checkpoint.slices import FlatSlice, flat_slice
 from hpc_train.distributed.parallelize import ParallelModel, pad_rows, unpadded
 from hpc_train.features.lora.adapters import is_adapter
+from hpc_train.optim.nvme import FileRegion
 from hpc_train.optim.protocol import Optimizer
 from hpc_train.optim.rules import RULES
-from hpc_train.placement import distribute_like, local
+from hpc_train.placement import distribute_like, like_param, local, origin_of
 
 
 class Stateful(Protocol):
@@ -100,13 +99,6 @@ class ModelState:
                 local(t).copy_(local(_repad_like(t, loaded[name])))
 
 
-def _origin(t: torch.Tensor) -> tuple[int, ...]:
-    """Where this rank's part of `t` starts in the whole (DCP stores a DTensor's shards at these offsets)."""
-    if not isinstance(t, DTensor):
-        return (0,) * t.dim()
-    return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
-
-
 class OptimizerState:
     """The optimizer's state per trainable parameter: `<name>.<key>` (e.g. `layers.0.attn.wq.weight.exp_avg`).
     A rank that keeps the state of a range of a parameter's elements (ZeRO-1 and -2) loads that range only."""
@@ -116,10 +108,16 @@ class OptimizerState:
         names = model.parameter_names()
         self.names = [names[id(p)] for p in optimizer.params]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        vocab, states = self.model.model_cfg.vocab_size, self.optimizer.param_states()
-        return {f"{name}.{key}": unpadded(self.model.spec, name, t, vocab)
-                for name, state in zip(self.names, states, strict=True) for key, t in state.items()}  # fmt: skip
+    def tensors(self) -> dict[str, torch.Tensor | FileRegion]:
+        """Tensors, or the regions of files where optim.offload=nvme keeps them (written from there: a save
+        never holds that state in memory), except the vocabulary's, read whole to be stored unpadded."""
+        vocab, states, out = self.model.model_cfg.vocab_size, self.optimizer.param_states(), {}
+        for name, p, state in zip(self.names, self.optimizer.params, states, strict=True):
+            for key, t in state.items():
+                if isinstance(t, FileRegion) and name in self.model.spec.vocab_params:
+                    t = like_param(p, t.read())
+                out[f"{name}.{key}"] = unpadded(self.model.spec, name, t, vocab)
+        return out
 
     def without_rule_state(self, stored: set[str]) -> set[str]:
         """`stored` less the update rule's state: what a resume under another rule loads (optim.reset_state).
@@ -129,18 +127,21 @@ class OptimizerState:
 
     def template(self, stored: set[str]) -> dict[str, torch.Tensor | FlatSlice]:
         out = {}
-        vocab = self.model.model_cfg.vocab_size
-        for name, p, owned in zip(self.names, self.optimizer.params, self.optimizer.owned_ranges(), strict=True):
+        vocab, optimizer = self.model.model_cfg.vocab_size, self.optimizer
+        for name, p, owned, into in zip(self.names, optimizer.params, optimizer.owned_ranges(),
+                                        optimizer.load_targets(), strict=True):  # fmt: skip
             if owned is not None and owned[1] == 0:
                 continue  # no state of it here
-            for key in self.optimizer.state_keys:
+            for key in optimizer.state_keys:
                 if f"{name}.{key}" not in stored:
                     continue
-                if owned is None:
+                rows, given = vocab if name in self.model.spec.vocab_params else None, into.get(key)
+                if owned is None and given is None:
                     out[f"{name}.{key}"] = _template_like(self.model, name, p, torch.float32)
-                else:  # stored unpadded: the vocabulary's padding rows are left out of the read
-                    rows = vocab if name in self.model.spec.vocab_params else None
-                    out[f"{name}.{key}"] = flat_slice(local(p).shape, *owned, _origin(p), rows)
+                else:  # a flat range (the owned one, or all) into the optimizer's target where it gives one;
+                    # stored unpadded: the vocabulary's padding rows are left out of the read
+                    start, count = (0, local(p).numel()) if owned is None else owned
+                    out[f"{name}.{key}"] = flat_slice(local(p).shape, start, count, origin_of(p), rows, given)
         return out
 
     def load(self, loaded: dict[str, torch.Tensor | FlatSlice], step: int) -> None:

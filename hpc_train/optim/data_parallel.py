@@ -133,6 +133,9 @@ class DataParallelOptimizer:
     def owned_ranges(self) -> list[tuple[int, int] | None]:
         return [None] * len(self.params)  # every local element's (ZeRO-3: its dp shard is the parameter's own)
 
+    def load_targets(self) -> list[dict[str, torch.Tensor]]:
+        return [{} for _ in self.params]
+
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
         """Takes the loaded tensors as the rule's state itself (they are the load's own: no copy)."""
         for p, state in zip(self.params, states, strict=True):

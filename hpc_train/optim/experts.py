@@ -80,6 +80,9 @@ class ExpertParallelOptimizer:
     def local_states(self) -> list[dict[str, torch.Tensor]]:
         return [state for part in self.parts for state in part.local_states()]
 
+    def load_targets(self) -> list[dict[str, torch.Tensor]]:
+        return [targets for part in self.parts for targets in part.load_targets()]
+
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
         start = 0
         for part in self.parts:

@@ -8,23 +8,36 @@ back, so host memory holds the ring whatever the state's size. The files are ope
 the filesystem takes it (the page cache would otherwise keep a second copy of the state in host memory),
 and `describe` says which. The files are the working copy of the state and a checkpoint is its durable
 one: a run (re)starting writes them again, from the checkpoint or from the model's weights.
+
+A save never reads the state into host memory: the strategies hand the checkpoint `FileRegion`s, where a
+tensor's elements lie in a file, and the checkpoint's writer copies each one into its own file a piece at a
+time (checkpoint/dcp_io.py). An async save, written while the next updates change the files, is handed a
+`snapshot` of them, copied on the disk (by the kernel, or shared blocks where the filesystem has reflinks)
+into an unnamed file that goes when the save is written.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import math
+import mmap
 import os
 import re
+import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from hpc_train.config import ConfigError
+from hpc_train.placement import local, origin_of
 
 ALIGN = 4096  # bytes: O_DIRECT's alignment of buffers, offsets and lengths on any common device
 ELEMENTS = ALIGN // 4  # fp32 elements per aligned block
@@ -144,6 +157,9 @@ class StateFiles:
         self.filesystem = filesystem_of(self.dir)
         self.direct = direct_io_works(self.dir)
         self.fds = {key: _open(self.dir / f"{key}.bin", self.direct) for key in keys}
+        # buffered access at any offset, into any buffer: a save's reads, a resume's mapping
+        self.buffered = {key: os.open(self.dir / f"{key}.bin", os.O_RDWR) for key in keys}
+        self.maps: list[mmap.mmap] = []
         for key, fd in self.fds.items() if numel else ():  # a rank with nothing to update takes no space
             try:  # the disk space taken now: a full disk fails here, not in a writer thread mid-step
                 os.posix_fallocate(fd, 0, 4 * padded(numel))
@@ -155,7 +171,8 @@ class StateFiles:
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
         # at the process's end (or the optimizer's), the threads, the files and the working copy are let go
-        self._finalizer = weakref.finalize(self, _release, self.reader, self.writer, self.fds, self.lock, self.dir)
+        self._finalizer = weakref.finalize(self, _release, self.reader, self.writer, self.fds, self.buffered,
+                                           self.lock, self.dir)  # fmt: skip
 
     @property
     def buffer_bytes(self) -> int:
@@ -236,20 +253,176 @@ class StateFiles:
             out[lo - start : hi - start] = buffer[lo - begin : hi - begin]
         return out
 
+    def region(self, key: str, start: int, like: torch.Tensor) -> FileRegion:
+        """`like`'s part (this rank's, as many elements) of `key` from element `start`, where it lies: what a
+        save writes from, valid until the next update."""
+        return FileRegion.of(self, self.buffered[key], 4 * start, like, stable=False)
+
+    def mapped(self, key: str) -> torch.Tensor:
+        """The `numel` elements of `key`'s file as a tensor over its pages (shared: what is written into it goes
+        to the file, written back by the kernel, never a copy in this process's memory); the mapping lasts as
+        long as a tensor over it."""
+        if not self.numel:
+            return torch.empty(0)
+        self.maps.append(mmap.mmap(self.buffered[key], 4 * padded(self.numel)))
+        return torch.frombuffer(self.maps[-1], dtype=torch.float32, count=self.numel)
+
+    def flush(self) -> None:
+        """What was written into the mapped files made durable there, before the ring's direct reads and
+        writes take over."""
+        for pages in self.maps:
+            pages.flush()
+        self.maps = []
+
     def close(self) -> None:
         """Threads stopped, files closed and deleted (the checkpoints hold the state)."""
         self._finalizer()
 
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
-def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, fds: dict[str, int], lock: int,
-             directory: Path) -> None:  # fmt: skip
+
+def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, fds: dict[str, int], buffered: dict[str, int],
+             lock: int, directory: Path) -> None:  # fmt: skip
     reader.shutdown()
     writer.shutdown()
     for key, fd in list(fds.items()):
         os.close(fd)
+        os.close(buffered.pop(key))
         (directory / f"{key}.bin").unlink(missing_ok=True)
         del fds[key]
     os.close(lock)
+
+
+@dataclass(frozen=True, eq=False)
+class FileRegion:
+    """A tensor's fp32 elements lying in a file from byte `offset`, row-major: what a save writes from the
+    file a piece at a time, never whole in memory. `shape` is this rank's part of a tensor of `size`, at
+    `origin` in it (a shard's offsets); `owner` (StateFiles or Scratch) keeps the file open; `stable`: a
+    snapshot, which no update changes."""
+
+    owner: Any
+    fd: int
+    offset: int
+    shape: tuple[int, ...]
+    origin: tuple[int, ...]
+    size: tuple[int, ...]
+    stable: bool
+
+    @classmethod
+    def of(cls, owner: Any, fd: int, offset: int, like: torch.Tensor, stable: bool) -> FileRegion:
+        """The region laid out like `like`: its local shape, and where that lies in the whole."""
+        return cls(owner, fd, offset, tuple(local(like).shape), origin_of(like), tuple(like.shape), stable)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * math.prod(self.shape)
+
+    def pieces(self, buffer: bytearray) -> Iterator[memoryview]:
+        """The region's bytes, read into `buffer` a piece at a time (each piece's pages dropped from the
+        page cache once read: the state is not kept twice in host memory)."""
+        if getattr(self.owner, "closed", False):  # its descriptor's number may be another file's by now
+            raise OSError(errno.EBADF, f"{self.owner.dir}: the state files were let go before a save wrote them")
+        view, at, end = memoryview(buffer), self.offset, self.offset + self.nbytes
+        while at < end:
+            n = os.preadv(self.fd, [view[: min(len(view), end - at)]], at)
+            if n <= 0:
+                raise OSError(errno.EIO, f"{self.owner.dir}: the state file ends at byte {at}, inside a region")
+            os.posix_fadvise(self.fd, at, n, os.POSIX_FADV_DONTNEED)
+            yield view[:n]
+            at += n
+
+    def read(self) -> torch.Tensor:
+        """The region in a new host tensor of its `shape` (where a whole tensor is needed: the vocabulary's)."""
+        out = torch.empty(self.shape, dtype=torch.float32)
+        target, at = memoryview(out.numpy()).cast("B"), 0
+        for piece in self.pieces(bytearray(min(self.nbytes, 2**24))):
+            target[at : at + len(piece)] = piece
+            at += len(piece)
+        return out
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        """DCP's save plan of it: a shard at `origin` (the whole tensor when it is all of it)."""
+        offsets, fp32 = torch.Size(self.origin), TensorProperties(dtype=torch.float32)
+        kind = WriteItemType.TENSOR if self.shape == self.size else WriteItemType.SHARD
+        chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(self.shape))
+        data = TensorWriteData(chunk=chunk, properties=fp32, size=torch.Size(self.size))
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=kind, tensor_data=data)]
+
+
+class Scratch:
+    """An unnamed file in `directory` (O_TMPFILE, or unlinked at once): a save's copy of state on the node's
+    disk. Its space goes with its last reference, whatever ends the process."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.file = tempfile.TemporaryFile(dir=directory)
+        self.fd, self.size = self.file.fileno(), 0
+
+    def _write(self, pieces: Iterable[memoryview]) -> int:
+        """The pieces written at the end, one after another; where the first begins."""
+        offset = self.size
+        for piece in pieces:
+            done = 0
+            while done < len(piece):
+                done += os.pwrite(self.fd, piece[done:], self.size + done)
+            self.size += len(piece)
+        return offset
+
+    def append(self, values: torch.Tensor, like: torch.Tensor) -> FileRegion:
+        """`values` (fp32, any device) written at the end, as a region laid out like `like`."""
+        data = memoryview(values.detach().to("cpu", torch.float32).contiguous().numpy()).cast("B")
+        return FileRegion.of(self, self.fd, self._write([data]), like, stable=True)
+
+    def copy(self, region: FileRegion) -> FileRegion:
+        """`region`'s bytes copied to the end on the disk, not through this process (copy_file_range: a
+        reflink where the filesystem shares blocks; read and written here where the kernel cannot), as a
+        stable region."""
+        offset, done = self.size, 0
+        try:
+            while done < region.nbytes:
+                n = os.copy_file_range(region.fd, self.fd, region.nbytes - done, region.offset + done, offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"{self.dir}: the state file ends inside a region being copied")
+                done += n
+            self.size += region.nbytes
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            self._write(region.pieces(bytearray(min(region.nbytes, 2**24))))
+        os.posix_fadvise(region.fd, region.offset, region.nbytes, os.POSIX_FADV_DONTNEED)
+        return replace(region, owner=self, fd=self.fd, offset=offset, stable=True)
+
+
+def raise_together(problem: str | None, group: Any = None) -> None:
+    """An OSError on every rank of `group` when any has a `problem` (a full disk on one node), so that none is
+    left waiting in a collective the others never reach."""
+    problems = [problem]
+    if torch.distributed.is_initialized():
+        problems = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(problems, problem, group=group)
+    if any(problems):
+        raise OSError(next(p for p in problems if p))
+
+
+def snapshot(state: dict[str, Any], group: Any = None) -> dict[str, Any]:
+    """`state`'s regions that an update would change, copied on the disk into one scratch file per directory:
+    what an async save writes while training goes on (others as they are). Every rank of `group` calls it:
+    a failure on one raises on all."""
+    scratch: dict[Path, Scratch] = {}
+    out, problem = {}, None
+    try:
+        for key, value in state.items():
+            if isinstance(value, FileRegion) and not value.stable:
+                if value.owner.dir not in scratch:
+                    scratch[value.owner.dir] = Scratch(value.owner.dir)
+                value = scratch[value.owner.dir].copy(value)
+            out[key] = value
+    except OSError as err:
+        problem = f"copying the optimizer state on the node's disk for an async save failed: {err}"
+    raise_together(problem, group)
+    return out
 
 
 def _done(value: Chunk) -> Future:

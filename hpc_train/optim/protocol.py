@@ -67,7 +67,8 @@ class Optimizer(Protocol):
         ...
 
     def param_states(self) -> list[dict[str, torch.Tensor]]:
-        """Per trainable parameter, in the parameter's own shape and placement (checkpoints reshard it)."""
+        """Per trainable parameter, in the parameter's own shape and placement (checkpoints reshard it); with
+        optim.offload=nvme, `FileRegion`s of its files, which a save writes from there."""
         ...
 
     def owned_ranges(self) -> list[tuple[int, int] | None]:
@@ -80,6 +81,12 @@ class Optimizer(Protocol):
         layout (ZeRO-1 and -2: the owned range, flattened, with the fp32 master), without communication: what
         a copy of the state restored into the same run needs (train.spike_guard's in-memory copy). The
         tensors are the live ones: a caller copies them."""
+        ...
+
+    def load_targets(self) -> list[dict[str, torch.Tensor]]:
+        """Per trainable parameter, by key, tensors a load may read its state into, laid out as
+        `load_param_states` takes it (none: the load allocates them): optim.offload=nvme's files, mapped, so
+        a resume's state goes into them with no copy in memory."""
         ...
 
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:

@@ -382,9 +382,14 @@ class ZeroOptimizer:
                 owned = [self._span_state(s, key, state) for s, state in zip(bucket.spans, rule_states, strict=True)]
                 mine = self._to_writers(bucket, owned)
                 for p, values in mine.items():
-                    if key in keys[id(p)]:  # offload: back in host memory at once, as the state lives
-                        states[id(p)][key] = like_param(p, values.to(self.state_device).view(local(p).shape))
+                    if key in keys[id(p)]:
+                        states[id(p)][key] = self._kept(p, values)
         return [states[id(p)] for p in self.params]
+
+    def _kept(self, p: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+        """A writer's whole local values of `p`, as a save keeps them: laid out like `p`, where the state lives
+        (offload: back in host memory at once)."""
+        return like_param(p, values.to(self.state_device).view(local(p).shape))
 
     def _writer_ranks(self) -> dict[int, int]:
         """The dp rank that writes each parameter's state: the largest first, each to the rank with the fewest
@@ -449,6 +454,9 @@ class ZeroOptimizer:
         its bucket: at most one span each)."""
         spans = {id(s.param): (s.param_offset, s.numel) for b in self.buckets for s in b.spans}
         return [spans.get(id(p), (0, 0)) for p in self.params]
+
+    def load_targets(self) -> list[dict[str, torch.Tensor]]:
+        return [{} for _ in self.params]
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:

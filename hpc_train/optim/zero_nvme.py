@@ -23,11 +23,11 @@ import torch
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.fsdp import FullyShardedOptimizer
-from hpc_train.optim.nvme import MEMORY_FILESYSTEMS, Chunk, StateFiles
+from hpc_train.optim.nvme import MEMORY_FILESYSTEMS, Chunk, FileRegion, Scratch, StateFiles, raise_together
 from hpc_train.optim.rules import Target, target
 from hpc_train.optim.rules.adamw import MOMENTS
 from hpc_train.optim.zero import Zero2Optimizer, ZeroOptimizer, _flat_slice, _Span
-from hpc_train.placement import like_param, local
+from hpc_train.placement import local
 from hpc_train.resilience.faults import fault_point
 
 KEYS = ("master", *MOMENTS)
@@ -67,23 +67,34 @@ def covered(chunk: Chunk, extents: list[tuple[int, int]]) -> list[tuple[int, int
 
 
 @torch.no_grad()
-def write_all(files: StateFiles, keys: tuple[str, ...], extents: list[tuple[int, int]], value) -> None:
-    """Every chunk of `files` written, no reads, from `value(i, key)`: item i's values (None: zeros), the
-    items laid out at their (start, numel) `extents`."""
+def write_all(files: StateFiles, keys: tuple[str, ...], extents: list[tuple[int, int]], value,
+              kept: frozenset[tuple[int, str]] = frozenset()) -> None:  # fmt: skip
+    """Every chunk of `files` written from `value(i, key)`: item i's values (None: zeros), the items laid out
+    at their (start, numel) `extents`; the (i, key) in `kept` are in the files already (a resume loaded them
+    there) and stay as they are. No reads when nothing is kept; no pass when everything is."""
+    if len(kept) == len(extents) * len(keys):
+        return
 
     def fill(chunk: Chunk) -> None:
-        for key in keys:
-            chunk.slot[key].zero_()
+        if not kept:
+            for key in keys:
+                chunk.slot[key].zero_()
         for i, lo, hi in covered(chunk, extents):
             for key in keys:
-                values = value(i, key)
-                if values is not None:
-                    start = extents[i][0]
-                    chunk.slot[key][lo - chunk.start : hi - chunk.start].copy_(
-                        values.reshape(-1)[lo - start : hi - start]
-                    )
+                if (i, key) in kept:
+                    continue
+                values, start = value(i, key), extents[i][0]
+                into = chunk.slot[key][lo - chunk.start : hi - chunk.start]
+                into.zero_() if values is None else into.copy_(values.reshape(-1)[lo - start : hi - start])
 
-    files.stream(fill, read=False)
+    files.stream(fill, read=bool(kept))
+
+
+def in_place(given: torch.Tensor | None, target: torch.Tensor | None) -> bool:
+    """Whether a loaded value is the load target itself (the files' mapped pages: loaded into them)."""
+    if given is None or target is None or not target.numel():
+        return False
+    return local(given).data_ptr() == target.data_ptr()
 
 
 def decay_groups() -> dict[bool, list[list[torch.Tensor]]]:
@@ -114,14 +125,21 @@ class OnDisk:
         fill()
         self.write_gbps = self.files.disk_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
 
+    def update_s(self) -> float:
+        """What an update's pass over the files (every byte read and written) costs at the speed the first fill
+        measured: the planner's disk term, at this disk's speed rather than the one it assumes."""
+        return 2 * self.files.disk_bytes / 1e9 / max(self.write_gbps, 1e-9)
+
     def describe(self) -> str:
-        """The start-up line: where the state is, how it is written, and the disk's speed at the first fill."""
+        """The start-up line: where the state is, how it is written, the disk's speed at the first fill and what
+        an update's disk traffic costs at that speed."""
         direct = "O_DIRECT" if self.files.direct else "buffered writes (the filesystem refuses O_DIRECT)"
         if self.files.filesystem in MEMORY_FILESYSTEMS:
             direct += f"; on {self.files.filesystem}, so the state is in host memory after all"
         return (f"optim.offload=nvme: {self.files.disk_bytes / 2**30:.3f} GiB of {self.holds} in {self.files.dir} "
-                f"({direct}; written at {self.write_gbps:.2f} GB/s at start-up), through "
-                f"{self.files.buffer_bytes / 2**20:.1f} MiB of host buffers")  # fmt: skip
+                f"({direct}; written at {self.write_gbps:.2f} GB/s at start-up: an update reads and writes it, "
+                f"{self.update_s():.2f} s a step at that speed), through {self.files.buffer_bytes / 2**20:.1f} MiB "
+                "of host buffers")  # fmt: skip
 
 
 class StreamedAdamW:
@@ -161,13 +179,13 @@ class NvmeState(OnDisk):
     def __init__(self, model: ParallelModel, cfg: OptimConfig, params: list | None = None, role: str = "dp_cp"):
         self.cfg, self.role = cfg, role
         super().__init__(model, cfg, params, role)  # type: ignore[call-arg]
-        self.state_device = torch.device("cpu")  # where a save's or a state copy's share is read to, not the GPU
         self.offloaded = ()  # the state is on disk; the ring is its host buffers, the updated weights on the device
         self.spans = [s for b in self.buckets for s in b.spans]
         self.extents = [(s.offset, s.numel) for s in self.spans]  # back to back in the owned slice
         # the updated weights of the owned slice in the parameters' dtype, on the device, for the all-gather
         # (made at the first update: the precision policy casts the parameters after construction)
         self.updated = torch.empty(0, device=self.device)
+        self.targets: dict[tuple[int, str], torch.Tensor] = {}  # what `load_targets` handed out, by span and key
 
         def weights(span: _Span, key: str) -> torch.Tensor | None:  # the masters from the model, moments at zero
             return _flat_slice(span.param, span.param_offset, span.numel) if key == "master" else None
@@ -181,10 +199,10 @@ class NvmeState(OnDisk):
     def _make_rule(self, targets: list[Target], cfg: OptimConfig) -> StreamedAdamW:
         return StreamedAdamW(targets, cfg)
 
-    def _write_state(self, value) -> None:
-        """Every chunk of the files written from `value(span, key)` (a tensor of the span's elements, or None
-        for zeros): no reads."""
-        write_all(self.files, KEYS, self.extents, lambda i, key: value(self.spans[i], key))
+    def _write_state(self, value, kept: frozenset[tuple[int, str]] = frozenset()) -> None:
+        """The files written from `value(span, key)` (a tensor of the span's elements, or None for zeros), but
+        for the (span index, key) `kept`."""
+        write_all(self.files, KEYS, self.extents, lambda i, key: value(self.spans[i], key), kept)
 
     @torch.no_grad()
     def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
@@ -227,22 +245,56 @@ class NvmeState(OnDisk):
         if self.dp > 1:
             self._gather_params(lambda span: self.updated[span.offset : span.offset + span.numel])
 
+    def param_states(self) -> list[dict]:
+        """Each parameter's state as its file region (a save writes it from there; never read into memory).
+        At dp 1 every span is a whole parameter: its regions of the files themselves. At dp > 1 the spans go
+        to their writers (ZeRO-1's all-to-all, a bucket and key at a time) and each writer's share is written
+        to a scratch file beside the state, a snapshot the save writes from."""
+        if self.dp > 1:
+            self.scratch, self.problem = None, None
+            try:
+                states = super().param_states()  # type: ignore[misc]
+            finally:
+                problem = self.problem
+                del self.scratch, self.problem
+            raise_together(problem)  # a full disk on one node: every rank stops here, none waits for it
+            return states
+        spans = {id(s.param): s for s in self.spans}
+        keys = ("master", *(MOMENTS if any(self.rule.state(s.master) for s in self.spans) else ()))
+        return [{key: self.files.region(key, spans[id(p)].offset, p) for key in keys} for p in self.params]
+
     def _span_state(self, span: _Span, key: str, rule_state: dict) -> torch.Tensor:
-        """A span's `key`, read from its file into host memory (a checkpoint's or a state copy's share)."""
+        """A span's `key`, read from its file into host memory (sent to its writer, or a state copy's)."""
         return self.files.read_range(key, span.offset, span.numel)
 
-    def _to_writers(self, bucket, owned: list[torch.Tensor]) -> dict:
-        """At dp 1 the spans' values as read, in host memory (ZeRO-1's would go to the device)."""
-        if self.dp == 1:
-            return {s.param: values for s, values in zip(bucket.spans, owned, strict=True)}
-        return super()._to_writers(bucket, owned)  # type: ignore[misc]
+    def _kept(self, p: torch.nn.Parameter, values: torch.Tensor) -> FileRegion | None:
+        if self.problem is None:  # after a failure the collectives go on, writing nothing, and every rank raises
+            try:
+                self.scratch = self.scratch or Scratch(self.files.dir)
+                return self.scratch.append(values, p)
+            except OSError as err:
+                self.problem = f"{self.files.dir}: writing a save's share of the optimizer state failed: {err}"
+        return None
+
+    def load_targets(self) -> list[dict[str, torch.Tensor]]:
+        """Each span's master and moments where they lie in the files, mapped: a resume loads into them."""
+        files = {key: self.files.mapped(key) for key in KEYS}
+        self.targets = {(id(s), key): files[key][s.offset : s.offset + s.numel] for s in self.spans for key in KEYS}
+        spans = {id(s.param): s for s in self.spans}
+        return [{key: self.targets[id(spans[id(p)]), key] for key in KEYS} if id(p) in spans else {}
+                for p in self.params]  # fmt: skip
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
         """The files written from each span's saved state (a master not saved: the loaded weights; moments
-        not saved: zeros, and the step count starts again, as AdamW's does)."""
+        not saved: zeros, and the step count starts again, as AdamW's does); what a resume loaded into the
+        files themselves (`load_targets`) stays there, and only the rest goes through the ring."""
         by_param = {id(p): s for p, s in zip(self.params, states, strict=True)}
         saved = {id(s): all(k in by_param[id(s.param)] for k in MOMENTS) for s in self.spans}  # else: afresh
+        targets, self.targets = self.targets, {}
+        kept = frozenset((i, key) for i, s in enumerate(self.spans) for key in KEYS
+                         if (key == "master" or saved[id(s)])
+                         and in_place(by_param[id(s.param)].get(key), targets.get((id(s), key))))  # fmt: skip
         on_host: dict[tuple[int, str], torch.Tensor | None] = {}  # each span's value moved to the host once
 
         def value(span: _Span, key: str) -> torch.Tensor | None:
@@ -256,7 +308,8 @@ class NvmeState(OnDisk):
                 on_host[id(span), key] = None if given is None else local(given).detach().reshape(-1).cpu()
             return on_host[id(span), key]
 
-        self._write_state(value)
+        self.files.flush()
+        self._write_state(value, kept)
         for span in self.spans:
             self.rule.steps[id(span.master)].fill_(float(step) if saved[id(span)] else 0.0)
 
@@ -293,11 +346,12 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
         self.extents = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # the local shards back to back
         self.files = rank_files(cfg, MOMENTS, sum(sizes), model.device.type == "cuda", extra=())
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]  # AdamW's, per parameter
+        self.targets: list[dict[str, torch.Tensor]] = []  # what `load_targets` handed out, per parameter
         self._first_fill(lambda: self._write_moments(lambda i, key: None))
 
-    def _write_moments(self, value) -> None:
-        """Every chunk of the files written from `value(i, key)` (parameter i's flat moment, None: zeros)."""
-        write_all(self.files, MOMENTS, self.extents, value)
+    def _write_moments(self, value, kept: frozenset[tuple[int, str]] = frozenset()) -> None:
+        """The files written from `value(i, key)` (parameter i's flat moment, None: zeros), but for `kept`."""
+        write_all(self.files, MOMENTS, self.extents, value, kept)
 
     @torch.no_grad()
     def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
@@ -327,19 +381,36 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
         for p in self.params:
             p.grad = None
 
-    def param_states(self) -> list[dict[str, torch.Tensor]]:
-        """Each parameter's moments read from the files, in its own placement (in host memory, as the shards)."""
-        return [{key: like_param(p, self.files.read_range(key, off, numel).view(local(p).shape))
-                 for key in MOMENTS} if step.item() else {}
-                for p, (off, numel), step in zip(self.params, self.extents, self.steps, strict=True)]  # fmt: skip
+    def param_states(self) -> list[dict[str, FileRegion]]:
+        """Each parameter's moments as their regions of the files, laid out like its shard (a save writes
+        them from there)."""
+        return [{key: self.files.region(key, off, p) for key in MOMENTS} if step.item() else {}
+                for p, (off, _), step in zip(self.params, self.extents, self.steps, strict=True)]  # fmt: skip
+
+    def local_states(self) -> list[dict[str, torch.Tensor]]:
+        """Each parameter's moments read into host memory, flat (a state copy's: the spike guard's, local
+        checkpoints'; `load_param_states` takes them back)."""
+        return [{key: region.read().view(-1) for key, region in state.items()} for state in self.param_states()]
+
+    def load_targets(self) -> list[dict[str, torch.Tensor]]:
+        """Each parameter's moments where they lie in the files, mapped, flat (its shard's elements in order;
+        a DTensor over them would be moved to the mesh's device): a resume loads into them."""
+        files = {key: self.files.mapped(key) for key in MOMENTS}
+        self.targets = [{key: files[key][off : off + numel] for key in MOMENTS} for off, numel in self.extents]
+        return self.targets
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
-        """The files written from the loaded moments (none saved: zeros, and the step count starts again)."""
+        """The files written from the loaded moments (none saved: zeros, and the step count starts again);
+        those a resume loaded into the files themselves (`load_targets`) stay there."""
         saved = [all(k in state for k in MOMENTS) for state in states]  # a parameter without: afresh, as AdamW's
-        flat = [{k: local(state[k]).detach().reshape(-1).cpu() for k in MOMENTS} if ok else {}
-                for state, ok in zip(states, saved, strict=True)]  # fmt: skip
-        self._write_moments(lambda i, key: flat[i].get(key))
+        targets, self.targets = self.targets or [{} for _ in self.params], []
+        kept = frozenset((i, key) for i, (state, ok) in enumerate(zip(states, saved, strict=True)) if ok
+                         for key in MOMENTS if in_place(state[key], targets[i].get(key)))  # fmt: skip
+        flat = [{k: local(state[k]).detach().reshape(-1).cpu() for k in MOMENTS if (i, k) not in kept} if ok else {}
+                for i, (state, ok) in enumerate(zip(states, saved, strict=True))]  # fmt: skip
+        self.files.flush()
+        self._write_moments(lambda i, key: flat[i].get(key), kept)
         for count, ok in zip(self.steps, saved, strict=True):
             count.fill_(float(step) if ok else 0.0)
 
