@@ -651,10 +651,12 @@ def step_time_estimate(cfg: JobConfig, dims: ParallelDims, peak_flops: float, mf
         owned = math.ceil(local_param_count(cfg).trainable / (dp * dims.cp))
         transfers = owned * (4 + elt) if o.zero_stage < 3 else owned * 4 * 3 * t.grad_accum
         offload = transfers / (links.pcie_gbps * 1e9) + owned / host_adam_elements_per_s
-    if o.offload == "nvme":  # + the state read and written (stage 3: the moments), over the node's disk shared by
-        # the ranks on the node
+    if o.offload == "nvme":  # + the state read and written (stage 3: the moments; Muon's stages 1-2 read and write
+        # the masters again, after the matrices' updates are orthogonalized), over the node's disk shared by the
+        # ranks on the node
         node = min(dims.world_size, links.gpus_per_node)
-        offload += owned * (12 if o.zero_stage < 3 else 8) * 2 / (links.nvme_gbps * 1e9 / node)
+        per_element = (12 + 4 * rule_class(o).gathers_matrices) if o.zero_stage < 3 else 8
+        offload += owned * per_element * 2 / (links.nvme_gbps * 1e9 / node)
     given = {"dims": dims, "links": links, "block_policy": policy, "flops_per_s": peak_flops * mfu,
              "parts": activation_parts(cfg)}  # fmt: skip
     features = sum(seconds() for _, seconds in declared(cfg, "step_time", **given))

@@ -23,6 +23,9 @@ BF16_Z2 = ["optim.zero_stage=2", "train.precision=bf16", "train.grad_accum=2", "
 # fp16 from a loss scale its gradients overflow now and then (steps 1 and 3 dropped, decided on the device)
 FP16_SKIPS = ["optim.zero_stage=1", "train.precision=fp16", "train.initial_loss_scale=262144",
               "train.micro_batch_size=4"]  # fmt: skip
+# one bucket led by a large tied embedding: rank 0 owns none of the matrices, yet joins their gathers
+MUON = ["optim.zero_stage=1", "optim.name=muon", "train.micro_batch_size=4", "checkpoint.interval=2",
+        "model.tie_embeddings=true", "model.vocab_size=2048", "optim.bucket_mb=100"]  # fmt: skip
 ZERO3 = ["optim.zero_stage=3", "train.micro_batch_size=2", "train.grad_accum=2", "checkpoint.interval=2"]
 RUNS = {  # name: (overrides, nvme)
     "zero1_fp32": (["optim.zero_stage=1", "train.micro_batch_size=4", "checkpoint.interval=2"], False),
@@ -31,6 +34,10 @@ RUNS = {  # name: (overrides, nvme)
     "zero2_bf16_nvme": (BF16_Z2, True),
     "zero1_fp16": (FP16_SKIPS, False),
     "zero1_fp16_nvme": (FP16_SKIPS, True),
+    "zero1_muon": (MUON, False),  # Muon's momentum in the files, its updates orthogonalized whole over dp
+    "zero1_muon_nvme": (MUON, True),
+    "zero3_muon": ([*ZERO3, "optim.name=muon"], False),
+    "zero3_muon_nvme": ([*ZERO3, "optim.name=muon"], True),
     "zero3_fp32": (ZERO3, False),
     "zero3_fp32_nvme": (ZERO3, True),  # FSDP2's shards and their gradients (accumulated there) on the host
 }
@@ -50,11 +57,12 @@ def runs(tmp_path_factory, small_corpus):
     configs = {name: cfg(name, f"train.steps={STEPS}") for name in RUNS}
     # saved at step 2 and resumed to the end, as a new process does: the files are written from the checkpoint
     # (ZeRO-3's saved asynchronously: from a snapshot of its files)
-    for name, extra in (("zero1_fp32_nvme_resumed", ()), ("zero3_fp32_nvme_resumed", ("checkpoint.async_save=true",))):
+    first = {"zero1_fp32_nvme_resumed": (), "zero3_fp32_nvme_resumed": ("checkpoint.async_save=true",),
+             "zero1_muon_nvme_resumed": ()}  # fmt: skip
+    for name, extra in first.items():
         configs[name] = cfg(name, "train.steps=2", *extra)
     launch_sequence(run_training, 2, [(c,) for c in configs.values()])
-    resumed = {name: cfg(name, f"train.steps={STEPS}") for name in ("zero1_fp32_nvme_resumed",
-                                                                     "zero3_fp32_nvme_resumed")}  # fmt: skip
+    resumed = {name: cfg(name, f"train.steps={STEPS}") for name in first}
     launch_sequence(run_training, 2, [(c,) for c in resumed.values()])
     killed = {name: cfg(name, f"train.steps={STEPS}", "parallel.max_restarts=1")
               for name in ("zero1_fp32_nvme_killed", "zero3_fp32_nvme_killed")}  # fmt: skip
@@ -69,7 +77,9 @@ def losses(cfg) -> list[float]:
     return [m["loss"] for m in read_metrics(cfg.run_dir)]
 
 
-@pytest.mark.parametrize("reference", ["zero1_fp32", "zero2_bf16", "zero1_fp16", "zero3_fp32"])
+@pytest.mark.parametrize(
+    "reference", ["zero1_fp32", "zero2_bf16", "zero1_fp16", "zero3_fp32", "zero1_muon", "zero3_muon"]
+)
 def test_nvme_offload_updates_exactly_as_the_state_in_memory(runs, reference):
     """Same kernel, same elements: the losses and final weights equal the in-memory ZeRO run's, bit for bit;
     in fp16 the steps its loss scale drops change nothing on disk either."""
@@ -124,12 +134,20 @@ def test_nvme_offload_resumes_exactly_and_after_a_kill_in_the_update(runs, stage
     assert restart["attempt"] == 1
 
 
+def test_nvme_muon_resumes_exactly(runs):
+    """Muon's momentum, kept where AdamW's first moment would be, is saved under its own key and loaded back
+    into its place (its second moment's place unused)."""
+    run, whole = runs["zero1_muon_nvme_resumed"], runs["zero1_muon"]
+    assert losses(run) == losses(whole) and losses(run)[-1] < losses(run)[0]
+    assert max_param_diff(read_final_model(run.run_dir), read_final_model(whole.run_dir)) == 0
+
+
 @pytest.mark.parametrize(
     "overrides, refusal",
     [
         (["optim.zero_stage=1"], "optim.offload=nvme needs optim.offload_dir"),
         (["optim.zero_stage=0", "optim.offload_dir=/tmp/x"], "set optim.zero_stage=1"),
-        (["optim.zero_stage=1", "optim.name=muon", "optim.offload_dir=/tmp/x"], "use optim.name=adamw"),
+        (["optim.zero_stage=1", "optim.name=adamw8bit", "optim.offload_dir=/tmp/x"], "use optim.name=adamw"),
     ],
 )
 def test_nvme_offload_refuses_what_it_does_not_support(overrides, refusal):
@@ -229,7 +247,8 @@ def _async_save_and_in_place_resume_checks(rank_env, cfg, other_stage):
     """One rank, ZeRO-1 or -3: the start-up line prices an update's disk traffic at the measured speed; an
     async save whose write waits until the next update changed the files still commits the state of its step
     (it writes from a snapshot), and a resume reads it straight into the files' mapped pages, no template of
-    its own (the vocabulary's too, its padding rows left out); a state copy reads it into memory. A resume at
+    its own (the vocabulary's too, its padding rows left out); a state copy reads it into memory, and restores
+    it through the ring (Muon's momentum back into its place). A resume at
     the other ZeRO stage (`other_stage`) keeps the moments it loaded into the files, and ZeRO-1's masters,
     which ZeRO-3 does not save, are filled in from the loaded weights through the ring (a pass that reads the
     chunks first)."""
@@ -242,7 +261,8 @@ def _async_save_and_in_place_resume_checks(rank_env, cfg, other_stage):
     cpu = torch.device("cpu")
     with distributed(rank_env, cpu, "gloo", 120):
         run = build_run(cfg, rank_env, cpu)
-        disk_s = 2 * run.optimizer.disk_bytes() / 1e9 / run.optimizer.write_gbps  # the start-up line's step cost
+        moved = run.optimizer.disk_bytes() * (4 / 3 if cfg.optim.name == "muon" and cfg.optim.zero_stage < 3 else 1)
+        disk_s = 2 * moved / 1e9 / run.optimizer.write_gbps  # the start-up line's step cost (Muon: masters again)
         assert f"an update reads and writes it, {disk_s:.2f} s a step at that speed" in run.optimizer.describe()
         batch = lambda: [run.train_set.batch(run.sampler.next_micro_batches()[0])]  # noqa: E731
         train_step(run.model, run.optimizer, batch(), 1e-3)
@@ -250,7 +270,8 @@ def _async_save_and_in_place_resume_checks(rank_env, cfg, other_stage):
         run.checkpointer.save(1)
         train_step(run.model, run.optimizer, batch(), 1e-3, StepOptions(before_update=run.checkpointer.staged))
         changed = [{key: region.read() for key, region in state.items()} for state in run.optimizer.param_states()]
-        assert all(not torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(at_save, changed, strict=True))
+        assert all(any(not torch.equal(a[k], b[k]) for k in a if k != "master")
+                   for a, b in zip(at_save, changed, strict=True))  # fmt: skip
         run.checkpointer.wait()
         run.optimizer.close()
 
@@ -266,27 +287,31 @@ def _async_save_and_in_place_resume_checks(rank_env, cfg, other_stage):
         assert all(torch.equal(c[k], a[k].view(-1)) for c, a in zip(copy, at_save, strict=True) for k in a)
         loaded = [{key: region.read() for key, region in state.items()} for state in optimizer.param_states()]
         assert all(torch.equal(a[k], b[k]) for a, b in zip(at_save, loaded, strict=True) for k in a)
+        train_step(fresh.model, optimizer, [fresh.train_set.batch(fresh.sampler.next_micro_batches()[0])], 1e-3)
+        optimizer.load_param_states(copy, 1)  # the copy restored (train.spike_guard's rollback): through the ring
+        restored = [{key: region.read() for key, region in state.items()} for state in optimizer.param_states()]
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(at_save, restored, strict=True) for k in a)
         optimizer.close()
 
         other = build_run(other_stage, rank_env, cpu)  # resharded: ZeRO-1's masters are not in ZeRO-3's checkpoint
         assert other.checkpointer.resume().step == 1
         for state, saved, p in zip(other.optimizer.local_states(), at_save, other.optimizer.params, strict=True):
-            assert all(torch.equal(state[k], saved[k].view(-1)) for k in ("exp_avg", "exp_avg_sq"))
+            assert all(torch.equal(state[k], saved[k].view(-1)) for k in saved if k != "master")
             assert "master" not in state or torch.equal(state["master"], p.detach().view(-1))  # the loaded weights
         other.optimizer.close()
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_nvme_async_save_writes_its_step_and_a_resume_loads_into_the_files(stage, tmp_path, small_corpus,
-                                                                          monkeypatch):  # fmt: skip
+@pytest.mark.parametrize("stage, rule, other", [(1, "adamw", 3), (3, "adamw", 1), (2, "muon", 3), (3, "muon", 2)])
+def test_nvme_async_save_writes_its_step_and_a_resume_loads_into_the_files(stage, rule, other, tmp_path,
+                                                                          small_corpus, monkeypatch):  # fmt: skip
     def cfg(*extra: str):
         return load_config(None, [*TINY_MODEL, f"data.train_path={small_corpus}", "parallel.nproc=1",
                                   f"run_dir={tmp_path}", f"optim.zero_stage={stage}", "optim.offload=nvme",
-                                  f"optim.offload_dir={tmp_path / 'o'}", BUFFER, "checkpoint.async_save=true",
-                                  *extra])  # fmt: skip
+                                  f"optim.name={rule}", f"optim.offload_dir={tmp_path / 'o'}", BUFFER,
+                                  "checkpoint.async_save=true", *extra])  # fmt: skip
 
     monkeypatch.setenv("HPC_TRAIN_FAULT", "staged@1@0@slow")  # the write waits SLOW_S: the next update goes first
-    launch_local(_async_save_and_in_place_resume_checks, 1, cfg(), cfg(f"optim.zero_stage={4 - stage}"))
+    launch_local(_async_save_and_in_place_resume_checks, 1, cfg(), cfg(f"optim.zero_stage={other}"))
 
 
 BIG = ["model.d_model=1024", "model.n_layers=5", "model.n_heads=8", "train.micro_batch_size=1"]  # 64M params
@@ -296,13 +321,19 @@ FROZEN = "train.freeze=['layers.*','tok_embeddings.weight','output.weight']"  # 
 @pytest.fixture(scope="module")
 def big_runs(tmp_path_factory, small_corpus):
     """One rank, ZeRO-1, fp32, a 64M-parameter model (AdamW state: 0.77 GB, 1.02 GB with cpu offload's
-    gradient copy), 2 steps, each saved: its weights alone (all but the final norm frozen), nvme, cpu offload."""
+    gradient copy), 2 steps: its weights alone (all but the final norm frozen) and nvme, each step saved, and
+    cpu offload."""
     base = tmp_path_factory.mktemp("nvme_rss")
     common = [*TINY_MODEL, *BIG, f"data.train_path={small_corpus}", "train.steps=2", "parallel.nproc=1",
-              "optim.zero_stage=1", "train.save_final_model=false", "checkpoint.interval=1"]  # fmt: skip
-    runs = {
-        "weights": [FROZEN],
-        "nvme": ["optim.offload=nvme", f"optim.offload_dir={base / 'offload'}", "optim.offload_buffer_mb=64"],
+              "optim.zero_stage=1", "train.save_final_model=false"]  # fmt: skip
+    runs = {  # the weights' run and nvme's saved at each step (cpu offload exceeds the bound without a save)
+        "weights": [FROZEN, "checkpoint.interval=1"],
+        "nvme": [
+            "optim.offload=nvme",
+            f"optim.offload_dir={base / 'offload'}",
+            "optim.offload_buffer_mb=64",
+            "checkpoint.interval=1",
+        ],  # fmt: skip
         "cpu": ["optim.offload=cpu"],
     }
     configs = {name: load_config(None, [*common, f"run_dir={base / name}", *extra]) for name, extra in runs.items()}

@@ -1,11 +1,12 @@
 """Optimizer offload, measured in one process: a training step of a GPT (one rank, ZeRO-1, fp32) with
-`optim.offload` none, cpu and nvme, and the nvme update's own throughput against a raw sequential read plus
-write of the same bytes on the same disk (the masters and both moments of every parameter, read and written
-back once an update, as the offload's files are: O_DIRECT where the disk takes it, in the ring's chunk size).
-The raw reference runs in the same process, between the steps.
+`optim.offload` none, cpu and nvme, then a checkpoint save of each; and the nvme update's own throughput
+against a raw sequential read plus write of the same bytes on the same disk (the masters and both moments of
+every parameter, read and written back once an update, as the offload's files are: O_DIRECT where the disk
+takes it, in the ring's chunk size). The raw reference runs in the same process, between the steps.
 
     python tools/bench_offload.py                               # ~86M parameters (d_model 768, 12 layers)
     python tools/bench_offload.py --dir /mnt/nvme/bench         # on another disk
+    python tools/bench_offload.py --rule muon                   # Muon: a second pass over the masters
 
 DeepSpeed's ZeRO-Infinity (its NVMe offload) is not run: it is not a dependency of this project, and its
 async I/O op builds only against libaio with a CUDA toolkit, which the CPU machines here do not have.
@@ -30,8 +31,9 @@ from hpc_train.optim.zero_nvme import KEYS
 from hpc_train.train.step import train_step
 
 
-def step_seconds(overrides: list[str], rank_env, steps: int) -> tuple[float, float, object]:
-    """(the median training step, the median update alone, the run) of `steps` steps after a first one."""
+def step_seconds(overrides: list[str], rank_env, steps: int) -> tuple[float, float, float, object]:
+    """(the median training step, the median update alone, a synchronous save after them, the run) of `steps`
+    steps after a first one."""
     cfg = load_config(None, overrides)
     run = build_run(cfg, rank_env, torch.device("cpu"), with_data=False)
     run.report = lambda message: None
@@ -51,7 +53,9 @@ def step_seconds(overrides: list[str], rank_env, steps: int) -> tuple[float, flo
         start = time.perf_counter()
         train_step(run.model, optimizer, batch, 1e-4)
         walls.append(time.perf_counter() - start)
-    return statistics.median(walls), statistics.median(updates), run
+    start = time.perf_counter()
+    run.checkpointer.save(steps + 1)
+    return statistics.median(walls), statistics.median(updates), time.perf_counter() - start, run
 
 
 def raw_read_write(directory: Path, numel: int, buffer_bytes: int, rounds: int) -> float:
@@ -80,11 +84,12 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--buffer-mb", type=float, default=256.0, help="optim.offload_buffer_mb")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rule", default="adamw", choices=["adamw", "muon"], help="optim.name")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(dir=args.dir))
     model = [f"model.n_layers={args.layers}", f"model.d_model={args.d_model}", "model.n_heads=12",
              "model.seq_len=256", "train.micro_batch_size=1", "optim.zero_stage=1", "train.device=cpu",
-             f"run_dir={root}/run"]  # fmt: skip
+             f"optim.name={args.rule}"]  # fmt: skip
     offloads = {
         "none": [],
         "cpu": ["optim.offload=cpu"],
@@ -97,22 +102,25 @@ def main() -> None:
     with single_process_group() as rank_env:
         results = {}
         for name, extra in offloads.items():
-            results[name] = step_seconds([*model, *extra], rank_env, args.steps)
-        files = results["nvme"][2].optimizer.files
+            results[name] = step_seconds([*model, *extra, f"run_dir={root}/{name}"], rank_env, args.steps)
+        files = results["nvme"][3].optimizer.files
         numel, direct, chunk = files.numel, files.direct, files.chunk
         raw = raw_read_write(root, numel, int(args.buffer_mb * 2**20), args.steps)
-    params = sum(p.numel() for p in results["none"][2].model.parameters)
-    moved = 3 * 4 * numel * 2  # masters and two moments, read and written
-    print(f"{params / 1e6:.1f}M parameters, one rank, ZeRO-1, fp32, CPU; median of {args.steps} steps; "
+    params = sum(p.numel() for p in results["none"][3].model.parameters)
+    moved = 3 * 4 * numel * 2  # masters and two moments, read and written (Muon: the masters twice)
+    moved += 4 * numel * 2 if args.rule == "muon" else 0
+    print(f"{params / 1e6:.1f}M parameters, one rank, ZeRO-1, fp32, {args.rule}, CPU; median of {args.steps} steps; "
           f"{moved / 1e9:.2f} GB read + written per nvme update ({'O_DIRECT' if direct else 'buffered'}, "
           f"{chunk * 4 / 2**20:.1f} MiB chunks) in {root}")  # fmt: skip
-    base = results["none"][0]
-    for name, (wall, update, _) in results.items():
-        print(f"  offload={name:<5} step {wall:.3f} s ({wall / base:.2f}x none), update {update:.3f} s")
-    update = results["nvme"][1]
+    base, base_save = results["none"][0], results["none"][2]
+    for name, (wall, update, save, _) in results.items():
+        print(f"  offload={name:<5} step {wall:.3f} s ({wall / base:.2f}x none), update {update:.3f} s, "
+              f"save {save:.2f} s ({save / base_save:.2f}x none)")  # fmt: skip
+    update, raw_moved = results["nvme"][1], 3 * 4 * numel * 2
     print(
-        f"  nvme update: {moved / update / 1e9:.2f} GB/s; raw sequential read + write of the same bytes: "
-        f"{moved / raw / 1e9:.2f} GB/s ({raw:.3f} s): the update at {raw / update:.2f} of the raw speed"
+        f"  nvme update: {moved / update / 1e9:.2f} GB/s; raw sequential read + write of the masters and moments: "
+        f"{raw_moved / raw / 1e9:.2f} GB/s ({raw:.3f} s): the update at {moved / update / (raw_moved / raw):.2f} of "
+        "the raw speed"
     )
 
 

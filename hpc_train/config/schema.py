@@ -160,7 +160,7 @@ class OptimConfig:
     # 0 = plain data parallelism; sharded over dp: 1 = optimizer state, 2 = + gradients, 3 = + parameters (FSDP2)
     zero_stage: int = 0
     bucket_mb: float = non_negative(25.0)  # gradient reduction bucket size (stages 0-2)
-    # cpu: the sharded optimizer state (stage 3: also the parameters) in host memory; nvme (AdamW): the fp32
+    # cpu: the sharded optimizer state (stage 3: also the parameters) in host memory; nvme (AdamW, Muon): the fp32
     # master weights and the moments (stage 3: the moments; the parameters in host memory) in files under
     # offload_dir, streamed through offload_buffer_mb of host buffers at each update
     offload: str = choice("none", "cpu", "nvme")

@@ -41,9 +41,9 @@ def optimizer_class(cfg: OptimConfig) -> type[Optimizer]:
         raise ConfigError(f"optim.offload={cfg.offload} offloads the sharded optimizer state: set "
                           f"optim.zero_stage={stage}")  # fmt: skip
     if cfg.offload == "nvme":
-        if cfg.name != "adamw":
-            raise ConfigError(f"optim.offload=nvme streams AdamW's state; optim.name={cfg.name} is not built for it "
-                              "yet: use optim.name=adamw, or optim.offload=cpu")  # fmt: skip
+        if cfg.name not in ("adamw", "muon"):
+            raise ConfigError(f"optim.offload=nvme streams AdamW's and Muon's state; optim.name={cfg.name} is not "
+                              "built for it yet: use optim.name=adamw or muon, or optim.offload=cpu")  # fmt: skip
         problems = check_offload_dir(cfg.offload_dir)
         if problems:
             raise ConfigError("\n".join(problems))

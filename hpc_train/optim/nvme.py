@@ -197,8 +197,8 @@ class StateFiles:
     def _blocks(self, start: int, numel: int) -> int:
         return min(padded(numel), padded(self.numel) - start)
 
-    def _read(self, chunk: Chunk) -> Chunk:
-        for key in self.keys:
+    def _read(self, chunk: Chunk, keys: tuple[str, ...]) -> Chunk:
+        for key in keys:
             self._io(False, key, chunk.start, chunk.slot[key][: self._blocks(chunk.start, chunk.numel)])
         return chunk
 
@@ -207,11 +207,13 @@ class StateFiles:
             self._io(True, key, chunk.start, chunk.slot[key][: self._blocks(chunk.start, chunk.numel)])
 
     def stream(self, update: Callable[[Chunk], None], keys: tuple[str, ...] | None = None,
-               read: bool = True) -> None:  # fmt: skip
+               read: bool = True, read_keys: tuple[str, ...] | None = None) -> None:  # fmt: skip
         """Every chunk of the files in order through `update` (it changes the slot's buffers in place), each
         read ahead and written back behind it on the I/O threads; `keys` written back (default: every key;
-        () for a pass that only reads). `read=False` skips the reads (a pass that writes every element)."""
+        () for a pass that only reads), `read_keys` read (default: every key). `read=False` skips the reads (a
+        pass that writes every element)."""
         keys = self.keys if keys is None else keys
+        read_keys = self.keys if read_keys is None else read_keys
         pending: list[Future | None] = [None] * SLOTS  # each slot's write in flight
         reads: dict[int, Future] = {}
 
@@ -221,7 +223,7 @@ class StateFiles:
                 pending[slot].result()  # the slot is free once its last chunk is written
                 pending[slot] = None
             chunk = Chunk(start, min(self.chunk, self.numel - start), self.slots[slot])
-            reads[i] = self.reader.submit(self._read, chunk) if read else _done(chunk)
+            reads[i] = self.reader.submit(self._read, chunk, read_keys) if read else _done(chunk)
 
         starts = list(range(0, self.numel, self.chunk))
         try:

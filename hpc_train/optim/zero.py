@@ -349,7 +349,8 @@ class ZeroOptimizer:
                 continue
             full = None
             if self.dp > 1:
-                full = self._gather_bucket(bucket, [given.get(id(s.master), s.master.new_zeros(s.numel))
+                zeros = torch.zeros(max(s.numel for s in bucket.spans), device=self.device)  # spans not given
+                full = self._gather_bucket(bucket, [given[id(s.master)] if id(s.master) in given else zeros[: s.numel]
                                                     for s in bucket.spans])  # fmt: skip
             for span in bucket.spans:
                 if id(span.master) in given:
@@ -358,7 +359,7 @@ class ZeroOptimizer:
                     piece = like_param(p, values.to(self.device).view(local(p).shape))
                     result = local(on_whole(fn, piece)).reshape(-1)
                     part = result[span.param_offset : span.param_offset + span.numel]
-                    out[id(span.master)] = part.to(span.master.device)  # offload: the update runs on the host
+                    out[id(span.master)] = part.to(self.state_device)  # offload: the update runs on the host
         return [out[id(t.tensor)] for t in targets]
 
     def param_states(self) -> list[dict[str, torch.Tensor]]:

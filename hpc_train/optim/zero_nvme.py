@@ -1,5 +1,6 @@
-"""ZeRO-1, -2 and -3 with optim.offload=nvme: the owned slice's fp32 master weights and AdamW moments in files on
-the node's disk (optim/nvme.py), streamed through a bounded ring of host buffers at each update.
+"""ZeRO-1, -2 and -3 with optim.offload=nvme: the owned slice's fp32 master weights and the update rule's state
+(AdamW's moments; Muon's momentum for a matrix, in the first moment's place) in files on the node's disk
+(optim/nvme.py), streamed through a bounded ring of host buffers at each update.
 
 The strategies are ZeRO-1's and ZeRO-2's (gradients reduced, checked and clipped on the device as there);
 what changes is where the state lives. The masters are never whole in memory: the spans' master tensors are
@@ -22,10 +23,12 @@ import torch
 
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.parallelize import ParallelModel
+from hpc_train.optim.data_parallel import whole_dtensors
 from hpc_train.optim.fsdp import FullyShardedOptimizer
 from hpc_train.optim.nvme import MEMORY_FILESYSTEMS, Chunk, FileRegion, Scratch, StateFiles, raise_together
 from hpc_train.optim.rules import Target, target
 from hpc_train.optim.rules.adamw import MOMENTS
+from hpc_train.optim.rules.muon import MOMENTUM, decayed_step, nesterov_update, orthogonalize
 from hpc_train.optim.zero import Zero2Optimizer, ZeroOptimizer, _flat_slice, _Span
 from hpc_train.placement import local
 from hpc_train.resilience.faults import fault_point
@@ -126,9 +129,13 @@ class OnDisk:
         self.write_gbps = self.files.disk_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
 
     def update_s(self) -> float:
-        """What an update's pass over the files (every byte read and written) costs at the speed the first fill
-        measured: the planner's disk term, at this disk's speed rather than the one it assumes."""
-        return 2 * self.files.disk_bytes / 1e9 / max(self.write_gbps, 1e-9)
+        """What an update's passes over the files (every byte read and written) cost at the speed the first
+        fill measured: the planner's disk term, at this disk's speed rather than the one it assumes."""
+        return 2 * (self.files.disk_bytes + self.second_pass_bytes()) / 1e9 / max(self.write_gbps, 1e-9)
+
+    def second_pass_bytes(self) -> int:
+        """Bytes of the files an update reads again (and writes) after its first pass."""
+        return 0
 
     def describe(self) -> str:
         """The start-up line: where the state is, how it is written, the disk's speed at the first fill and what
@@ -142,25 +149,44 @@ class OnDisk:
                 "of host buffers")  # fmt: skip
 
 
-class StreamedAdamW:
-    """The rule's face for a strategy whose state is in files: which keys it keeps and whether a target has
-    stepped. The arithmetic is `NvmeState.step`'s; this holds each target's weight decay and AdamW step."""
+class StreamedRule:
+    """The rule's face for a strategy whose state is in files, AdamW or Muon: which keys it keeps, which
+    targets are Muon's matrices (their momentum lies where AdamW's first moment would, the second moment's
+    place unused) and whether a target has stepped. The arithmetic is `NvmeState.step`'s; this holds each
+    target's weight decay and AdamW step."""
 
-    state_keys = MOMENTS
-    gathers_matrices = False
     block_size = 1
 
     def __init__(self, targets: list[Target], cfg: OptimConfig) -> None:
+        self.gathers_matrices = cfg.name == "muon"
+        self.state_keys = (MOMENTUM, *MOMENTS) if self.gathers_matrices else MOMENTS
+        self.matrices = [t for t in targets if self.gathers_matrices and t.matrix_shape is not None]
+        self.matrix_ids = {id(t.tensor) for t in self.matrices}
         self.decay = {id(t.tensor): t.decay for t in targets}
         # AdamW's step per target, as torch keeps it (a float tensor each): a resume may start one afresh
         self.steps = {id(t.tensor): torch.zeros((), dtype=torch.float32) for t in targets}
 
     def keys(self, matrix: bool) -> tuple[str, ...]:
-        return MOMENTS
+        return (MOMENTUM,) if self.gathers_matrices and matrix else MOMENTS
+
+    def file_of(self, tensor: torch.Tensor, key: str) -> str | None:
+        """The file holding a target's `key` (None: not the target's state, e.g. a matrix's exp_avg)."""
+        if key == "master":
+            return key
+        if id(tensor) in self.matrix_ids:
+            return "exp_avg" if key == MOMENTUM else None
+        return key if key in MOMENTS else None
+
+    def held_in(self, tensor: torch.Tensor, file: str) -> str | None:
+        """The key a target's place in `file` holds (None: unused, a Muon matrix's in exp_avg_sq)."""
+        if file == "master" or id(tensor) not in self.matrix_ids:
+            return file
+        return MOMENTUM if file == "exp_avg" else None
 
     def state(self, tensor: torch.Tensor) -> dict[str, None]:
         """Non-empty once stepped (the values are read from the files by the strategy)."""
-        return dict.fromkeys(MOMENTS) if self.steps[id(tensor)].item() > 0 else {}
+        keys = (MOMENTUM,) if id(tensor) in self.matrix_ids else MOMENTS
+        return dict.fromkeys(keys) if self.steps[id(tensor)].item() > 0 else {}
 
     def zero_grad(self) -> None:
         pass
@@ -173,7 +199,7 @@ class NvmeState(OnDisk):
     """Mixed in before ZeroOptimizer or Zero2Optimizer (see the module docstring)."""
 
     files: StateFiles
-    rule: StreamedAdamW
+    rule: StreamedRule
     buckets: list
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig, params: list | None = None, role: str = "dp_cp"):
@@ -192,12 +218,16 @@ class NvmeState(OnDisk):
 
         self._first_fill(lambda: self._write_state(weights))
 
+    def second_pass_bytes(self) -> int:
+        """Muon's: the masters' file, once its matrices' updates are orthogonalized."""
+        return self.files.disk_bytes // len(KEYS) if self.rule.matrices else 0
+
     def _new_master(self, numel: int) -> torch.Tensor:
         self.files = rank_files(self.cfg, KEYS, numel, self.device.type == "cuda", self.role)
         return torch.empty(numel, dtype=torch.float32, device="meta")  # never whole in memory
 
-    def _make_rule(self, targets: list[Target], cfg: OptimConfig) -> StreamedAdamW:
-        return StreamedAdamW(targets, cfg)
+    def _make_rule(self, targets: list[Target], cfg: OptimConfig) -> StreamedRule:
+        return StreamedRule(targets, cfg)
 
     def _write_state(self, value, kept: frozenset[tuple[int, str]] = frozenset()) -> None:
         """The files written from `value(span, key)` (a tensor of the span's elements, or None for zeros), but
@@ -207,7 +237,9 @@ class NvmeState(OnDisk):
     @torch.no_grad()
     def step(self, lr: float, skip: torch.Tensor | None = None) -> None:
         """Each chunk: its gradients to the ring, torch's fused AdamW over it, the new weights to the device;
-        then the all-gather into the parameters. A skipped step changes no state and no step count."""
+        then the all-gather into the parameters. Muon's matrices: their momentum updated in the same pass and
+        the update kept in the owned gradients, orthogonalized whole, then applied in a second pass over the
+        masters (`_apply_matrix_updates`). A skipped step changes no state and no step count."""
         if dropped(skip):
             return
         dtype = local(self.params[0]).dtype if self.params else torch.float32
@@ -216,34 +248,71 @@ class NvmeState(OnDisk):
         steps = [self.rule.steps[id(s.master)] for s in self.spans]
         torch._foreach_add_(steps, 1.0)
         grads = {id(s): g for b in self.buckets for s, g in zip(b.spans, self._owned_grads(b), strict=True)}
-        cfg = self.cfg
+        cfg, matrices = self.cfg, self.rule.matrix_ids
 
         def update(chunk: Chunk) -> None:
             groups = decay_groups()
             pieces = [(self.spans[i], lo, hi) for i, lo, hi in covered(chunk, self.extents)]
             for span, lo, hi in pieces:
                 at = slice(lo - chunk.start, hi - chunk.start)
-                grad = chunk.slot["grad"][at]
-                grad.copy_(grads[id(span)][lo - span.offset : hi - span.offset])
+                grad, owned = chunk.slot["grad"][at], grads[id(span)][lo - span.offset : hi - span.offset]
+                grad.copy_(owned)
+                if id(span.master) in matrices:  # Muon's momentum (in exp_avg's place) and its update, as Muon's
+                    momentum = chunk.slot["exp_avg"][at]
+                    momentum.lerp_(grad, 1 - cfg.momentum)
+                    owned.copy_(nesterov_update(grad, momentum, cfg))
+                    continue
                 group = groups[self.rule.decay[id(span.master)]]
                 pieces_ = (chunk.slot["master"][at], grad, *(chunk.slot[k][at] for k in MOMENTS),
                            self.rule.steps[id(span.master)])  # fmt: skip
                 for i, tensor in enumerate(pieces_):
                     group[i].append(tensor)
             adamw(groups, lr, cfg)
-            if self.dp > 1:  # the spans lie back to back in the owned slice: the chunk is theirs whole
-                self.updated[chunk.start : chunk.start + chunk.numel].copy_(chunk.slot["master"])
-                return
-            for span, lo, hi in pieces:  # dp 1: every span is a whole parameter, written in place
-                at = span.param_offset + lo - span.offset
-                values = chunk.slot["master"][lo - chunk.start : hi - chunk.start]
-                local(span.param).view(-1)[at : at + hi - lo].copy_(values)
+            self._to_weights(chunk, pieces)
 
         self.files.stream(update)
+        if self.rule.gathers_matrices and self.matrices:  # every dp rank, owning a matrix or not: it gathers
+            self._apply_matrix_updates(lr, grads)
         # a failure test's kill here finds the files a step ahead of every checkpoint
         fault_point("nvme_written", int(steps[0].item()) if steps else 0, torch.distributed.get_rank())
         if self.dp > 1:
             self._gather_params(lambda span: self.updated[span.offset : span.offset + span.numel])
+
+    def _to_weights(self, chunk: Chunk, pieces: list[tuple[_Span, int, int]]) -> None:
+        """A chunk's updated masters kept on the device for the all-gather (dp > 1: the spans lie back to back
+        in the owned slice, the chunk is theirs whole), or written into the parameters (dp 1: every span is a
+        whole parameter)."""
+        if self.dp > 1:
+            self.updated[chunk.start : chunk.start + chunk.numel].copy_(chunk.slot["master"])
+            return
+        for span, lo, hi in pieces:
+            at = span.param_offset + lo - span.offset
+            values = chunk.slot["master"][lo - chunk.start : hi - chunk.start]
+            local(span.param).view(-1)[at : at + hi - lo].copy_(values)
+
+    def _apply_matrix_updates(self, lr: float, grads: dict[int, torch.Tensor]) -> None:
+        """Muon's second pass: the updates the first left in the owned gradients orthogonalized whole (gathered
+        over dp and tp, as Muon's in memory), then each chunk's matrix masters decayed and stepped by them (a
+        pass over the masters' file only)."""
+        cfg, matrices = self.cfg, self.rule.matrices
+        span_of = {id(s.master): s for s in self.spans}
+        whole = self._whole_matrices(lambda m: orthogonalize(m, cfg.ns_steps), matrices,
+                                     [grads[id(span_of[id(t.tensor)])] for t in matrices])  # fmt: skip
+        steps = {id(t.tensor): (u, t.matrix_shape) for t, u in zip(matrices, whole, strict=True)}
+        if not steps:  # owns no matrix (its dp ranks' gathers joined): the first pass updated everything
+            return
+
+        def update(chunk: Chunk) -> None:
+            pieces = [(self.spans[i], lo, hi) for i, lo, hi in covered(chunk, self.extents)]
+            for span, lo, hi in pieces:
+                if id(span.master) in steps:
+                    at, (orthogonal, shape) = slice(lo - chunk.start, hi - chunk.start), steps[id(span.master)]
+                    step, master = chunk.slot["grad"][at], chunk.slot["master"][at]
+                    step.copy_(orthogonal[lo - span.offset : hi - span.offset])
+                    master.copy_(decayed_step(master, step, lr, cfg, shape))
+            self._to_weights(chunk, pieces)
+
+        self.files.stream(update, keys=("master",), read_keys=("master",))
 
     def param_states(self) -> list[dict]:
         """Each parameter's state as its file region (a save writes it from there; never read into memory).
@@ -260,12 +329,15 @@ class NvmeState(OnDisk):
             raise_together(problem)  # a full disk on one node: every rank stops here, none waits for it
             return states
         spans = {id(s.param): s for s in self.spans}
-        keys = ("master", *(MOMENTS if any(self.rule.state(s.master) for s in self.spans) else ()))
-        return [{key: self.files.region(key, spans[id(p)].offset, p) for key in keys} for p in self.params]
+        stepped = any(self.rule.state(s.master) for s in self.spans)
+        return [{key: self.files.region(self.rule.file_of(spans[id(p)].master, key), spans[id(p)].offset, p)
+                 for key in ("master", *(self._rule_keys(p) if stepped else ()))} for p in self.params]  # fmt: skip
 
     def _span_state(self, span: _Span, key: str, rule_state: dict) -> torch.Tensor:
-        """A span's `key`, read from its file into host memory (sent to its writer, or a state copy's)."""
-        return self.files.read_range(key, span.offset, span.numel)
+        """A span's `key`, read from its file into host memory (sent to its writer, or a state copy's); zeros
+        where it is not the span's (a bucket's keys are its parameters' together)."""
+        file = self.rule.file_of(span.master, key)
+        return torch.zeros(span.numel) if file is None else self.files.read_range(file, span.offset, span.numel)
 
     def _kept(self, p: torch.nn.Parameter, values: torch.Tensor) -> FileRegion | None:
         if self.problem is None:  # after a failure the collectives go on, writing nothing, and every rank raises
@@ -277,12 +349,12 @@ class NvmeState(OnDisk):
         return None
 
     def load_targets(self) -> list[dict[str, torch.Tensor]]:
-        """Each span's master and moments where they lie in the files, mapped: a resume loads into them."""
+        """Each span's master and rule state where they lie in the files, mapped: a resume loads into them."""
         files = {key: self.files.mapped(key) for key in KEYS}
         self.targets = {(id(s), key): files[key][s.offset : s.offset + s.numel] for s in self.spans for key in KEYS}
         spans = {id(s.param): s for s in self.spans}
-        return [{key: self.targets[id(spans[id(p)]), key] for key in KEYS} if id(p) in spans else {}
-                for p in self.params]  # fmt: skip
+        return [{key: self.targets[id(s), self.rule.file_of(s.master, key)] for key in ("master", *self._rule_keys(p))}
+                if (s := spans.get(id(p))) else {} for p in self.params]  # fmt: skip
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
@@ -290,26 +362,31 @@ class NvmeState(OnDisk):
         not saved: zeros, and the step count starts again, as AdamW's does); what a resume loaded into the
         files themselves (`load_targets`) stays there, and only the rest goes through the ring."""
         by_param = {id(p): s for p, s in zip(self.params, states, strict=True)}
-        saved = {id(s): all(k in by_param[id(s.param)] for k in MOMENTS) for s in self.spans}  # else: afresh
+        saved = {id(s): all(k in by_param[id(s.param)] for k in self._rule_keys(s.param)) for s in self.spans}
         targets, self.targets = self.targets, {}
-        kept = frozenset((i, key) for i, s in enumerate(self.spans) for key in KEYS
-                         if (key == "master" or saved[id(s)])
-                         and in_place(by_param[id(s.param)].get(key), targets.get((id(s), key))))  # fmt: skip
+
+        def stays(span: _Span, key: str) -> bool:  # loaded into the file, or a place the rule does not use
+            held = self.rule.held_in(span.master, key)
+            if held is None:
+                return True
+            given = by_param[id(span.param)].get(held) if key == "master" or saved[id(span)] else None
+            return in_place(given, targets.get((id(span), key)))
+
         on_host: dict[tuple[int, str], torch.Tensor | None] = {}  # each span's value moved to the host once
 
         def value(span: _Span, key: str) -> torch.Tensor | None:
             if (id(span), key) not in on_host:
-                state = by_param[id(span.param)]
+                state, held = by_param[id(span.param)], self.rule.held_in(span.master, key)
                 if key == "master":
                     master = state.get("master")
                     given = _flat_slice(span.param, span.param_offset, span.numel) if master is None else master
-                else:
-                    given = state[key] if saved[id(span)] else None
+                else:  # not saved (a rule's first run) or not used: zeros
+                    given = state[held] if saved[id(span)] and held is not None else None
                 on_host[id(span), key] = None if given is None else local(given).detach().reshape(-1).cpu()
             return on_host[id(span), key]
 
         self.files.flush()
-        self._write_state(value, kept)
+        self._write_state(value, frozenset((i, k) for i, s in enumerate(self.spans) for k in KEYS if stays(s, k)))
         for span in self.spans:
             self.rule.steps[id(span.master)].fill_(float(step) if saved[id(span)] else 0.0)
 
@@ -330,18 +407,20 @@ class NvmeZero2Optimizer(NvmeState, Zero2Optimizer):
 class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
     """zero_stage 3 with optim.offload=nvme: FSDP2 keeps the parameter shards (the fp32 master weights) and
     their gradients in host memory, as with offload=cpu (each block's weights copied to the device as it
-    runs: at dp 1, the one-GPU case), and AdamW's two moments are in files, streamed through the ring: each
-    chunk's moments are read, updated with the shards and gradients in place by torch's fused AdamW kernel
-    and written back."""
+    runs: at dp 1, the one-GPU case), and AdamW's two moments (Muon's momentum, for a matrix) are in files,
+    streamed through the ring: each chunk's are read, updated with the shards and gradients in place by
+    torch's fused AdamW kernel (a matrix's momentum as Muon's, its update kept in the gradient) and written
+    back; Muon's updates are then orthogonalized whole and applied to the shards in memory."""
 
     offloaded = ("params", "grads")  # in host memory; the optimizer state is on disk
-    holds = "AdamW moments (the shards and their gradients in host memory)"
+    holds = "optimizer state (the shards and their gradients in host memory)"
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig):
         super().__init__(model, cfg)
         self.cfg, self.offloaded = cfg, ("params", "grads")
         names = model.parameter_names()
-        self.decay = {id(p): target(names[id(p)], p).decay for p in self.params}
+        # each parameter's weight decay, whether it is Muon's matrix, and where its state lies in the files
+        self.streamed = StreamedRule([target(names[id(p)], p) for p in self.params], cfg)
         sizes = [local(p).numel() for p in self.params]
         self.extents = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # the local shards back to back
         self.files = rank_files(cfg, MOMENTS, sum(sizes), model.device.type == "cuda", extra=())
@@ -358,7 +437,7 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
         if dropped(skip):
             return
         torch._foreach_add_([s for p, s in zip(self.params, self.steps, strict=True) if p.grad is not None], 1.0)
-        cfg = self.cfg
+        cfg, matrices = self.cfg, self.streamed.matrix_ids
 
         def update(chunk: Chunk) -> None:
             groups = decay_groups()
@@ -367,13 +446,23 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
                 if p.grad is None:
                     continue
                 at = slice(lo - chunk.start, hi - chunk.start)
-                tensors = (local(p).view(-1)[lo - off : hi - off], local(p.grad).view(-1)[lo - off : hi - off],
-                           *(chunk.slot[k][at] for k in MOMENTS), self.steps[i])  # fmt: skip
-                for group, tensor in zip(groups[self.decay[id(p)]], tensors, strict=True):
+                weight, grad = local(p).view(-1)[lo - off : hi - off], local(p.grad).view(-1)[lo - off : hi - off]
+                if id(p) in matrices:  # Muon's momentum (in exp_avg's place); its update kept in the gradient
+                    momentum = chunk.slot["exp_avg"][at]
+                    momentum.lerp_(grad, 1 - cfg.momentum)
+                    grad.copy_(nesterov_update(grad, momentum, cfg))
+                    continue
+                tensors = (weight, grad, *(chunk.slot[k][at] for k in MOMENTS), self.steps[i])
+                for group, tensor in zip(groups[self.streamed.decay[id(p)]], tensors, strict=True):
                     group.append(tensor)
             adamw(groups, lr, cfg)
 
         self.files.stream(update)
+        matrices_stepped = [t for t in self.streamed.matrices if t.tensor.grad is not None]
+        updates = whole_dtensors(lambda m: orthogonalize(m, cfg.ns_steps), matrices_stepped,
+                                 [t.tensor.grad for t in matrices_stepped])  # fmt: skip
+        for t, orthogonal in zip(matrices_stepped, updates, strict=True):  # as Muon's, on the shards in memory
+            local(t.tensor).copy_(decayed_step(local(t.tensor), local(orthogonal), lr, cfg, t.matrix_shape))
         # a failure test's kill here finds the files a step ahead of every checkpoint
         fault_point("nvme_written", int(self.steps[0].item()) if self.steps else 0, torch.distributed.get_rank())
 
@@ -381,33 +470,45 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
         for p in self.params:
             p.grad = None
 
+    def _keys(self, p: torch.Tensor) -> tuple[str, ...]:
+        return self.streamed.keys(id(p) in self.streamed.matrix_ids)
+
     def param_states(self) -> list[dict[str, FileRegion]]:
-        """Each parameter's moments as their regions of the files, laid out like its shard (a save writes
-        them from there)."""
-        return [{key: self.files.region(key, off, p) for key in MOMENTS} if step.item() else {}
+        """Each parameter's state as its regions of the files, laid out like its shard (a save writes it from
+        there)."""
+        return [{key: self.files.region(self.streamed.file_of(p, key), off, p) for key in self._keys(p)}
+                if step.item() else {}
                 for p, (off, _), step in zip(self.params, self.extents, self.steps, strict=True)]  # fmt: skip
 
     def local_states(self) -> list[dict[str, torch.Tensor]]:
-        """Each parameter's moments read into host memory, flat (a state copy's: the spike guard's, local
-        checkpoints'; `load_param_states` takes them back)."""
+        """Each parameter's state read into host memory, flat (a state copy's: the spike guard's, local
+        checkpoints'; `load_param_states` takes it back)."""
         return [{key: region.read().view(-1) for key, region in state.items()} for state in self.param_states()]
 
     def load_targets(self) -> list[dict[str, torch.Tensor]]:
-        """Each parameter's moments where they lie in the files, mapped, flat (its shard's elements in order;
-        a DTensor over them would be moved to the mesh's device): a resume loads into them."""
+        """Each parameter's state where it lies in the files, mapped, flat (its shard's elements in order; a
+        DTensor over them would be moved to the mesh's device): a resume loads into them."""
         files = {key: self.files.mapped(key) for key in MOMENTS}
         self.targets = [{key: files[key][off : off + numel] for key in MOMENTS} for off, numel in self.extents]
-        return self.targets
+        return [{key: targets[self.streamed.file_of(p, key)] for key in self._keys(p)}
+                for p, targets in zip(self.params, self.targets, strict=True)]  # fmt: skip
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]], step: int) -> None:
-        """The files written from the loaded moments (none saved: zeros, and the step count starts again);
-        those a resume loaded into the files themselves (`load_targets`) stay there."""
-        saved = [all(k in state for k in MOMENTS) for state in states]  # a parameter without: afresh, as AdamW's
+        """The files written from the loaded state (none saved: zeros, and the step count starts again); what a
+        resume loaded into the files themselves (`load_targets`) stays there, as does a place the rule does not
+        use."""
+        saved = [all(k in state for k in self._keys(p)) for p, state in zip(self.params, states, strict=True)]
         targets, self.targets = self.targets or [{} for _ in self.params], []
-        kept = frozenset((i, key) for i, (state, ok) in enumerate(zip(states, saved, strict=True)) if ok
-                         for key in MOMENTS if in_place(state[key], targets[i].get(key)))  # fmt: skip
-        flat = [{k: local(state[k]).detach().reshape(-1).cpu() for k in MOMENTS if (i, k) not in kept} if ok else {}
+        held = [{file: self.streamed.held_in(p, file) for file in MOMENTS} for p in self.params]
+
+        def stays(i: int, file: str) -> bool:  # loaded into the file, or a place the rule does not use
+            key = held[i][file]
+            return key is None or saved[i] and in_place(states[i][key], targets[i].get(file))
+
+        kept = frozenset((i, file) for i in range(len(self.params)) for file in MOMENTS if stays(i, file))
+        flat = [{file: local(state[key]).detach().reshape(-1).cpu() for file, key in held[i].items()
+                 if (i, file) not in kept} if ok else {}
                 for i, (state, ok) in enumerate(zip(states, saved, strict=True))]  # fmt: skip
         self.files.flush()
         self._write_moments(lambda i, key: flat[i].get(key), kept)

@@ -57,6 +57,20 @@ def adjusted_lr(lr: float, how: str, shape: torch.Size) -> float:
     return lr * ratio
 
 
+def nesterov_update(grad: torch.Tensor, momentum: torch.Tensor, cfg: OptimConfig) -> torch.Tensor:
+    """Muon's update from a gradient and its momentum (already updated): Nesterov's look-ahead where
+    optim.nesterov, else the momentum itself."""
+    return grad.lerp(momentum, cfg.momentum) if cfg.nesterov else momentum
+
+
+def decayed_step(
+    weight: torch.Tensor, update: torch.Tensor, lr: float, cfg: OptimConfig, shape: torch.Size
+) -> torch.Tensor:
+    """The weight after Muon's step, a new tensor: decayed, then moved by the orthogonalized update at the
+    learning rate adjusted for the matrix's `shape`."""
+    return (weight * (1 - lr * cfg.weight_decay)).add_(update, alpha=-adjusted_lr(lr, cfg.muon_adjust_lr, shape))
+
+
 class Muon:
     state_keys = (MOMENTUM, *MOMENTS)
     gathers_matrices = True
@@ -103,12 +117,10 @@ class Muon:
                 buf = self.buffers[target.tensor] = torch.zeros_like(grad)
             _kept_unless(keep, local(buf), local(buf).lerp(local(grad), 1 - cfg.momentum))
             targets.append(target)
-            updates.append(grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf)
+            updates.append(nesterov_update(grad, buf, cfg))
         for target, update in zip(targets, self.whole(self._orthogonalize, targets, updates), strict=True):
             weight = local(target.tensor)
-            scaled = weight * (1 - lr * cfg.weight_decay)
-            stepped = scaled.add_(local(update), alpha=-adjusted_lr(lr, cfg.muon_adjust_lr, target.matrix_shape))
-            _kept_unless(keep, weight, stepped)
+            _kept_unless(keep, weight, decayed_step(weight, local(update), lr, cfg, target.matrix_shape))
 
     def zero_grad(self) -> None:
         self.others.zero_grad()
