@@ -167,7 +167,8 @@ def distributed(
 ) -> Iterator[None]:
     """Join the default process group (nccl on CUDA, gloo on CPU, or as configured) for the block, once every
     rank has arrived (`rendezvous`); leaving it, however it ends, destroys every group and frees them
-    before the interpreter exits (`_free_groups`)."""
+    before the interpreter exits (`_free_groups`). Leaving it normally, rank 0 waits for every rank to leave:
+    it may serve the store, and a rank whose last step needed no collective (dp only) may still be using it."""
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cpu":
@@ -183,6 +184,11 @@ def distributed(
     except BaseException as err:
         _free_groups(err)
         raise
+    else:  # rank 0 serves the store the others still use until they leave (the watchdog's records): it goes last
+        left = [f"hpc_train/left/{r}" for r in range(rank_env.world_size)]
+        store.set(left[rank_env.rank], "")
+        if rank_env.rank == 0:
+            store.wait(left, timedelta(seconds=timeout_s))
     finally:
         dist.destroy_process_group()
         gc.collect()

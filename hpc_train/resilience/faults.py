@@ -9,13 +9,15 @@ import signal
 import time
 
 SLOW_S = 0.2  # what a slow rank loses per step
+LATE_S = 3.0  # what a late rank loses, once
 
 
 def fault_point(point: str, step: int, rank: int) -> str:
     """For failure tests: HPC_TRAIN_FAULT=<point>@<step>[@<rank>[@<kind>]], several joined by commas, kills this
     process with SIGKILL there (or makes it hang, as a stuck rank would, or stops it with SIGSTOP, as a frozen
     node would, or raises an out-of-memory error, or from that step on sleeps SLOW_S there, as a rank on a
-    slow node would, or returns the kind, where the caller acts it out: `nan` makes its value non-finite,
+    slow node would, or (`late`) sleeps LATE_S there once, or returns the kind, where the caller acts it out:
+    `nan` makes its value non-finite,
     `spike`, at the point `batch` whose "step" is the global batch's number, poisons that batch, and at
     `local_saved`, `wipe` deletes the node's local checkpoints before the kill and `corrupt` flips a byte of
     the rank's own local file); "" where nothing happens. Only the first attempt of a run meets its faults:
@@ -38,6 +40,9 @@ def fault_point(point: str, step: int, rank: int) -> str:
             return kind
         if kind == "hang":
             time.sleep(10**6)
+        if kind == "late":
+            time.sleep(LATE_S)
+            continue
         if kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
             continue

@@ -27,6 +27,7 @@ from hpc_train.observe.profiling import ProfileWindow, write_oom_report
 from hpc_train.optim.schedule import lr_at
 from hpc_train.resilience import watchdog
 from hpc_train.resilience.bad_nodes import blame
+from hpc_train.resilience.faults import fault_point
 from hpc_train.resilience.preemption import StopRequest, requeue_slurm_job
 from hpc_train.resilience.spikes import Rollbacks
 from hpc_train.resilience.stragglers import StragglerMonitor, describe_stragglers
@@ -347,6 +348,7 @@ def _train(
         interval_start = time.perf_counter()
         if stop_requested:  # its save was waited for above
             return _stop(run, result, step)
+    fault_point("finished", t.steps, run.rank_env.rank)  # a failure test's late rank, still to record below
     watchdog.record(t.steps, watchdog.CONSOLIDATING, len(rollbacks.done))
     # gathers every shard (collectives) and writes the whole model: the longer allowance
     with hang.timed(t.steps, "final consolidation", watchdog.START_ALLOWANCE):
