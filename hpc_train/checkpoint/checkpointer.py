@@ -58,6 +58,7 @@ from hpc_train.checkpoint.slices import FlatSlice, SliceLoadPlanner
 from hpc_train.checkpoint.state import ShardedPart, Stateful
 from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from hpc_train.config import CheckpointConfig
+from hpc_train.distributed.agree import raise_together
 from hpc_train.optim.nvme import FileRegion, snapshot
 from hpc_train.resilience.faults import fault_point
 
@@ -279,10 +280,7 @@ class Checkpointer:
                 os.fsync(f.fileno())
         except OSError as err:
             problem = f"{doing} failed on rank {self.rank}: {err}"
-        problems = [None] * self.world
-        dist.all_gather_object(problems, problem, group=group)  # every rank stops together, none waits in DCP
-        if any(problems):
-            raise CheckpointError(next(p for p in problems if p))
+        raise_together(problem, group, CheckpointError)  # every rank stops together, none waits in DCP
         digest = new_digest()
         digest.update(rank_state)
         writer = ChecksummedWriter(tmp, self.options.io_threads, step, self.rank)

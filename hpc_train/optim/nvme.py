@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from hpc_train.config import ConfigError
+from hpc_train.distributed.agree import raise_together
 from hpc_train.placement import local, origin_of
 
 ALIGN = 4096  # bytes: O_DIRECT's alignment of buffers, offsets and lengths on any common device
@@ -395,17 +396,6 @@ class Scratch:
             self._write(region.pieces(bytearray(min(region.nbytes, 2**24))))
         os.posix_fadvise(region.fd, region.offset, region.nbytes, os.POSIX_FADV_DONTNEED)
         return replace(region, owner=self, fd=self.fd, offset=offset, stable=True)
-
-
-def raise_together(problem: str | None, group: Any = None) -> None:
-    """An OSError on every rank of `group` when any has a `problem` (a full disk on one node), so that none is
-    left waiting in a collective the others never reach."""
-    problems = [problem]
-    if torch.distributed.is_initialized():
-        problems = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(problems, problem, group=group)
-    if any(problems):
-        raise OSError(next(p for p in problems if p))
 
 
 def snapshot(state: dict[str, Any], group: Any = None) -> dict[str, Any]:

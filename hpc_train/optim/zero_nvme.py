@@ -22,10 +22,11 @@ from collections.abc import Callable
 import torch
 
 from hpc_train.config import OptimConfig
+from hpc_train.distributed.agree import raise_together
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.optim.data_parallel import whole_dtensors
 from hpc_train.optim.fsdp import FullyShardedOptimizer
-from hpc_train.optim.nvme import MEMORY_FILESYSTEMS, Chunk, FileRegion, Scratch, StateFiles, raise_together
+from hpc_train.optim.nvme import MEMORY_FILESYSTEMS, Chunk, FileRegion, Scratch, StateFiles
 from hpc_train.optim.rules import Target, target
 from hpc_train.optim.rules.adamw import MOMENTS
 from hpc_train.optim.rules.muon import MOMENTUM, decayed_step, nesterov_update, orthogonalize
@@ -98,6 +99,12 @@ def in_place(given: torch.Tensor | None, target: torch.Tensor | None) -> bool:
     if given is None or target is None or not target.numel():
         return False
     return local(given).data_ptr() == target.data_ptr()
+
+
+def muon_momentum(momentum: torch.Tensor, grad: torch.Tensor, cfg: OptimConfig) -> torch.Tensor:
+    """Muon's momentum updated in place by `grad` (a chunk's, in the ring), and the update it gives, as Muon's."""
+    momentum.lerp_(grad, 1 - cfg.momentum)
+    return nesterov_update(grad, momentum, cfg)
 
 
 def decay_groups() -> dict[bool, list[list[torch.Tensor]]]:
@@ -257,10 +264,8 @@ class NvmeState(OnDisk):
                 at = slice(lo - chunk.start, hi - chunk.start)
                 grad, owned = chunk.slot["grad"][at], grads[id(span)][lo - span.offset : hi - span.offset]
                 grad.copy_(owned)
-                if id(span.master) in matrices:  # Muon's momentum (in exp_avg's place) and its update, as Muon's
-                    momentum = chunk.slot["exp_avg"][at]
-                    momentum.lerp_(grad, 1 - cfg.momentum)
-                    owned.copy_(nesterov_update(grad, momentum, cfg))
+                if id(span.master) in matrices:  # Muon's momentum (in exp_avg's place); its update kept in the gradient
+                    owned.copy_(muon_momentum(chunk.slot["exp_avg"][at], grad, cfg))
                     continue
                 group = groups[self.rule.decay[id(span.master)]]
                 pieces_ = (chunk.slot["master"][at], grad, *(chunk.slot[k][at] for k in MOMENTS),
@@ -424,7 +429,7 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
         sizes = [local(p).numel() for p in self.params]
         self.extents = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # the local shards back to back
         self.files = rank_files(cfg, MOMENTS, sum(sizes), model.device.type == "cuda", extra=())
-        self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]  # AdamW's, per parameter
+        self.steps = [self.streamed.steps[id(p)] for p in self.params]  # AdamW's, per parameter (the rule's)
         self.targets: list[dict[str, torch.Tensor]] = []  # what `load_targets` handed out, per parameter
         self._first_fill(lambda: self._write_moments(lambda i, key: None))
 
@@ -448,9 +453,7 @@ class NvmeFullyShardedOptimizer(OnDisk, FullyShardedOptimizer):
                 at = slice(lo - chunk.start, hi - chunk.start)
                 weight, grad = local(p).view(-1)[lo - off : hi - off], local(p.grad).view(-1)[lo - off : hi - off]
                 if id(p) in matrices:  # Muon's momentum (in exp_avg's place); its update kept in the gradient
-                    momentum = chunk.slot["exp_avg"][at]
-                    momentum.lerp_(grad, 1 - cfg.momentum)
-                    grad.copy_(nesterov_update(grad, momentum, cfg))
+                    grad.copy_(muon_momentum(chunk.slot["exp_avg"][at], grad, cfg))
                     continue
                 tensors = (weight, grad, *(chunk.slot[k][at] for k in MOMENTS), self.steps[i])
                 for group, tensor in zip(groups[self.streamed.decay[id(p)]], tensors, strict=True):
