@@ -174,6 +174,7 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         memory_copy=keeps_memory_copy(cfg, dims, rank_env.local_world_size, device, report),
         run_name=cfg.name,
         ranks_per_node=rank_env.local_world_size,
+        hooks=model.hooks,
     )
     return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,
                sampler, metrics, checkpointer, report, valid_sources, spikes)  # fmt: skip

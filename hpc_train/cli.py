@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -152,6 +153,37 @@ def check_fits(cfg: JobConfig, dims: ParallelDims) -> None:
         )
 
 
+def check_host_fits(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Before a job is submitted: the host memory the planner says a node's ranks need against what a node
+    has, so a job that cannot fit is refused here rather than killed by the node's OOM killer. A rank needs
+    its host bytes (offloaded state, the ring, activation offload's copies), its state copy where it is sure
+    to be kept (node-local checkpoints, or train.spike_guard.memory_copy=true: unset, a run drops a copy
+    that does not fit), and on a CPU job everything else it holds too."""
+    from hpc_train import planner
+    from hpc_train.launch import slurm
+
+    node = slurm.node_memory_mb(cfg)
+    if node is None:
+        return
+    node_mb, source = node
+    sure_copy = cfg.checkpoint.saves_locally or cfg.train.spike_guard.memory_copy is True
+    on_cpu = not cfg.slurm.gpus_per_node
+    per_rank = max(plan.host + plan.host_copy * sure_copy + plan.total * on_cpu
+                   for plan in planner.stage_estimates(cfg, dims))  # fmt: skip
+    need_mb = math.ceil(cfg.slurm.tasks_per_node * per_rank / 2**20)
+    if need_mb > node_mb:
+        what = "the planner's host bytes" + (", on a CPU job all a rank holds" if on_cpu else "")
+        fix = "optim.offload=nvme (the state on the node's disk), " if cfg.optim.offload == "cpu" else ""
+        fix += "a larger slurm.mem, " if source.startswith("slurm.mem") else "a partition with more memory, "
+        raise ConfigError(
+            f"the {cfg.slurm.tasks_per_node} ranks of a node need {need_mb} MB of host memory "
+            f"({math.ceil(per_rank / 2**20)} MB each: {what}), "
+            f"more than the {node_mb} MB a node has ({source}): use {fix}fewer slurm.tasks_per_node over more "
+            "slurm.nodes, or `hpc-train plan CONFIG --search --host-mem GIB` for layouts that fit (--force "
+            "submits anyway)"
+        )
+
+
 def cmd_submit(args: argparse.Namespace) -> None:
     from hpc_train.launch import slurm
     from hpc_train.train.loop import run_training
@@ -160,6 +192,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
     dims = check_inputs(cfg, slurm.slurm_world_size(cfg), starts_here=False, world_from=SLURM_WORLD)
     if not args.force:
         check_fits(cfg, dims)
+        check_host_fits(cfg, dims)
     if args.dry_run:
         print(slurm.dry_run(cfg, describe(dims, ", ")), end="")
         return

@@ -47,6 +47,7 @@ def pytest_configure(config) -> None:
     its threads (bootstrap.cpu_threads) is test_bootstrap's."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    os.environ["HPC_TRAIN_TESTING"] = "1"  # HPC_TRAIN_FAULT is honoured (resilience/faults.py)
 
 
 # The test files by their time on one worker of `make test` (2 cores), longest first: xdist hands files out in

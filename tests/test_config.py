@@ -65,6 +65,7 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
         ),
         (["train.spike_guard.window=0"], 1, ["train.spike_guard.window=0 must be > 0"]),  # a section's section
         (["checkpoint.local_dir=/tmp/x"], 1, ["checkpoint.local_interval=0: node-local checkpoints need both"]),
+        (["name=.."], 1, ["name='..' may hold only letters, digits", "not only dots (it names directories)"]),
         (["train.spike_guard.skip=all"], 1, ["train.spike_guard.skip='all' is not one of step, since_checkpoint"]),
         (
             ["data.skip_samples=[[4,6]]", "train.micro_batch_size=4"],

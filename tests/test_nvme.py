@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from torch.multiprocessing import ProcessExitedException
 
 from hpc_train.config import ConfigError
 from hpc_train.job import check_run, load_config
@@ -114,10 +115,8 @@ def test_nvme_state_lives_in_its_files_and_the_memory_is_the_planners(runs):
     assert "host" not in in_memory and in_memory["optimizer"] == 6 * plan.optimizer  # fp32 master + 2 moments
     owned = plan.optimizer // 2  # bf16
     assert measured["disk"] == plan.disk == 3 * 4 * padded(owned) and "disk" not in in_memory
-    # the job's working copy is let go when the run ends: its directory stays, its files do not
-    (job,) = Path(cfg.optim.offload_dir).iterdir()
-    assert sorted(p.name for p in job.iterdir()) == ["rank00000", "rank00001"]
-    assert not any(any(p.iterdir()) for p in job.iterdir())
+    # the files never had a name: nothing is in the directory, during the run or after it
+    assert not any(Path(cfg.optim.offload_dir).iterdir())
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero3"])
@@ -134,12 +133,30 @@ def test_nvme_offload_resumes_exactly_and_after_a_kill_in_the_update(runs, stage
     assert restart["attempt"] == 1
 
 
+def test_nvme_files_go_with_a_run_killed_for_good(tmp_path, small_corpus, monkeypatch):
+    """Both ranks killed with SIGKILL after step 1's update and not restarted (a node crash, a time limit past
+    its grace): nothing of their masters and moments is left under optim.offload_dir, since no finalizer ran."""
+    offload = tmp_path / "offload"
+    cfg = load_config(None, [*TINY_MODEL, f"data.train_path={small_corpus}", "parallel.nproc=2", "train.steps=2",
+                             f"run_dir={tmp_path / 'run'}", "optim.zero_stage=1", "train.micro_batch_size=4",
+                             "optim.offload=nvme", f"optim.offload_dir={offload}", BUFFER])  # fmt: skip
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "nvme_written@1@0,nvme_written@1@1")
+    with pytest.raises(ProcessExitedException):
+        launch_local(run_training, 2, cfg)
+    assert not list(offload.rglob("*"))
+
+
 def test_nvme_muon_resumes_exactly(runs):
     """Muon's momentum, kept where AdamW's first moment would be, is saved under its own key and loaded back
     into its place (its second moment's place unused)."""
     run, whole = runs["zero1_muon_nvme_resumed"], runs["zero1_muon"]
     assert losses(run) == losses(whole) and losses(run)[-1] < losses(run)[0]
     assert max_param_diff(read_final_model(run.run_dir), read_final_model(whole.run_dir)) == 0
+
+
+GUARDED = ["train.spike_guard.enabled=true", "checkpoint.interval=2", "optim.offload_dir=/tmp/x"]
+LOCAL = ["checkpoint.local_dir=/tmp/local", "checkpoint.local_interval=1", "parallel.max_restarts=1",
+         "checkpoint.interval=2", "optim.offload_dir=/tmp/x"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -154,6 +171,36 @@ def test_nvme_offload_refuses_what_it_does_not_support(overrides, refusal):
     cfg = load_config(None, [*TINY_MODEL, "optim.offload=nvme", *overrides])
     with pytest.raises(ConfigError, match=refusal.replace(".", r"\.")):
         check_run(cfg, 1, check_paths=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, refusal, fix",
+    [
+        (GUARDED, "set train.spike_guard.memory_copy=false", ["train.spike_guard.memory_copy=false"]),
+        (
+            [*GUARDED, "optim.zero_stage=3", "train.spike_guard.memory_copy=true"],
+            "spike_guard.memory_copy=false",
+            ["train.spike_guard.memory_copy=false"],
+        ),
+        (
+            LOCAL,
+            "leave checkpoint.local_dir and checkpoint.local_interval out",
+            ["checkpoint.local_dir=null", "checkpoint.local_interval=0"],
+        ),
+    ],
+)
+def test_nvme_offload_refuses_a_copy_of_its_state_in_host_memory(overrides, refusal, fix):
+    """The spike guard's memory copy (unset, it is kept where it fits) and local checkpoints' (written from
+    it) would read the whole offloaded state into host memory: refused, and the fix the error names is
+    accepted, as is the copy with cpu offload (the state is in host memory anyway)."""
+
+    def cfg(*extra: str):
+        return load_config(None, [*TINY_MODEL, "optim.offload=nvme", "optim.zero_stage=1", *overrides, *extra])
+
+    with pytest.raises(ConfigError, match=refusal.replace(".", r"\.")):
+        check_run(cfg(), 1, check_paths=False)
+    check_run(cfg(*fix), 1, check_paths=False)
+    check_run(cfg("optim.offload=cpu"), 1, check_paths=False)
 
 
 def test_offload_dir_on_a_network_filesystem_or_an_unset_variable_is_refused(tmp_path, monkeypatch):
@@ -173,9 +220,8 @@ def test_offload_dir_on_a_network_filesystem_or_an_unset_variable_is_refused(tmp
 
 def test_state_files_stream_in_whole_blocks_and_read_back_any_range(tmp_path):
     """A pass that writes every element, then one that reads and changes them, then ranges read back across
-    chunk and block boundaries; the files are opened with O_DIRECT where the probe found it works."""
-    import fcntl
-
+    chunk and block boundaries. The files have no name: a second rank of the same name in the same directory
+    has files of its own, and the directory stays empty."""
     import torch
 
     from hpc_train.optim.nvme import StateFiles
@@ -197,18 +243,54 @@ def test_state_files_stream_in_whole_blocks_and_read_back_any_range(tmp_path):
     assert torch.equal(files.read_range("master", 1000, 3000), 2 * values[1000:4000])
     assert torch.equal(files.read_range("master", 4999, 1), 2 * values[4999:])
     assert torch.equal(files.read_range("exp_avg", 0, numel), torch.ones(numel))
-    direct = bool(fcntl.fcntl(files.fds["master"], fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
-    assert direct == files.direct
-    with pytest.raises(ConfigError, match="in use by another process"):  # one process per directory
-        StateFiles(str(tmp_path), "rank00000", ("master",), numel, 4 * 4 * 2 * 1024, pinned=False)
+    other = StateFiles(str(tmp_path), "rank00000", ("master",), numel, 4 * 4 * 2 * 1024, pinned=False)
+    other.stream(lambda chunk: chunk.slot["master"].fill_(-1.0), read=False)
+    assert torch.equal(files.read_range("master", 0, numel), 2 * values)
+    assert not any(tmp_path.iterdir())
     files.close()
-    assert not any((tmp_path / "rank00000").iterdir())
+    other.close()
+
+
+def test_state_files_leave_what_is_in_the_offload_dir_alone(tmp_path):
+    """What the directory already holds is not the run's to delete: a symlink where a rank's directory would
+    be (to data elsewhere) and a directory of that name with a file in it are left as they are, and the
+    files' target is not reached through the symlink."""
+    from hpc_train.optim.nvme import StateFiles
+
+    elsewhere, offload = tmp_path / "elsewhere", tmp_path / "offload"
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_text("kept")
+    (offload / "rank00001").mkdir(parents=True)
+    (offload / "rank00001" / "notes").write_text("kept")
+    (offload / "rank00000").symlink_to(elsewhere)
+    for name in ("rank00000", "rank00001"):
+        StateFiles(str(offload), name, ("master",), 5000, 4 * 4 * 2 * 1024, pinned=False).close()
+    assert (elsewhere / "precious").read_text() == (offload / "rank00001" / "notes").read_text() == "kept"
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["precious"]
+    assert sorted(str(p.relative_to(offload)) for p in offload.rglob("*")) == [
+        "rank00000", "rank00001", "rank00001/notes"]  # fmt: skip
+
+
+def test_state_files_are_opened_with_o_direct_where_the_filesystem_takes_it(tmp_path):
+    """On a filesystem that takes O_DIRECT (ext4, xfs, btrfs), every state file is open with it, as the
+    kernel reports the descriptor's flags: not whatever the probe concluded."""
+    from hpc_train.optim.nvme import StateFiles, filesystem_of
+
+    if filesystem_of(tmp_path) not in {"ext4", "xfs", "btrfs"}:
+        pytest.skip(f"the test's directory is on {filesystem_of(tmp_path) or 'an unknown filesystem'}")
+    files = StateFiles(str(tmp_path), "rank00000", ("master", "exp_avg"), 5000, 4 * 4 * 3 * 1024, pinned=False)
+    for fd in files.fds.values():
+        (flags,) = [line.split()[1] for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines()
+                    if line.startswith("flags:")]  # fmt: skip
+        assert int(flags, 8) & os.O_DIRECT, flags
+    assert files.direct  # what the start-up line reports
+    files.close()
 
 
 def test_a_save_writes_the_state_from_its_files_and_an_async_one_from_a_snapshot(tmp_path):
     """A region of a state file reads back the elements it names, a piece at a time, as DCP's plan describes
     them; a snapshot (an async save's) keeps the values it was taken with after the files change, and leaves
-    no file behind: it has no name."""
+    no file behind: like the state files, it has no name."""
     import torch
 
     from hpc_train.optim.nvme import Scratch, StateFiles, snapshot
@@ -236,7 +318,7 @@ def test_a_save_writes_the_state_from_its_files_and_an_async_one_from_a_snapshot
     assert taken["w.exp_avg"].stable and taken["other"] == 1
     assert torch.equal(taken["w.exp_avg"].read(), values[1000:4000].view(shape))
     assert torch.equal(scratch.read(), values[:7])
-    assert sorted(os.listdir(files.dir)) == ["exp_avg.bin"]
+    assert os.listdir(files.dir) == []
     files.close()
     with pytest.raises(OSError, match="let go"):  # not whatever file took its descriptor's number
         live.read()

@@ -12,7 +12,9 @@ import time
 import pytest
 import torch
 
+from hpc_train.checkpoint.local import local_run_root, partner_ranks
 from hpc_train.checkpoint.store import CheckpointStore
+from hpc_train.config import ConfigError
 from hpc_train.config.schema import SpikeGuardConfig
 from hpc_train.data.prepare import load_datasets
 from hpc_train.data.sampler import ResumableSampler, merge_ranges
@@ -20,6 +22,7 @@ from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.planner import stage_estimates
+from hpc_train.resilience.faults import fault_point
 from hpc_train.resilience.spikes import Rollbacks, SpikeDetector, SpikeStop
 from hpc_train.resilience.stragglers import find_stragglers
 from hpc_train.train.loop import run_training
@@ -279,11 +282,23 @@ def test_a_spike_before_the_first_checkpoint_is_reported_and_trained_on(tmp_path
 def test_a_corrupt_local_copy_on_one_node_falls_back_to_the_step_before(tmp_path, small_corpus):
     """One node (each rank its own partner: no replica): rank 0's own local copy of step 3 has a flipped byte
     and rank 1 is killed in step 4; the in-job restart passes over step 3, naming the file, and resumes from
-    the local step 2 on every rank (it crashed on the missing replica)."""
+    the local step 2 on every rank (it crashed on the missing replica). Beside it lie the local copies of steps
+    5 and 6 of another run of the same name and layout (another learning rate and run_dir), killed as a node
+    crash kills it: they are neither read (they were: "resumed from step 6") nor pruned; and a rerun of that
+    run after its user went back to its step 4 does not take its old local step 6 for its own. A run that ends
+    leaves no local copy of its own."""
+    local = tmp_path / "local"
+    common = [*TINY_MODEL, f"data.train_path={small_corpus}", "parallel.nproc=2", "train.micro_batch_size=2",
+              "checkpoint.interval=4", "parallel.max_restarts=1", f"checkpoint.local_dir={local}",
+              "checkpoint.local_interval=1"]  # fmt: skip
+    other = [*common, "train.steps=8", "optim.lr=1e-3", f"run_dir={tmp_path / 'other'}"]
+    # a non-finite loss ends a run without a restart, its local copies left as a crash leaves them
+    crashed = run_cli("train", *other, env={"HPC_TRAIN_FAULT": "loss@7@0@nan"})
+    assert crashed.returncode != 0 and "step 7: " in crashed.stderr + crashed.stdout
+    (other_root,) = local.iterdir()
+    assert sorted(p.name for p in other_root.glob("step_*")) == ["step_0000005", "step_0000006"]
     run = tmp_path / "run"
-    out = run_cli("train", *TINY_MODEL, f"data.train_path={small_corpus}", f"run_dir={run}", "parallel.nproc=2",
-                  "train.steps=5", "train.micro_batch_size=2", "checkpoint.interval=4", "parallel.max_restarts=1",
-                  f"checkpoint.local_dir={tmp_path / 'local'}", "checkpoint.local_interval=1",
+    out = run_cli("train", *common, f"run_dir={run}", "train.steps=5",
                   env={"HPC_TRAIN_FAULT": "local_saved@3@0@corrupt,mid_step@4@1"})  # fmt: skip
     assert out.returncode == 0, out.stderr
     (resumed,) = [r["resumed_from"] for r in read_metrics(run) if "resumed_from" in r]
@@ -291,3 +306,32 @@ def test_a_corrupt_local_copy_on_one_node_falls_back_to_the_step_before(tmp_path
     (passed_over,) = resumed["passed_over"]
     assert passed_over.startswith("rank 0: ") and "step_0000003/rank00000.pt fails its xxh3_128" in passed_over
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5]
+    assert list(local.iterdir()) == [other_root]  # its own copies deleted at its end, the other run's kept
+    assert sorted(p.name for p in other_root.glob("step_*")) == ["step_0000005", "step_0000006"]
+    # the other run's user goes back to its step 4 (the shared checkpoint it has) and runs it again, killed in
+    # step 6: its restart resumes from its new local step 5, not the old job's step 6
+    again = run_cli("train", *other, env={"HPC_TRAIN_FAULT": "mid_step@6@1"})
+    assert again.returncode == 0, again.stderr
+    assert [r["resumed_from"]["step"] for r in read_metrics(tmp_path / "other") if "resumed_from" in r] == [4, 5]
+    assert list(local.iterdir()) == []
+
+
+def test_local_copies_have_a_partner_on_another_node_and_faults_need_the_test_switch(tmp_path, monkeypatch):
+    """The partner that keeps a rank's local copy is on the next node under any task distribution (it was
+    `rank + ranks per node`: on the same node under srun -m cyclic); one node, or nodes with different numbers
+    of ranks, keep no partner copies. An unset variable in checkpoint.local_dir is an error, not a directory
+    named `$UNSET`. HPC_TRAIN_FAULT does nothing without the test switch HPC_TRAIN_TESTING=1."""
+    assert partner_ranks(["n1", "n1", "n2", "n2"]) == [2, 3, 0, 1]  # block
+    assert partner_ranks(["n1", "n2", "n1", "n2"]) == [1, 0, 3, 2]  # cyclic
+    assert partner_ranks(["n1", "n2", "n3"]) == [1, 2, 0]
+    assert partner_ranks(["n1", "n1"]) == [0, 1] and partner_ranks(["n1", "n1", "n2"]) == [0, 1, 2]
+    monkeypatch.delenv("UNSET_FOR_TEST", raising=False)
+    with pytest.raises(ConfigError, match=r"UNSET_FOR_TEST/x holds a variable this node does not set"):
+        local_run_root("$UNSET_FOR_TEST/x", "run", str(tmp_path))
+    # local_dir/<name> is checkpoint.dir: the local steps lie apart from the shared ones
+    assert local_run_root(str(tmp_path), "ckpt", str(tmp_path / "ckpt")).parent == tmp_path
+    assert local_run_root(str(tmp_path), "ckpt", str(tmp_path / "ckpt")) != tmp_path / "ckpt"
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "loss@3@0@nan")
+    assert fault_point("loss", 3, 0) == "nan"
+    monkeypatch.delenv("HPC_TRAIN_TESTING")
+    assert fault_point("loss", 3, 0) == ""

@@ -87,8 +87,14 @@ def test_dry_run_prints_the_job_and_submits_nothing(capsys, tmp_path):
         (["slurm.time=2h"], "slurm.time='2h' is not a Slurm time limit"),
         (["parallel.pp=2"], "train.grad_accum=1 gives 1 micro-batches"),
         (["data.train_path=/nonexistent/x"], "/nonexistent/x.bin' does not exist"),
+        # the host memory of a node's ranks against the node's (8000 MB on the local cluster; sinfo says so): a
+        # 1.6B model's cpu-offloaded AdamW state on GPUs' hosts, a tiny CPU job in what slurm.mem asks for
+        (["model.d_model=4096", "model.n_layers=8", "model.n_heads=16", "optim.zero_stage=1", "optim.offload=cpu",
+          "slurm.gpus_per_node=2"], "more than the 8000 MB a node has (sinfo, partition debug): use optim.offload="),
+        (["slurm.mem=100M"], "MB each: the planner's host bytes, on a CPU job all a rank holds), more than the 100 MB "
+                             "a node has (slurm.mem=100M)"),
     ],
-)
+)  # fmt: skip
 def test_invalid_submissions_are_refused_before_sbatch(capsys, overrides, expected):
     before = job_count()
     with pytest.raises(SystemExit) as exit_info:

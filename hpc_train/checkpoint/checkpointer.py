@@ -34,7 +34,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +59,7 @@ from hpc_train.checkpoint.state import ShardedPart, Stateful
 from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from hpc_train.config import CheckpointConfig
 from hpc_train.distributed.agree import raise_together
+from hpc_train.distributed.hooks import StepHooks
 from hpc_train.optim.nvme import FileRegion, snapshot
 from hpc_train.resilience.faults import fault_point
 
@@ -107,14 +108,17 @@ class Checkpointer:
         memory_copy: bool = False,
         run_name: str = "run",
         ranks_per_node: int = 1,
+        hooks: Sequence[StepHooks] = (),
     ):
         """`checkpoint`: the section; `steps`: the run's last step (always saved); `identity`: what makes the
         checkpoints this run's (recorded in each manifest, checked before resuming or writing beside one);
-        `memory_copy`: also keep each save's state in host memory, for `roll_back`; `run_name` and
-        `ranks_per_node`: where local checkpoints go and which rank is each one's partner."""
+        `memory_copy`: also keep each save's state in host memory, for `roll_back`; `run_name`: where local
+        checkpoints go; `ranks_per_node`: the ranks that share a node's cores (an async save's note); `hooks`:
+        the model's step hooks, whose `after_restore` follows every restore."""
         self.options, self.steps, self.identity = checkpoint, steps, identity
         self.layout, self.report = layout, report
         self.sharded, self.shared, self.per_rank = sharded, shared, per_rank
+        self.hooks = hooks  # the features' parts in every step: told when a restore replaced the weights
         self.store = CheckpointStore(checkpoint.dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # async saves: host buffers reused across saves, and a group of their own for the background
@@ -141,8 +145,8 @@ class Checkpointer:
             self.memory_copy = MemoryCopy(sharded["model"], sharded["optim"], {**shared, **per_rank})
         self.local = None
         if checkpoint.saves_locally:
-            self.local = LocalCheckpoints(checkpoint.local_dir, run_name, self.memory_copy, layout, ranks_per_node,
-                                          report)  # fmt: skip
+            self.local = LocalCheckpoints(checkpoint.local_dir, run_name, checkpoint.dir, identity.digest(),
+                                          self.memory_copy, layout, report)  # fmt: skip
 
     # ---- ownership --------------------------------------------------------------------------------
     def claim(self) -> None:
@@ -164,6 +168,14 @@ class Checkpointer:
         if problem[0] is not None:
             self.release()
             raise CheckpointError(problem[0])
+        if self.local is not None:  # held now: what an earlier job of the run left on the nodes goes
+            self.local.start()
+
+    def finish(self) -> None:
+        """Collectively, where the run ended well (finished, or stopped after its save): its node-local copies
+        deleted, which only an in-job restart would have read."""
+        if self.local is not None:
+            self.local.finish()
 
     def release(self) -> None:
         """The end of the claim: an async save still in flight (the run failed) commits nothing after it;
@@ -250,7 +262,7 @@ class Checkpointer:
         if copy is None or copy.step != self.own_step:
             return self.resume(self.own_step)
         copy.restore()
-        return Resumed(copy.step, self.layout, time.time(), source="memory")
+        return self._restored(Resumed(copy.step, self.layout, time.time(), source="memory"))
 
     def staged(self) -> None:
         """Wait until an async save's copy is in host memory: before the weights or the optimizer state
@@ -394,7 +406,7 @@ class Checkpointer:
         there is none. Under a change of update rule (optim.reset_state=true) the rule's saved state is not
         loaded."""
         if step is None and (resumed := self._resume_locally()):
-            return resumed
+            return self._restored(resumed)
         path, manifest, reset = self._choose(step)
         if path is None:
             return None
@@ -418,7 +430,14 @@ class Checkpointer:
         self.own_step = step
         change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
         self.report(f"resumed from {path} (step {step}{change})")
-        return Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime)
+        return self._restored(Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime))
+
+    def _restored(self, resumed: Resumed) -> Resumed:
+        """Every part is back in place (from disk, node-local copies or the host copy): the step hooks' state
+        derived from the weights they replaced is made again (`StepHooks.after_restore`)."""
+        for hook in self.hooks:
+            hook.after_restore()
+        return resumed
 
     def _resume_locally(self) -> Resumed | None:
         """After an in-job restart, the node-local checkpoints when every rank has one newer than the newest

@@ -2,13 +2,20 @@
 in-job restart reads its state from node-local disk, not the shared filesystem.
 
 Every `local_interval` steps each rank writes its own state as it holds it (checkpoint/memory_copy.py: its
-shards in this layout, nothing resharded) to `local_dir` (environment variables expanded on each node, so
-`$SLURM_TMPDIR` or `/tmp/x/$SLURMD_NODENAME` name each node's own disk), and sends the same bytes through a
-gloo group of its own to its partner, the rank of the same local rank on the next node, which writes them
-beside its own: two copies on two nodes. Each file is written under a temporary name, checksummed (xxh3)
-and renamed, not fsynced (`write_verified` says why); its record (size, checksum, step, layout) follows it
+shards in this layout, nothing resharded) to the run's own directory under `local_dir` (environment
+variables expanded on each node, so `$SLURM_TMPDIR` or `/tmp/x/$SLURMD_NODENAME` name each node's own disk;
+one left unset is refused), and sends the same bytes through a gloo group of its own to its partner, the
+rank at its place on the next node (by node name, whatever the task distribution), which writes them beside
+its own: two copies on two nodes. Each file is written under a temporary name, checksummed (xxh3) and
+renamed, not fsynced (`write_verified` says why); its record (size, checksum, step, layout, run) follows it
 the same way, so a file without a record is ignored. The last two steps are kept; older ones are deleted
 on a thread.
+
+Copies are this run's only: the run's directory is named by its name and its shared checkpoint
+directory, which the directory lock gives to one live run at a time; a first start (not an in-job restart)
+deletes what an earlier job of the run left there, and a run that ends deletes its copies; each record
+names the run (`RunIdentity.digest`: its config, data and checkpoint directory) and a copy of another is
+never read.
 
 After an in-job restart (HPC_TRAIN_RESTART > 0) `restore` finds the newest step newer than the shared
 checkpoint for which every rank's state exists in this layout, its own copy or its partner's (a node whose
@@ -20,6 +27,7 @@ where that fails too, an older step (the shared checkpoint where none is left).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -33,12 +41,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_train.bootstrap import node_name
 from hpc_train.checkpoint.integrity import WRITE_ALGORITHM, file_record, new_digest
 from hpc_train.checkpoint.memory_copy import MemoryCopy, split_pieces
 from hpc_train.checkpoint.store import CheckpointError, step_dir_name
+from hpc_train.config import ConfigError
+from hpc_train.distributed.agree import raise_together
 from hpc_train.resilience.faults import fault_point
 
 KEEP = 2  # local steps kept
+TRASH = ".hpc_train_deleting_"  # what a deletion renames a directory to first
 
 
 def own_name(rank: int) -> str:
@@ -90,18 +102,86 @@ def read_verified(path: Path, allocate: Callable[[int], torch.Tensor]) -> memory
     return data
 
 
+def local_run_root(local_dir: str, run_name: str, checkpoint_dir: str) -> Path:
+    """A run's directory under `local_dir` as this node expands it: its name and a digest of its shared
+    checkpoint directory, which the directory lock gives to one live run at a time, so that runs of one name
+    never share, prune or delete each other's copies, and the local steps never lie where the shared ones do
+    (local_dir/<name> may be checkpoint.dir). A variable left unexpanded is a ConfigError."""
+    expanded = os.path.expandvars(local_dir)
+    if "$" in expanded:
+        raise ConfigError(f"checkpoint.local_dir={local_dir}: {expanded} holds a variable this node does not set; "
+                          "set it, or give the directory itself")  # fmt: skip
+    shared = str(Path(checkpoint_dir).resolve())
+    return Path(expanded) / f"{run_name}-{hashlib.sha256(shared.encode()).hexdigest()[:12]}"
+
+
+def partner_ranks(nodes: list[str]) -> list[int]:
+    """Each rank's partner (`nodes`: each rank's node name), which keeps a copy of its state: the rank at its
+    place among its node's ranks on the next node (nodes in the order of their first rank), so the two copies
+    lie on two nodes under any task distribution (block, cyclic, plane). Every rank is its own (no copy) on
+    one node, or where the nodes hold different numbers of ranks."""
+    order = list(dict.fromkeys(nodes))
+    on = {node: [r for r, n in enumerate(nodes) if n == node] for node in order}
+    if len(order) == 1 or len({len(ranks) for ranks in on.values()}) > 1:
+        return list(range(len(nodes)))
+    return [on[order[(order.index(n) + 1) % len(order)]][on[n].index(r)] for r, n in enumerate(nodes)]
+
+
+def discard(paths: list[Path]) -> threading.Thread:
+    """Delete `paths` on a thread, out of every reader's sight at once: each renamed (a unique name: several
+    ranks of a node may discard one path, and the first rename wins) to a TRASH name beside it, which a
+    later `discard` beside it also deletes where a killed process left it."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(path, path.with_name(f"{TRASH}{path.name}.{uuid.uuid4().hex}"))
+
+    def delete() -> None:
+        for trash in {trash for path in paths for trash in path.parent.glob(f"{TRASH}*")}:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    thread = threading.Thread(target=delete, name="local-checkpoint-delete", daemon=True)
+    thread.start()
+    return thread
+
+
 class LocalCheckpoints:
-    def __init__(self, local_dir: str, run_name: str, copy: MemoryCopy, layout: dict[str, Any], ranks_per_node: int,
-                 report: Any):  # fmt: skip
+    def __init__(self, local_dir: str, run_name: str, checkpoint_dir: str, run_id: str, copy: MemoryCopy,
+                 layout: dict[str, Any], report: Any):  # fmt: skip
+        """Collectively: `run_id` names the run in each record (a copy of another run is never read)."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.node_dir = Path(os.path.expandvars(local_dir))
-        self.root = self.node_dir / run_name
-        self.copy, self.layout, self.report, self.ranks_per_node = copy, layout, report, ranks_per_node
-        # the same local rank on the next node keeps this rank's copy; this rank keeps the previous node's
-        self.partner = (self.rank + ranks_per_node) % self.world
-        self.source = (self.rank - ranks_per_node) % self.world
         self.group = dist.new_group(backend="gloo")  # bytes between host buffers, on CPU and GPU alike
+        problem = None
+        try:
+            self.root = local_run_root(local_dir, run_name, checkpoint_dir)
+        except ConfigError as err:
+            problem = str(err)
+        raise_together(problem, self.group, ConfigError)  # a node's own unset variable stops every rank
+        self.copy, self.layout, self.report = copy, layout, report
+        self.record = {"layout": layout, "run": run_id}  # what a copy must hold to be read
+        nodes: list[str | None] = [None] * self.world
+        dist.all_gather_object(nodes, node_name(), group=self.group)
+        self.partners = partner_ranks(nodes)
+        if len(set(nodes)) > 1 and self.partners[self.rank] == self.rank:
+            report("node-local checkpoints: the nodes hold different numbers of ranks; no partner copies are kept")
+        # this rank's partner keeps this rank's copy; this rank keeps its source's
+        self.partner, self.source = self.partners[self.rank], self.partners.index(self.rank)
         self.pruning: threading.Thread | None = None  # older steps being deleted after a save
+
+    def start(self) -> None:
+        """Collectively, once the run holds its checkpoint directory: on a first start (not an in-job restart,
+        which reads them) delete what an earlier job of this run left on the node, which a resumed run
+        could otherwise take for its own steps (the shared checkpoint it resumes may be older)."""
+        if os.environ.get("HPC_TRAIN_RESTART", "0") == "0":
+            discard([self.root]).join()
+        dist.barrier(group=self.group)  # nothing deleted once any rank saves
+
+    def finish(self) -> None:
+        """Collectively, at the run's end: its copies deleted on every node (the shared checkpoint holds its
+        end; an in-job restart reads them only within the job)."""
+        if self.pruning is not None:
+            self.pruning.join()
+        dist.barrier(group=self.group)  # no rank still writing or reading a copy
+        discard([self.root]).join()
 
     def save(self, step: int) -> dict[str, Any]:
         """Write this rank's state of `step` here and on its partner; the bytes written and the partner's rank."""
@@ -109,7 +189,7 @@ class LocalCheckpoints:
         pieces = self.copy.pieces()  # views of the copy: written and sent as it lies in memory
         directory = self.root / step_dir_name(step)
         directory.mkdir(parents=True, exist_ok=True)
-        record = {"step": step, "layout": self.layout}
+        record = {"step": step, **self.record}
         write_verified(directory / own_name(self.rank), pieces, record)
         replicated = self.partner != self.rank  # one node: nowhere else to keep it
         if replicated:
@@ -124,8 +204,8 @@ class LocalCheckpoints:
                 last = f.read(1)
                 f.seek(-1, os.SEEK_END)
                 f.write(bytes([last[0] ^ 0xFF]))
-        if fault == "wipe":  # a planted loss of this node: its disk, then the rank
-            shutil.rmtree(self.node_dir, ignore_errors=True)
+        if fault == "wipe":  # a planted loss of this node: the run's copies on its disk, then the rank
+            shutil.rmtree(self.root, ignore_errors=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return {"local_bytes": sum(len(piece) for piece in pieces), "partner": self.partner if replicated else None}
 
@@ -148,24 +228,15 @@ class LocalCheckpoints:
             work.wait()
 
     def _prune(self) -> None:
-        """Steps older than the last KEEP out of `restore`'s sight at once (renamed), deleted behind the
-        training on a thread (with what a killed process left being deleted): freeing a GB takes ~1 s."""
+        """Steps older than the last KEEP out of `restore`'s sight at once, deleted behind the training on a
+        thread (freeing a GB takes ~1 s)."""
         if self.pruning is not None:
             self.pruning.join()
         steps = sorted(p for p in self.root.glob("step_*") if p.is_dir())
-        for old in steps[:-KEEP]:
-            with contextlib.suppress(FileNotFoundError):  # the node's other ranks prune the same directory
-                os.replace(old, old.with_name(f"deleting_{old.name}.{uuid.uuid4().hex}"))  # unique: steps recur
-
-        def delete() -> None:
-            for trash in self.root.glob("deleting_step_*"):
-                shutil.rmtree(trash, ignore_errors=True)
-
-        self.pruning = threading.Thread(target=delete, name="local-checkpoint-prune", daemon=True)
-        self.pruning.start()
+        self.pruning = discard(steps[:-KEEP])
 
     def _inventory(self) -> dict[str, list[int]]:
-        """The steps of this layout whose own copy, and whose copy of `source`, have their record here."""
+        """The steps of this run and layout whose own copy, and whose copy of `source`, have their record here."""
         found: dict[str, list[int]] = {"own": [], "replica": []}
         for directory in self.root.glob("step_*"):
             for kind, name in (("own", own_name(self.rank)), ("replica", replica_name(self.source))):
@@ -173,7 +244,7 @@ class LocalCheckpoints:
                     record = json.loads((directory / name).with_suffix(".json").read_text())
                 except (OSError, ValueError):
                     continue
-                if record.get("layout") == self.layout:
+                if all(record.get(key) == value for key, value in self.record.items()):
                     found[kind].append(int(record["step"]))
         return found
 
@@ -185,7 +256,7 @@ class LocalCheckpoints:
         dist.all_gather_object(every, self._inventory(), group=self.group)
 
         def have(r: int, s: int) -> bool:  # rank r's state of step s: its own copy, or its partner's
-            return s in every[r]["own"] or s in every[(r + self.ranks_per_node) % self.world]["replica"]
+            return s in every[r]["own"] or s in every[self.partners[r]]["replica"]
 
         steps = sorted({s for inv in every for s in inv["own"] + inv["replica"] if s > newer_than}, reverse=True)
         passed_over: list[str] = []
@@ -218,7 +289,7 @@ class LocalCheckpoints:
                 own = received
                 try:  # where this node's disk fails, the restore goes on without the copy (the others wait)
                     directory.mkdir(parents=True, exist_ok=True)
-                    write_verified(directory / own_name(self.rank), [own], {"step": step, "layout": self.layout})
+                    write_verified(directory / own_name(self.rank), [own], {"step": step, **self.record})
                 except OSError as err:
                     self.report(f"node-local checkpoints: rank {self.rank} could not keep its restored copy: {err}")
         self.copy.load_bytes(own, reusable=self.rank not in lost)  # read into a buffer of the copy's kind

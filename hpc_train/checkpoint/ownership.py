@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import socket
@@ -160,6 +161,11 @@ class RunIdentity:
 
     def manifest_fields(self) -> dict[str, Any]:
         return {"config": self.config_yaml, "data": self.data, "base_weights": self.base_weights}
+
+    def digest(self) -> str:
+        """The identity in a few bytes, for what has no manifest (node-local copies): the whole config (its
+        run_dir and checkpoint.dir included), the data's and the base weights'; any difference is another run."""
+        return hashlib.sha256(json.dumps(self.manifest_fields(), sort_keys=True).encode()).hexdigest()[:16]
 
     def refuse_foreign(self, path: Path, manifest: dict) -> None:
         refuse_foreign(path, manifest, self.cfg, self.data, self.base_weights)

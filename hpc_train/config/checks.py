@@ -73,8 +73,9 @@ def _value_problems(cfg: JobConfig) -> list[str]:
         ok, rule = RANGES[f.metadata["range"]]
         if not ok(value):
             problems.append(f"{key}={value} must be {rule}{' (or left out)' if f.default is None else ''}")
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", cfg.name):  # also all sbatch wants of a job name
-        problems.append(f"name={cfg.name!r} may hold only letters, digits, '.', '_' and '-'")
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", cfg.name) or not cfg.name.strip("."):  # also all sbatch wants
+        problems.append(f"name={cfg.name!r} may hold only letters, digits, '.', '_' and '-', and not only dots "
+                        "(it names directories)")  # fmt: skip
     if not problems and cfg.optim.min_lr > cfg.optim.lr:
         problems.append(f"optim.min_lr={cfg.optim.min_lr} is larger than optim.lr={cfg.optim.lr}")
     if not problems and cfg.model.seq_len > cfg.model.context_len:
@@ -91,6 +92,7 @@ def _value_problems(cfg: JobConfig) -> list[str]:
     if cfg.train.spike_guard.enabled and not cfg.checkpoint.interval:
         problems.append("train.spike_guard.enabled rolls a spike back to the newest checkpoint: set "
                         "checkpoint.interval (e.g. 100), or train.spike_guard.enabled=false")  # fmt: skip
+    problems += _host_copy_problems(cfg)
     steps = cfg.logging.profile_steps
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps={list(steps)} must be [first, last] steps, e.g. [10, 12]")
@@ -110,6 +112,26 @@ def _value_problems(cfg: JobConfig) -> list[str]:
             problems.append(f"{key}={value!r} holds a control character (a newline?); remove it")
         bad.append(value)
     return problems + _source_problems(cfg) + _slurm_problems(cfg)
+
+
+def _host_copy_problems(cfg: JobConfig) -> list[str]:
+    """optim.offload=nvme is chosen where the optimizer state does not fit in host memory, and a state copy
+    (checkpoint/memory_copy.py) reads all of it there: the spike guard's (unless it rolls back from disk) and
+    node-local checkpoints' (written from that copy, so they cannot go without it)."""
+    if cfg.optim.offload != "nvme":
+        return []
+    problems = []
+    if cfg.train.spike_guard.enabled and cfg.train.spike_guard.memory_copy is not False:
+        problems.append("train.spike_guard.enabled with optim.offload=nvme keeps a copy of the whole offloaded "
+                        "optimizer state in host memory at each save (train.spike_guard.memory_copy), the memory "
+                        "nvme offload saves: set train.spike_guard.memory_copy=false (a rollback reads the "
+                        "checkpoint from disk)")  # fmt: skip
+    if cfg.checkpoint.saves_locally:
+        problems.append(f"checkpoint.local_dir={cfg.checkpoint.local_dir!r} with optim.offload=nvme: node-local "
+                        "checkpoints are written from a copy of the whole offloaded optimizer state in host "
+                        "memory, the memory nvme offload saves: leave checkpoint.local_dir and "
+                        "checkpoint.local_interval out (an in-job restart reads the shared checkpoint)")  # fmt: skip
+    return problems
 
 
 def _source_problems(cfg: JobConfig) -> list[str]:

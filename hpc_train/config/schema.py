@@ -234,7 +234,7 @@ class CheckpointConfig:
     io_threads: int = positive(1)  # per rank: files written, read and checksummed in parallel
     # node-local checkpoints (checkpoint/local.py), read by an in-job restart when newer than the shared one:
     # each rank's own state every local_interval steps in local_dir (environment variables expanded on each
-    # node: $SLURM_TMPDIR, /tmp/ckpt/$SLURMD_NODENAME), and a copy on the same local rank of the next node
+    # node: $SLURM_TMPDIR, /tmp/ckpt/$SLURMD_NODENAME), and a copy on the rank at its place on the next node
     local_dir: str | None = None
     local_interval: int = non_negative(0)  # 0 = no local checkpoints
 

@@ -27,6 +27,11 @@ class StepHooks:
         the step's record, left on the device until the loop reads the step."""
         return {}
 
+    def after_restore(self) -> None:
+        """After the weights were put back in place outside an update (a resume, a spike rollback from the
+        host copy or from disk, node-local checkpoints): what a feature derived from the weights at its last
+        `after_update` belongs to weights that are gone."""
+
     def after_eval(self) -> None:
         """After forward passes without backward (evaluation)."""
 

@@ -10,7 +10,9 @@ would end its `#SBATCH` line and run the rest as a shell command.
 
 from __future__ import annotations
 
+import re
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +31,31 @@ from hpc_train.resilience.restart import run_task
 def slurm_world_size(cfg: JobConfig) -> int:
     """The job's ranks: nodes x tasks per node (one rank per task, and per GPU: config/checks.py)."""
     return cfg.slurm.nodes * cfg.slurm.tasks_per_node
+
+
+MB_PER_UNIT = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}  # Slurm's sizes, in its MB (MiB)
+
+
+def node_memory_mb(cfg: JobConfig) -> tuple[int, str] | None:
+    """The memory a node gives the job, in Slurm's MB, and what says so: slurm.mem where the config asks for
+    some (0 is all of a node's), else the smallest node of slurm.partition (or of the default partition), as
+    sinfo reports it. None where nothing answers (no Slurm on this machine: a dry run on a laptop)."""
+    mem = cfg.slurm.mem
+    if mem and int(mem.rstrip("KMGTkmgt")):
+        unit = mem[-1].upper() if mem[-1].isalpha() else "M"
+        return int(int(mem.rstrip("KMGTkmgt")) * MB_PER_UNIT[unit]), f"slurm.mem={mem}"
+    command = ["sinfo", "-h", "-o", "%P %m", *(["-p", cfg.slurm.partition] if cfg.slurm.partition else [])]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    rows = [line.split() for line in out.stdout.splitlines() if len(line.split()) == 2]
+    if not cfg.slurm.partition:  # every partition is listed: the job goes to the default one, marked with a '*'
+        rows = [[name.rstrip("*"), size] for name, size in rows if name.endswith("*")]
+    sizes = [int(m.group()) for _, size in rows if (m := re.match(r"[0-9]+", size))]  # '8000+': nodes differ
+    if out.returncode or not sizes:
+        return None
+    return min(sizes), f"sinfo, partition {rows[0][0]}"
 
 
 def log_folder(cfg: JobConfig) -> Path:

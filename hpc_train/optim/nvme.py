@@ -1,7 +1,9 @@
 """optim.offload=nvme (ZeRO-Infinity's optimizer offload): state that fits neither the device nor the host.
 
-A rank's fp32 master weights and its update rule's state (AdamW's two moments) live in files under
-`optim.offload_dir/rank<r>/`, one file per key, each laid out as the rank's flat owned slice. An update
+A rank's fp32 master weights and its update rule's state (AdamW's two moments) live in files in
+`optim.offload_dir`, one file per key, each laid out as the rank's flat owned slice. The files never have a
+name (O_TMPFILE), only the process's descriptors: the kernel frees their space when the process ends, however
+it ends (a SIGKILL, a time limit, a node crash), and no run can meet another's files. An update
 streams them through a ring of host buffers (`optim.offload_buffer_mb` in all; pinned on CUDA): while one
 chunk updates, a reader thread reads the next into the next slot and a writer thread writes the last one
 back, so host memory holds the ring whatever the state's size. The files are opened with O_DIRECT where
@@ -19,11 +21,11 @@ into an unnamed file that goes when the save is written.
 from __future__ import annotations
 
 import errno
-import fcntl
 import math
 import mmap
 import os
 import re
+import secrets
 import tempfile
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -103,28 +105,47 @@ def ring_bytes(buffer_bytes: int, numel: int, per_slot: int) -> int:
     return 4 * SLOTS * per_slot * chunk_elements(buffer_bytes, numel, per_slot)
 
 
-def _open(path: Path, direct: bool) -> int:
-    flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    return os.open(path, flags, 0o600)
+def unnamed(directory: Path, direct: bool) -> int:
+    """A new file in `directory` that has no name, open for reading and writing: its space goes back to the
+    disk with its last descriptor, whatever ends the process (no finalizer has to run). O_TMPFILE; where the
+    filesystem lacks it, a new name unlinked at once."""
+    flags = os.O_RDWR | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    try:
+        return os.open(directory, flags | os.O_TMPFILE, 0o600)
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EISDIR):  # EISDIR: a kernel without O_TMPFILE
+            raise
+    path = directory / f".hpc_train_nvme_{secrets.token_hex(8)}"
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    finally:  # an open that fails (O_DIRECT refused) may have made the file
+        path.unlink(missing_ok=True)
+
+
+def reopened(fd: int) -> int:
+    """A second descriptor of `fd`'s file, without its flags (O_DIRECT): the file has no name to open it by."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
 
 
 def direct_io_works(directory: Path) -> bool:
-    """Whether this filesystem takes O_DIRECT reads and writes (tmpfs and some others refuse it: EINVAL)."""
+    """Whether this filesystem takes O_DIRECT reads and writes (some refuse it: EINVAL)."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    probe, block = directory / ".direct_probe", aligned_empty(ELEMENTS, pinned=False)
+    block = aligned_empty(ELEMENTS, pinned=False)
     try:
-        fd = _open(probe, direct=True)
-        try:
-            return os.pwrite(fd, block.numpy().view("uint8"), 0) == ALIGN
-        finally:
-            os.close(fd)
+        fd = unnamed(directory, direct=True)
+    except OSError as err:
+        if err.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    try:
+        return os.pwrite(fd, block.numpy().view("uint8"), 0) == ALIGN
     except OSError as err:
         if err.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return False
         raise
     finally:
-        probe.unlink(missing_ok=True)
+        os.close(fd)
 
 
 @dataclass
@@ -135,45 +156,36 @@ class Chunk:
 
 
 class StateFiles:
-    """The keys' files of one rank, each `numel` fp32 elements (padded to whole blocks), and the ring of host
-    buffers the state streams through."""
+    """The keys' files of one rank (`name`, in messages), each `numel` fp32 elements (padded to whole blocks),
+    unnamed in `directory`, and the ring of host buffers the state streams through. Nothing the directory
+    holds is read, changed or deleted: its entries are not the run's."""
 
     def __init__(self, directory: str, name: str, keys: tuple[str, ...], numel: int, buffer_bytes: int,
                  pinned: bool, extra: tuple[str, ...] = ("grad",)) -> None:  # fmt: skip
         problems = check_offload_dir(directory, on_node=True)
         if problems:
             raise ConfigError("\n".join(problems))
-        self.dir = Path(os.path.expandvars(directory)) / name
+        self.dir, self.name = Path(os.path.expandvars(directory)), name
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.lock = os.open(self.dir, os.O_RDONLY)
-        try:  # one process per directory: another live one is refused, not overwritten
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.lock)
-            raise ConfigError(f"{self.dir} is in use by another process's optim.offload=nvme; give each run its "
-                              "own optim.offload_dir") from None  # fmt: skip
-        for stale in self.dir.iterdir():  # a previous attempt's working copy: written again from the start
-            stale.unlink()
         self.keys, self.numel = keys, numel
         self.filesystem = filesystem_of(self.dir)
         self.direct = direct_io_works(self.dir)
-        self.fds = {key: _open(self.dir / f"{key}.bin", self.direct) for key in keys}
+        self.fds = {key: unnamed(self.dir, self.direct) for key in keys}
         # buffered access at any offset, into any buffer: a save's reads, a resume's mapping
-        self.buffered = {key: os.open(self.dir / f"{key}.bin", os.O_RDWR) for key in keys}
+        self.buffered = {key: reopened(fd) for key, fd in self.fds.items()}
         self.maps: list[mmap.mmap] = []
         for key, fd in self.fds.items() if numel else ():  # a rank with nothing to update takes no space
             try:  # the disk space taken now: a full disk fails here, not in a writer thread mid-step
                 os.posix_fallocate(fd, 0, 4 * padded(numel))
             except OSError as err:
-                raise ConfigError(f"{self.dir / key}.bin: cannot take {4 * padded(numel) / 2**30:.2f} GiB for "
-                                  f"optim.offload=nvme ({err.strerror})") from None  # fmt: skip
+                raise ConfigError(f"{self.dir}: cannot take {4 * padded(numel) / 2**30:.2f} GiB for {name}'s {key} "
+                                  f"(optim.offload=nvme; {err.strerror})") from None  # fmt: skip
         self.chunk = chunk_elements(buffer_bytes, numel, len(keys) + len(extra))
         self.slots = [{key: aligned_empty(self.chunk, pinned) for key in (*keys, *extra)} for _ in range(SLOTS)]
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
-        # at the process's end (or the optimizer's), the threads, the files and the working copy are let go
-        self._finalizer = weakref.finalize(self, _release, self.reader, self.writer, self.fds, self.buffered,
-                                           self.lock, self.dir)  # fmt: skip
+        # at the optimizer's end, the threads and the files are let go (at the process's, the kernel frees them)
+        self._finalizer = weakref.finalize(self, _release, self.reader, self.writer, self.fds, self.buffered)
 
     @property
     def buffer_bytes(self) -> int:
@@ -192,7 +204,8 @@ class StateFiles:
             n = os.pwrite(self.fds[key], part, offset + done) if write else os.preadv(self.fds[key], [part],
                                                                                        offset + done)  # fmt: skip
             if n <= 0:
-                raise OSError(errno.EIO, f"{'write' if write else 'read'} of {self.dir / key}.bin at {offset + done}")
+                raise OSError(errno.EIO, f"{'write' if write else 'read'} of {self.name}'s {key} in {self.dir} at "
+                                         f"{offset + done}")  # fmt: skip
             done += n
 
     def _blocks(self, start: int, numel: int) -> int:
@@ -278,7 +291,7 @@ class StateFiles:
         self.maps = []
 
     def close(self) -> None:
-        """Threads stopped, files closed and deleted (the checkpoints hold the state)."""
+        """Threads stopped, files closed: their space freed (the checkpoints hold the state)."""
         self._finalizer()
 
     @property
@@ -286,16 +299,14 @@ class StateFiles:
         return not self._finalizer.alive
 
 
-def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, fds: dict[str, int], buffered: dict[str, int],
-             lock: int, directory: Path) -> None:  # fmt: skip
+def _release(reader: ThreadPoolExecutor, writer: ThreadPoolExecutor, fds: dict[str, int],
+             buffered: dict[str, int]) -> None:  # fmt: skip
     reader.shutdown()
     writer.shutdown()
     for key, fd in list(fds.items()):
         os.close(fd)
         os.close(buffered.pop(key))
-        (directory / f"{key}.bin").unlink(missing_ok=True)
         del fds[key]
-    os.close(lock)
 
 
 @dataclass(frozen=True, eq=False)

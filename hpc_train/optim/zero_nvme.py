@@ -15,7 +15,6 @@ only the moments are in files. AdamW's step is counted per span or parameter, as
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -39,11 +38,11 @@ KEYS = ("master", *MOMENTS)
 
 def rank_files(cfg: OptimConfig, keys: tuple[str, ...], numel: int, pinned: bool, role: str = "dp_cp",
                extra: tuple[str, ...] = ("grad",)) -> StateFiles:  # fmt: skip
-    """This rank's files under the job's own directory (its restarts reuse it; another job on the node has its
-    own; under ep the experts' state has its own files)."""
+    """This rank's files in optim.offload_dir, unnamed: only this process reaches them, so another job or a
+    restart on the node never meets them, and nothing is left once the process ends (under ep the experts'
+    state has its own files). The name is what messages call them."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    job = os.environ.get("SLURM_JOB_ID") or f"local{os.getppid()}"
-    name = f"{job}/rank{rank:05d}" + ("" if role == "dp_cp" else f"-{role}")
+    name = f"rank{rank:05d}" + ("" if role == "dp_cp" else f"-{role}")
     return StateFiles(cfg.offload_dir, name, keys, numel, int(cfg.offload_buffer_mb * 2**20), pinned, extra)
 
 
@@ -126,7 +125,8 @@ class OnDisk:
         return self.files.disk_bytes
 
     def close(self) -> None:
-        """The working copy let go: threads stopped, files deleted (the checkpoints hold the state)."""
+        """The working copy let go: threads stopped, files closed, their space freed (the checkpoints hold the
+        state)."""
         self.files.close()
 
     def _first_fill(self, fill: Callable[[], None]) -> None:
@@ -150,10 +150,10 @@ class OnDisk:
         direct = "O_DIRECT" if self.files.direct else "buffered writes (the filesystem refuses O_DIRECT)"
         if self.files.filesystem in MEMORY_FILESYSTEMS:
             direct += f"; on {self.files.filesystem}, so the state is in host memory after all"
-        return (f"optim.offload=nvme: {self.files.disk_bytes / 2**30:.3f} GiB of {self.holds} in {self.files.dir} "
-                f"({direct}; written at {self.write_gbps:.2f} GB/s at start-up: an update reads and writes it, "
-                f"{self.update_s():.2f} s a step at that speed), through {self.files.buffer_bytes / 2**20:.1f} MiB "
-                "of host buffers")  # fmt: skip
+        return (f"optim.offload=nvme: {self.files.disk_bytes / 2**30:.3f} GiB of {self.holds} in unnamed files in "
+                f"{self.files.dir} ({direct}; written at {self.write_gbps:.2f} GB/s at start-up: an update reads "
+                f"and writes it, {self.update_s():.2f} s a step at that speed), through "
+                f"{self.files.buffer_bytes / 2**20:.1f} MiB of host buffers")  # fmt: skip
 
 
 class StreamedRule:

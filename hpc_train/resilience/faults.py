@@ -1,6 +1,8 @@
 """Fault injection for the failure tests: real SIGKILLs, hangs, slow ranks and out-of-memory errors at
 named points of a step or of the checkpoint commit protocol, chosen by an environment variable (unset:
-nothing happens)."""
+nothing happens). A production run never meets one: the variable is read only where the test switch
+HPC_TRAIN_TESTING=1 is set too (tests/conftest.py and tools/fault_campaign.py set it), so a stray
+HPC_TRAIN_FAULT in a job's environment does nothing."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import signal
 import time
 
+TEST_SWITCH = "HPC_TRAIN_TESTING"  # =1: the failure tests' faults are honoured
 SLOW_S = 0.2  # what a slow rank loses per step
 LATE_S = 3.0  # what a late rank loses, once
 
@@ -19,10 +22,11 @@ def fault_point(point: str, step: int, rank: int) -> str:
     slow node would, or (`late`) sleeps LATE_S there once, or returns the kind, where the caller acts it out:
     `nan` makes its value non-finite,
     `spike`, at the point `batch` whose "step" is the global batch's number, poisons that batch, and at
-    `local_saved`, `wipe` deletes the node's local checkpoints before the kill and `corrupt` flips a byte of
-    the rank's own local file); "" where nothing happens. Only the first attempt of a run meets its faults:
-    ranks restarted in the job (HPC_TRAIN_RESTART > 0) run clean."""
-    spec = os.environ.get("HPC_TRAIN_FAULT", "")
+    `local_saved`, `wipe` deletes the run's local checkpoints on the node before the kill and `corrupt` flips
+    a byte of the rank's own local file); "" where nothing happens, and always without HPC_TRAIN_TESTING=1.
+    Only the first attempt of a run meets its faults: ranks restarted in the job (HPC_TRAIN_RESTART > 0) run
+    clean."""
+    spec = os.environ.get("HPC_TRAIN_FAULT", "") if os.environ.get(TEST_SWITCH) == "1" else ""
     if not spec or os.environ.get("HPC_TRAIN_RESTART", "0") != "0":
         return ""
     for fault in spec.split(","):

@@ -88,7 +88,9 @@ def train(
     run.checkpointer.claim()
     hang = HangWatchdog(run.cfg.parallel.hang_timeout_s, run.cfg.run_dir, run.rank_env.world_size)
     try:
-        return _train(run, stop, last_memory, hang, held)
+        result = _train(run, stop, last_memory, hang, held)
+        run.checkpointer.finish()
+        return result
     finally:
         hang.close()
         run.checkpointer.release()

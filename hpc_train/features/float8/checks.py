@@ -8,6 +8,7 @@ import importlib.util
 import torch
 
 from hpc_train.config import ModelConfig, OptimConfig, ParallelConfig, SlurmConfig, TrainConfig
+from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.features.float8.linears import (
     ALIGNMENT,
     all_gather_problem,
@@ -34,8 +35,11 @@ def runs_on_gloo(train: TrainConfig, parallel: ParallelConfig, slurm: SlurmConfi
 
 
 def check(*, train: Float8Options, model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
-          finetune: FinetuneConfig, slurm: SlurmConfig, spec: ModelSpec, here: bool) -> list[str]:  # fmt: skip
-    """`here`: the ranks start on this machine, whose GPU must have float8 tensor cores."""
+          finetune: FinetuneConfig, slurm: SlurmConfig, spec: ModelSpec, dims: ParallelDims,
+          here: bool) -> list[str]:  # fmt: skip
+    """`here`: the ranks start on this machine, whose GPU must have float8 tensor cores. The float8 all-gather
+    is refused on gloo only where FSDP2 shards the weights over more than one rank (dp x cp): with one, no
+    float8 byte crosses gloo, and the precomputed scales run (and are tested) on a CPU."""
     if train.fp8 == "off":
         refused = "train.fp8_all_gather is for float8 weights: set train.fp8=tensorwise, or drop it"
         return [refused] if train.fp8_all_gather else []
@@ -51,7 +55,7 @@ def check(*, train: Float8Options, model: ModelConfig, parallel: ParallelConfig,
         if optim.zero_stage != 3:
             problems.append(f"train.fp8_all_gather is FSDP2's (optim.zero_stage=3), not optim.zero_stage="
                             f"{optim.zero_stage}: drop it")  # fmt: skip
-        elif runs_on_gloo(train, parallel, slurm):
+        elif runs_on_gloo(train, parallel, slurm) and dims.dp * dims.cp > 1:
             problems.append(all_gather_problem(parallel.backend, train.device))
     if here and runs_on_cuda(train, slurm) and torch.cuda.is_available():
         name = torch.cuda.get_device_name()

@@ -82,7 +82,7 @@ def convert(stage: StageModule, plan: StagePlan, *, train: Float8Options, parall
         capability = torch.cuda.get_device_capability(plan.device)
         if problem := capability_problem(capability, torch.cuda.get_device_name(plan.device)):
             raise ConfigError(problem)
-    if train.fp8_all_gather and dist.is_initialized() and dist.get_backend() == "gloo":
+    if train.fp8_all_gather and dist.is_initialized() and dist.get_backend() == "gloo" and plan.mesh.size("dp_cp") > 1:
         raise ConfigError(all_gather_problem(parallel.backend, plan.device.type))
     chosen = set(fp8_projections(stage, train.fp8_min_dim))
     convert_to_float8_training(stage, module_filter_fn=lambda _, name: name in chosen, config=float8_config(train))
@@ -134,16 +134,23 @@ def float8_tp_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str
 
 class PrecomputedScales(StepHooks):
     """train.fp8_all_gather: after each update, every float8 weight's scale at once (one all-reduce of their
-    amaxes), so FSDP2's all-gathers do not each wait on their own (torchtitan's precompute)."""
+    amaxes), so FSDP2's all-gathers do not each wait on their own (torchtitan's precompute). FSDP2 casts with
+    the scale held until the next precompute, so a restore of other weights in place computes them again."""
 
     name = "float8"
 
     def __init__(self, chunks: list[nn.Module]):
         self.chunks = chunks
 
-    def after_update(self, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
+    def precompute(self) -> None:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         for chunk in self.chunks:
             precompute_float8_dynamic_scale_for_fsdp(chunk)
+
+    def after_update(self, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.precompute()
         return {}
+
+    def after_restore(self) -> None:
+        self.precompute()
