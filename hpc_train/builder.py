@@ -27,6 +27,7 @@ from hpc_train.checkpoint.checkpointer import Checkpointer
 from hpc_train.checkpoint.init_from import base_fingerprint, load_base, with_source_model
 from hpc_train.checkpoint.ownership import RunIdentity
 from hpc_train.checkpoint.state import ModelState, OptimizerState, RNGState
+from hpc_train.config import OptimConfig
 from hpc_train.data.blend import BlendedSampler, BlendedSource
 from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import load_datasets, load_valid_sources
@@ -73,6 +74,12 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed + rank)
 
 
+def params_on_host(optim: OptimConfig) -> bool:
+    """Whether the parameters are allocated in host memory: FSDP2's CPU offload (ZeRO-3 with optim.offload),
+    whose first forward refuses parameters that report a GPU, whatever device computes."""
+    return optimizer_class(optim).shards_params and optim.offload != "none"
+
+
 def build_model(
     cfg: JobConfig, mesh: Mesh, device: torch.device, compute_dtype: torch.dtype | None = None
 ) -> ParallelModel:
@@ -81,7 +88,7 @@ def build_model(
     hooks into every step."""
     o, given = cfg.optim, {"mesh": mesh, "block_policy": block_policy(cfg)}
     plan = StagePlan(cfg.model, cfg.parallel, cfg.train, get_spec(cfg.model.arch), mesh, device, compute_dtype,
-                     params_on_host=optimizer_class(o).shards_params and o.offload != "none",
+                     params_on_host=params_on_host(o),
                      transforms=tuple(fn for _, fn in declared(cfg, "transform", **given)),
                      initializers=tuple(fn for _, fn in declared(cfg, "initialize", **given)))  # fmt: skip
     model = parallelize(plan)

@@ -5,7 +5,9 @@ benchmark a page names exists, and README stays a short page that maps every doc
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -146,17 +148,65 @@ def srun_world(launcher: list[str]) -> list[str]:
     return ["--world", str(int(flags["nodes"]) * int(flags.get("ntasks-per-node", 1)))]
 
 
+@functools.cache
+def module_functions(path: Path) -> dict[str, ast.FunctionDef]:
+    """A test module's functions at module level, by name: the last definition of a name, as Python binds it."""
+    tree = ast.parse(path.read_text())
+    return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def always_skipped(fn: ast.FunctionDef) -> bool:
+    """A bare `pytest.mark.skip` or `xfail` (no condition), `skipif(True)`, or a `pytest.skip()` its body
+    always reaches (a statement of the body itself, not under a condition)."""
+    for decorator in fn.decorator_list:
+        call = decorator if isinstance(decorator, ast.Call) else None
+        mark = ast.unparse(call.func if call else decorator)
+        if mark in ("pytest.mark.skip", "pytest.mark.xfail") and not (call and call.args):
+            return True
+        condition = call.args[0] if call and call.args else None
+        if mark == "pytest.mark.skipif" and isinstance(condition, ast.Constant) and condition.value:
+            return True
+    return any(isinstance(stmt, ast.Expr) and ast.unparse(stmt.value).startswith("pytest.skip(") for stmt in fn.body)
+
+
+def checks_something(fn: ast.FunctionDef, path: Path, seen: set[str]) -> bool:
+    """An assert, or pytest.raises / fail / warns, in `fn` or in a function of its module or of
+    tests/conftest.py that it calls or hands on (a rank's checks through `launch_local`), at any depth."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assert):
+            return True
+        if isinstance(node, ast.Attribute) and ast.unparse(node) in ("pytest.raises", "pytest.fail", "pytest.warns"):
+            return True
+    helpers = {**module_functions(ROOT / "tests" / "conftest.py"), **module_functions(path)}
+    called = {node.id for node in ast.walk(fn) if isinstance(node, ast.Name) and node.id in helpers} - seen
+    seen |= called
+    return any(checks_something(helpers[name], path, seen) for name in called)
+
+
+def named_test_problem(path: Path, name: str) -> str | None:
+    """Why pytest would not run `name` of `path` as a check, or None: it must be a function at module level
+    that pytest collects (`test_*` in a `test_*.py` file, under testpaths), never skipped whatever holds,
+    that checks something (`checks_something`)."""
+    fn = module_functions(path).get(name)
+    if fn is None or not name.startswith("test") or not path.name.startswith("test_"):
+        return "which pytest does not collect (no module-level test function of that name)"
+    if always_skipped(fn):
+        return "which is always skipped"
+    if not checks_something(fn, path, {name}):
+        return "which asserts nothing (no assert, pytest.raises or pytest.fail, nor a helper of its module with one)"
+    return None
+
+
 def test_named_tests_and_benchmarks_exist():
-    """Every `tests/test_x.py::name` and `tools/x.py` a page names is there, so a claim keeps its test."""
+    """Every `tests/test_x.py::name` and `tools/x.py` a page names is there, so a claim keeps its test: a
+    test pytest collects, runs whatever holds (never skipped unconditionally) and that asserts something."""
     named = 0
     for page in PAGES:
         for test_file, test_name, tool in REFERENCE.findall(page.read_text()):
             path = ROOT / (test_file or tool)
             assert path.is_file(), f"{page.name} names {path.relative_to(ROOT)}, which does not exist"
-            if test_name:
-                assert re.search(rf"^def {test_name}\(", path.read_text(), re.M), (
-                    f"{page.name} names {test_file}::{test_name}, which does not exist"
-                )
+            if test_name and (problem := named_test_problem(path, test_name)):
+                pytest.fail(f"{page.name} names {test_file}::{test_name}, {problem}")
             named += 1
     assert named >= 100
 

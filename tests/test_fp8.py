@@ -168,15 +168,16 @@ def test_float8_all_gather_scales_follow_a_spike_rollback(cfg_for, monkeypatch):
     """train.fp8_all_gather casts each weight with the scale precomputed after the last update; a spike rollback
     puts older weights back in place (from the host copy, or from disk), and their scales are computed again:
     each run rolled back past its poisoned batch matches, loss for loss and weight for weight, a run that
-    skipped that batch from the start. One ZeRO-3 process: FSDP2 casts with the scales, gloo sends nothing.
-    With the scales of the weights rolled away from, step 5 casts differently."""
-    monkeypatch.setenv("HPC_TRAIN_FAULT", "batch@7@0@spike")  # the 7th global batch: loss and gradients x 1000
-    base = [FP8, "train.fp8_all_gather=true", "optim.zero_stage=3", "optim.offload=cpu", "train.steps=8", "train.micro_batch_size=2",
-            "checkpoint.interval=4", "logging.log_interval=4"]  # fmt: skip
-    guard = ["train.spike_guard.enabled=true", "train.spike_guard.window=4", "train.spike_guard.skip=step"]
+    skipped that batch from the start. One ZeRO-3 process (its shards on the host, as ZeRO-3 at dp 1 asks):
+    FSDP2 casts with the scales, gloo sends nothing. With the scales of the weights rolled away from, the
+    first step trained again casts differently."""
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "batch@5@0@spike")  # the 5th global batch: loss and gradients x 1000
+    base = [FP8, "train.fp8_all_gather=true", "optim.zero_stage=3", "optim.offload=cpu", "train.steps=6",
+            "train.micro_batch_size=2", "checkpoint.interval=2", "logging.log_interval=2"]  # fmt: skip
+    guard = ["train.spike_guard.enabled=true", "train.spike_guard.window=2", "train.spike_guard.skip=step"]
     guarded = {source: cfg_for(f"rolled_back_{source}", *base, *guard, f"train.spike_guard.memory_copy={copy}")
                for source, copy in (("memory", "true"), ("disk", "false"))}  # fmt: skip
-    reference = cfg_for("skipped_from_the_start", *base, "data.skip_samples=[[12,14]]")
+    reference = cfg_for("skipped_from_the_start", *base, "data.skip_samples=[[8,10]]")
     launch_sequence(run_training, 1, [(cfg,) for cfg in (*guarded.values(), reference)])
     expected = read_metrics(reference.run_dir)
     for source, cfg in guarded.items():

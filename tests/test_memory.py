@@ -8,6 +8,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from hpc_train.builder import build_run
 from hpc_train.data.indexed import IndexedDataset
@@ -44,14 +45,27 @@ def measured(small_corpus, tmp_path_factory):
             model = build_run(cfg, rank_env, torch.device("cpu"), with_data=False).model
             data = IndexedDataset(small_corpus, cfg.model.seq_len)
             batch = [data.batch(np.arange(4))]
+            freed = blocks_outputs_freed(model.chunks[0])
             with SavedActivations(model.parameters) as saved:
                 loss = forward_backward(model, batch).item()
             grads = {n: p.grad.clone() for n, p in model.named_parameters}
             offloaded = [
                 hook.after_update(torch.zeros(())) for hook in model.hooks if hook.name == "activation_offload"
             ]
-            results[name] = (loss, grads, saved.bytes, offloaded[0] if offloaded else None, cfg)
+            results[name] = (loss, grads, saved.bytes, offloaded[0] if offloaded else None, cfg, freed)
     return results
+
+
+def blocks_outputs_freed(stage: torch.nn.Module) -> list[bool]:
+    """Filled during the stage's next forward: whether each block's output was already freed when the final
+    norm began, backward still to come. The next block saves that output for its backward: autograd keeps it
+    alive unless that block's saved tensors went to host memory (copies), so an offloaded block's input is
+    gone, and every other block's stays (on the CPU too, where host and device are one memory)."""
+    outputs, freed = [], []
+    for block in stage.layers.values():
+        block.register_forward_hook(lambda module, args, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    stage.norm.register_forward_pre_hook(lambda module, args: freed.extend(ref.expired() for ref in outputs))
+    return freed
 
 
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
@@ -121,17 +135,22 @@ def test_a_parameter_hook_does_not_keep_its_optimizer_alive():
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p.startswith("offload")])
 def test_offloaded_activations_went_through_the_hooks_as_the_planner_says(measured, policy):
     """What passed through the offload hooks (each storage once) is what the planner takes off the device's
-    activations and puts in host memory; the device kept that much less, and every offloaded block's tensors
-    were brought back ahead of its backward. Without the feature nothing passes (no hook is attached)."""
+    activations and puts in host memory; the device kept that much less, every offloaded block's tensors
+    were brought back ahead of its backward, and the ones it saved were freed before backward (copies kept,
+    not the tensors: `blocks_outputs_freed`). Without the feature nothing passes (no hook is attached)."""
     from hpc_train.distributed.mesh import ParallelDims
     from hpc_train.planner import activation_bytes, estimate
 
-    _, _, saved, offloaded, cfg = measured[policy]
+    _, _, saved, offloaded, cfg, freed = measured[policy]
     base = measured["full_every_2" if "recompute" in policy else "none"][4]  # the same without offload
     planned = activation_bytes(base) - activation_bytes(cfg)  # one micro-batch (the batch is one here)
     assert offloaded["bytes"] == planned > 0 and offloaded["tensors"] > 0
     blocks = {"offload_selective": 3, "offload_full": 4, "offload_full_recompute_every_2": 2}[policy]
     assert offloaded["prefetched"] == blocks  # each offloaded block's group, ahead of its backward
+    # a block's output is freed before backward exactly where the next block (its saver) offloads: moved, not
+    # just counted; the last block's output is the final norm's input
+    moved = {"offload_selective": [0, 1], "offload_full": [0, 1, 2], "offload_full_recompute_every_2": [0, 2]}[policy]
+    assert freed == [i in moved for i in range(4)] and measured["none"][5] == [False] * 4
     plan = estimate(cfg, ParallelDims())
     assert plan.host == plan.host_features == planned and plan.activations == activation_bytes(cfg)
     if policy == "offload_selective":  # the last block still saves the stage's RoPE tables, so exactly

@@ -197,3 +197,36 @@ def test_weight_halves_reach_the_gradient_hooks_as_a_full_backward_does(runs, ar
         assert record["calls"] == record["expected"]
     twice = {n for record in counted for n, e in record["expected"].items() if e == 2 * 4}
     assert twice == ({"tok_embeddings.weight"} if arch == "gpt2" and name != "interleaved_zb" else set())
+
+
+def weight_pass_gradients(rank_env, reshard_after_forward: bool) -> dict[str, bool]:
+    """One zbv step of one rank holding both stages of a two-layer model, the second stage sharded by FSDP2:
+    which of that stage's weights got a gradient."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpc_train.distributed.pipeline import build_schedule
+
+    cpu = torch.device("cpu")
+    with distributed(rank_env, cpu, "gloo", 120):
+        torch.manual_seed(0)
+        chunks, mesh = [nn.Linear(8, 8), nn.Linear(8, 8)], init_device_mesh("cpu", (1,))
+        fully_shard(chunks[1], mesh=mesh, reshard_after_forward=reshard_after_forward)
+        steps = build_schedule(chunks, [0, 1], schedule("zbv", pp=1), 2, mesh, cpu,
+                               lambda out, target: ((out - target) ** 2).mean())  # fmt: skip
+        steps.step(torch.randn(4, 8), target=torch.randn(4, 8))
+        return {name: p.grad is not None for name, p in chunks[1].named_parameters()}
+
+
+def test_a_weight_the_split_backward_cannot_reach_stops_the_step_by_name():
+    """The weight half computes the gradients of the weights torch's private input pass grouped. A stage whose
+    weights are not there (FSDP2 resharded them after forward: the config refuses it, the stage does not rely
+    on that) stops the step naming them, the torch version and the fix; it used to leave them without a
+    gradient. Kept gathered, every weight of the stage gets its gradient."""
+    assert launch_local(weight_pass_gradients, 1, False) == {"weight": True, "bias": True}
+    with pytest.raises(RuntimeError) as refused:
+        launch_local(weight_pass_gradients, 1, True)
+    message = str(refused.value)
+    assert "leaves weight, bias of pipeline stage 1 without a gradient" in message
+    assert f"torch {torch.__version__}" in message and "parallel.schedule=1f1b or interleaved_1f1b" in message

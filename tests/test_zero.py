@@ -244,10 +244,30 @@ def test_host_gradients_meet_collectives_on_a_gpu_without_one(monkeypatch):
     assert staged.device == host
 
 
-def test_zero3_offload_is_accepted_on_cuda(make_cfg):
-    """The layout check no longer refuses FSDP2's CPU offload on GPUs (it ran on CPU only)."""
-    cfg = make_cfg("optim.zero_stage=3", "optim.offload=cpu", "train.device=cuda", "parallel.nproc=2")
-    assert check_run(cfg, 2, check_paths=False).dp == 2
+def test_zero3_offload_on_cuda_puts_the_shards_in_host_memory(make_cfg):
+    """ZeRO-3 with optim.offload=cpu on GPUs, checked on the CPU (a GPU tensor under FakeTensorMode is a shape
+    and a device): the layout check accepts it, the plan `submit` compares with the GPU's memory holds the
+    parameters, gradients and optimizer state in host memory instead, and the builder allocates the parameters
+    there and the buffers on the GPU, as FSDP2's CPU offload needs them (it refuses parameters on a GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hpc_train.builder import params_on_host
+    from hpc_train.distributed.parallelize import materialize
+    from hpc_train.models import get_spec
+
+    gpu = ["optim.zero_stage=3", "train.device=cuda", "parallel.nproc=2"]
+    cfg, on_gpu = make_cfg(*gpu, "optim.offload=cpu"), make_cfg(*gpu)
+    dims = check_run(cfg, 2, check_paths=False)
+    plan, unplaced = estimate(cfg, dims), estimate(on_gpu, dims)
+    assert (plan.params, plan.grads, plan.optimizer) == (0, 0, 0) and unplaced.host == 0
+    assert plan.host == unplaced.params + unplaced.grads + unplaced.optimizer > 0
+    assert plan.total < unplaced.total
+    with torch.device("meta"):
+        stage = get_spec(cfg.model.arch).build_stage(cfg.model)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        materialize(stage, torch.device("cuda", 0), params_on_host(cfg.optim))
+    assert {p.device.type for p in stage.parameters()} == {"cpu"}
+    assert {b.device.type for b in stage.buffers()} == {"cuda"} and not params_on_host(on_gpu.optim)
 
 
 def _overlap_checks(rank_env, cfg):

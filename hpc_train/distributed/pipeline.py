@@ -11,7 +11,11 @@ The zero-bubble schedules split each backward into its input half (I: the gradie
 stage) and its weight half (W), run later to fill the bubble. torch's W pass writes `.grad` itself, which
 skips the post-accumulate-grad hooks the data-parallel strategies count gradients with (ZeRO-1's and
 ZeRO-2's reductions from inside backward, ZeRO-2's fp32 accumulation); `SplitBackwardStage` runs it through
-autograd's accumulation instead, so every strategy sees a W pass as it sees a full backward.
+autograd's accumulation instead, so every strategy sees a W pass as it sees a full backward. It reads torch's
+private state of the input pass (`backward_state`, `dw_runner`, the parameter groups keyed by each weight's
+gradient accumulator), which changes between torch releases: what it cannot read, and a trainable weight
+that no group reaches, stop the run with the torch version and the fix, never a weight left without its
+gradient.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpc_train.config import ParallelConfig
+from hpc_train.config import ConfigError, ParallelConfig
 from hpc_train.config.schema import SPLIT_BACKWARD, V_SHAPED
 
 # parallel.schedule -> torch's schedule class
@@ -59,6 +63,42 @@ def _accumulator(p: torch.Tensor):
     return p.view_as(p).grad_fn.next_functions[0][0]
 
 
+def split_backward_problem(detail: str) -> str:
+    """The error of a split backward this torch cannot run as `SplitBackwardStage` reads it, with its fix."""
+    return (f"parallel.schedule's split backward (interleaved_zb, zbv, dualpipev) {detail} with torch "
+            f"{torch.__version__} (SplitBackwardStage reads torch.distributed.pipelining's private state): use a "
+            "schedule without a split backward, parallel.schedule=1f1b or interleaved_1f1b")  # fmt: skip
+
+
+def _weights_by_accumulator(submod: nn.Module) -> dict:
+    """Each trainable weight of `submod` by its gradient accumulator: (its whole-model name, the weight)."""
+    name_of = getattr(submod, "canonical_name", lambda name: name)
+    return {_accumulator(p): (name_of(n), p) for n, p in submod.named_parameters() if p.requires_grad}
+
+
+def _param_groups(state: object, stage: int) -> list[dict]:
+    """The parameter groups the input pass kept (torch's `backward_state` entry: inputs, groups, outputs,
+    output gradients), checked for what the weight pass reads of them."""
+    groups = state[1] if isinstance(state, tuple) and len(state) == 4 else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and {"params", "intermediates"} <= g.keys()
+                                               for g in groups):  # fmt: skip
+        raise RuntimeError(split_backward_problem(f"keeps no parameter groups of stage {stage}'s input pass"))
+    return groups
+
+
+def _check_grouped(weight_of: dict, param_groups: list[dict], stage: int) -> None:
+    """Every trainable weight of the stage in a parameter group of its input pass, and nothing else: the weight
+    pass computes the gradients of the grouped weights only, so one left out would silently get none."""
+    grouped = {node for group in param_groups for node in group["params"]}
+    if missing := [name for node, (name, _) in weight_of.items() if node not in grouped]:
+        raise RuntimeError(split_backward_problem(
+            f"leaves {', '.join(missing)} of pipeline stage {stage} without a gradient: no parameter group of its "
+            "input pass reaches them (e.g. FSDP2 resharded them after forward)"))  # fmt: skip
+    if strangers := len(grouped - weight_of.keys()):
+        raise RuntimeError(split_backward_problem(
+            f"groups {strangers} weights that are not pipeline stage {stage}'s trainable parameters"))  # fmt: skip
+
+
 @functools.cache
 def _split_backward_stage() -> type:
     from torch.distributed.pipelining import PipelineStage
@@ -72,11 +112,12 @@ def _split_backward_stage() -> type:
             if self.is_first or not self.has_backward:
                 return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
             self.dw_runner.pop(bwd_chunk_id)
-            _, param_groups, _, _ = self.backward_state.pop(bwd_chunk_id)
-            weight_of = {_accumulator(p): p for p in self.submod.parameters() if p.requires_grad}
+            param_groups = _param_groups(self.backward_state.pop(bwd_chunk_id), self.stage_index)
+            weight_of = _weights_by_accumulator(self.submod)
+            _check_grouped(weight_of, param_groups, self.stage_index)
             for group in param_groups:
                 nodes, saved = group.pop("intermediates"), group.pop("grads", None)
-                weights = [weight_of[node] for node in group["params"] if node in weight_of]
+                weights = [weight_of[node][1] for node in group["params"]]
                 if saved is None or not weights:
                     continue
                 # an intermediate that is another's descendant takes the gradient the input pass saved for it,
@@ -114,6 +155,9 @@ def build_schedule(
     pipeline_stages = [
         stage_cls(chunk, stage, num_stages, device, group=group) for chunk, stage in zip(chunks, stages, strict=True)
     ]
+    if stage_cls is not PipelineStage and not all(isinstance(getattr(s, name, None), dict) for s in pipeline_stages
+                                                  for name in ("backward_state", "dw_runner")):  # fmt: skip
+        raise ConfigError(split_backward_problem("keeps no backward_state and dw_runner in its PipelineStage"))
     cls = schedule_class(parallel.schedule)
     options = {"n_microbatches": micro_batches, "loss_fn": loss_fn}
     if "scale_grads" in inspect.signature(cls).parameters:  # the releases that rescale by default

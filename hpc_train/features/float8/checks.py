@@ -39,7 +39,8 @@ def check(*, train: Float8Options, model: ModelConfig, parallel: ParallelConfig,
           here: bool) -> list[str]:  # fmt: skip
     """`here`: the ranks start on this machine, whose GPU must have float8 tensor cores. The float8 all-gather
     is refused on gloo only where FSDP2 shards the weights over more than one rank (dp x cp): with one, no
-    float8 byte crosses gloo, and the precomputed scales run (and are tested) on a CPU."""
+    float8 byte crosses gloo, and the precomputed scales run (and are tested) on a CPU (one ZeRO-3 process
+    with optim.offload=cpu)."""
     if train.fp8 == "off":
         refused = "train.fp8_all_gather is for float8 weights: set train.fp8=tensorwise, or drop it"
         return [refused] if train.fp8_all_gather else []
