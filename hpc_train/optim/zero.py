@@ -27,7 +27,8 @@ two collectives are in flight while backward goes on; without it each is waited 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from hpc_train.config import OptimConfig
 from hpc_train.distributed.grads import GradGroups, is_tp_sharded
 from hpc_train.distributed.parallelize import ParallelModel
-from hpc_train.optim.buckets import BucketedReduction, bucketize, weak_hook
+from hpc_train.optim.buckets import BucketedReduction, bucketize, release, weak_hook
 from hpc_train.optim.data_parallel import on_whole
 from hpc_train.optim.rules import Target, is_hidden_matrix, rule_class, target
 from hpc_train.optim.rules.protocol import MatrixFn, UpdateRule
@@ -297,10 +298,10 @@ class ZeroOptimizer:
         """All-gather every bucket's owned slices (`owned` of each span: its updated master weights) into the
         parameters, in their dtype."""
         for bucket in self.buckets:
-            full = self._gather_bucket(bucket, [owned(s) for s in bucket.spans], local(bucket.params[0]).dtype)
-            for p, start in zip(bucket.params, bucket.offsets, strict=True):
-                tensor = local(p)
-                tensor.copy_(full[start : start + tensor.numel()].view_as(tensor))
+            with self._gathered(bucket, [owned(s) for s in bucket.spans], local(bucket.params[0]).dtype) as full:
+                for p, start in zip(bucket.params, bucket.offsets, strict=True):
+                    tensor = local(p)
+                    tensor.copy_(full[start : start + tensor.numel()].view_as(tensor))
 
     def zero_grad(self) -> None:
         """Frees the parameters' gradients and the fp32 buffers: nothing gradient-sized between steps."""
@@ -308,6 +309,8 @@ class ZeroOptimizer:
         for p in self.params:
             p.grad = None
         for bucket in self.buckets:
+            if bucket.grad is not None and self.dp > 1:  # its reduce-scatter's work may still hold it
+                release(bucket.grad)
             bucket.grad, bucket.grad_shard = None, bucket.grad_shard.new_empty(0)
             for span in bucket.spans:
                 span.master.grad = None
@@ -326,16 +329,21 @@ class ZeroOptimizer:
     def close(self) -> None:
         pass
 
-    def _gather_bucket(
+    @contextmanager
+    def _gathered(
         self, bucket: _Bucket, owned: list[torch.Tensor], dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        """All-gather the dp ranks' owned slices of one quantity into the whole bucket, in `dtype`."""
+    ) -> Iterator[torch.Tensor]:
+        """The dp ranks' owned slices of one quantity all-gathered into the whole bucket, in `dtype`, for the
+        block's use: its buffers are released after it."""
         shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=self.device)
         for span, values in zip(bucket.spans, owned, strict=True):
             shard[span.shard_start : span.shard_start + span.numel].copy_(values)
         full = torch.empty(bucket.numel, dtype=dtype, device=self.device)
         _all_gather(full, shard, group=self.dp_group)
-        return full
+        try:
+            yield full
+        finally:
+            release(full, shard)
 
     def _whole_matrices(self, fn: MatrixFn, targets: list[Target], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """`WholeMatrices` over the owned slices: every bucket holding a hidden-layer matrix is all-gathered
@@ -347,19 +355,20 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             if not any(id(p) in self.matrices for p in bucket.params):
                 continue
-            full = None
+            gathered = nullcontext()
             if self.dp > 1:
                 zeros = torch.zeros(max(s.numel for s in bucket.spans), device=self.device)  # spans not given
-                full = self._gather_bucket(bucket, [given[id(s.master)] if id(s.master) in given else zeros[: s.numel]
-                                                    for s in bucket.spans])  # fmt: skip
-            for span in bucket.spans:
-                if id(span.master) in given:
-                    p, (_, start) = span.param, self.slot[id(span.param)]
-                    values = given[id(span.master)] if full is None else full[start : start + local(p).numel()]
-                    piece = like_param(p, values.to(self.device).view(local(p).shape))
-                    result = local(on_whole(fn, piece)).reshape(-1)
-                    part = result[span.param_offset : span.param_offset + span.numel]
-                    out[id(span.master)] = part.to(self.state_device)  # offload: the update runs on the host
+                gathered = self._gathered(bucket, [given[id(s.master)] if id(s.master) in given else zeros[: s.numel]
+                                                   for s in bucket.spans])  # fmt: skip
+            with gathered as full:  # its results are new tensors: the gathered buffer goes after them
+                for span in bucket.spans:
+                    if id(span.master) in given:
+                        p, (_, start) = span.param, self.slot[id(span.param)]
+                        values = given[id(span.master)] if full is None else full[start : start + local(p).numel()]
+                        piece = like_param(p, values.to(self.device).view(local(p).shape))
+                        result = local(on_whole(fn, piece)).reshape(-1)
+                        part = result[span.param_offset : span.param_offset + span.numel]
+                        out[id(span.master)] = part.to(self.state_device)  # offload: the update runs on the host
         return [out[id(t.tensor)] for t in targets]
 
     def param_states(self) -> list[dict[str, torch.Tensor]]:
@@ -536,6 +545,7 @@ class Zero2Optimizer(ZeroOptimizer):
         def complete() -> None:
             work.wait()
             bucket.grad_shard.add_(part.div_(self.divisor))
+            release(full, part)
 
         return complete
 
