@@ -258,6 +258,24 @@ def test_killed_rank_restarts_in_the_job_on_the_same_loss_curve(tmp_path, uninte
     assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 7))
 
 
+def test_a_restart_before_the_first_commit_and_a_kill_inside_a_prune_leave_one_clean_run(
+    tmp_path, uninterrupted, small_corpus
+):
+    """A rank killed in step 2, before the first checkpoint: the restart trains from scratch, and the first
+    start's records are gone from metrics.jsonl (they stayed: steps 1, 1, 2, ...). Rank 0 killed inside the
+    prune after step 4's commit (keep_last=1: step 2 goes): no half-deleted checkpoint is left (the prune
+    renames before it deletes), and the next prune deletes what the kill left. Both end on the uninterrupted
+    run's losses."""
+    restarts = ["parallel.max_restarts=1", "checkpoint.keep_last=1"]
+    for run, fault in (("early", "mid_step@2@1"), ("pruning", "pruned@4@0")):
+        out = hpc_train_train(tmp_path / run, small_corpus, 6, fault, restarts)
+        assert out.returncode == 0 and "restarting every rank" in out.stderr, out.stderr
+        assert [m["step"] for m in read_metrics(tmp_path / run)] == list(range(1, 7))
+        assert losses(tmp_path / run) == losses(uninterrupted)
+        assert sorted(p.name for p in (tmp_path / run / "checkpoints").iterdir()) == [".lock", "latest", "step_0000006"]
+    assert [r["step"] for r in resumed_from(tmp_path / "pruning")] == [4]
+
+
 def corrupt(step_dir, how):
     shard = next(step_dir.glob("__0_*.distcp"))
     if how == "truncated shard":
@@ -781,13 +799,15 @@ def test_nonfinite_training_stops_and_keeps_the_finite_checkpoints(tmp_path, sma
     assert "step 4: the gradient norm is nan; stopping" in skipping.stderr
 
 
-ZERO = {"dp": [], "zero1": ["optim.zero_stage=1"]}
+# tp2_zero1: dp 1, where ZeRO-1 saves its live masters, DTensors of views into one flat buffer
+ZERO = {"dp": [], "zero1": ["optim.zero_stage=1"], "tp2_zero1": ["optim.zero_stage=1", "parallel.tp=2"]}
 
 
 @pytest.fixture(scope="module")
 def async_runs(tmp_path_factory, small_corpus):
-    """For dp and ZeRO-1 (2 ranks, the settings of `hpc_train_train`): 4 steps saving asynchronously, in one
-    launch; then a run resumed (saving synchronously) from a copy of each one's step-2 checkpoint, in another."""
+    """For dp, ZeRO-1 and tp2 x ZeRO-1 (2 ranks, the settings of `hpc_train_train`): 4 steps saving
+    asynchronously, in one launch; then a run resumed (saving synchronously) from a copy of each one's step-2
+    checkpoint, in another."""
     base = tmp_path_factory.mktemp("async")
     with stdout_into(base / "async.out"):
         launch(2, *(load_config(None, train_args(base / name / "run", small_corpus, 4, [*ASYNC, *zero]))

@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 import hpc_train
 from hpc_train.bootstrap import node_cores
@@ -230,11 +232,12 @@ class Checkpointer:
         self.stager = open_stager(self.stager)
         # state in files (optim.offload=nvme): copied on the disk now, not staged in memory
         on_disk = snapshot({k: v for k, v in state.items() if isinstance(v, FileRegion)}, self.async_group)
-        staging = self.staging = self.stager.stage({k: v for k, v in state.items() if k not in on_disk})
+        in_memory, layouts = unplaced({k: v for k, v in state.items() if k not in on_disk})
+        staging = self.staging = self.stager.stage(in_memory)
         self.staging_wait_s = 0.0  # the next update's wait (this one's is in blocked_s)
 
         def write(staging: Future) -> dict[str, Any]:
-            staged = staging.result()
+            staged = placed(staging.result(), layouts)
             fault_point("staged", step, self.rank)
             return self._write_and_commit(step, {**staged, **on_disk}, rank_state.getbuffer(), self.async_group)
 
@@ -523,6 +526,23 @@ def open_stager(stager: Any) -> Any:
     after every copy (pytorch/pytorch#183413), and the next copy then fails with `KeyError: <class 'type'>`."""
     inner = getattr(stager, "_state_dict_stager", None)
     return host_stager() if inner is not None and not getattr(inner, "_deepcopy_dispatch", True) else stager
+
+
+def unplaced(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, DTensorSpec]]:
+    """`state` for DCP's stager, each DTensor as its local tensor, and those DTensors' layouts (`placed` lays the
+    copies out again). The stager copies a tensor subclass's storage when its data pointer is not null, taking
+    it for one that owns its data; torch gives a DTensor the storage offset of its local tensor
+    (pytorch/pytorch#167597), so one whose local tensor is a view at an offset (ZeRO-1/2's masters at dp 1,
+    views of one flat buffer) has a non-null pointer into an empty storage, and the copy fails ("copy_() on
+    an invalid python storage"). Local tensors it copies right, a storage they share once."""
+    layouts = {k: v._spec for k, v in state.items() if isinstance(v, DTensor)}
+    return {k: v._local_tensor if k in layouts else v for k, v in state.items()}, layouts
+
+
+def placed(staged: dict[str, Any], layouts: dict[str, DTensorSpec]) -> dict[str, Any]:
+    """The stager's host copies of `unplaced`'s local tensors as DTensors again, for DCP's save plan; built on
+    the copies as they are (`DTensor.from_local` would move them to the mesh's device)."""
+    return {k: DTensor(v, layouts[k], requires_grad=False) if k in layouts else v for k, v in staged.items()}
 
 
 def async_save_note(ranks: int, compute_threads: int, io_threads: int, cores: int) -> str | None:

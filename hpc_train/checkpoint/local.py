@@ -26,14 +26,12 @@ where that fails too, an older step (the shared checkpoint where none is left).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import signal
 import threading
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,13 +42,12 @@ import torch.distributed as dist
 from hpc_train.bootstrap import node_name
 from hpc_train.checkpoint.integrity import WRITE_ALGORITHM, file_record, new_digest
 from hpc_train.checkpoint.memory_copy import MemoryCopy, split_pieces
-from hpc_train.checkpoint.store import CheckpointError, step_dir_name
+from hpc_train.checkpoint.store import CheckpointError, empty_trash, step_dir_name, to_trash
 from hpc_train.config import ConfigError
 from hpc_train.distributed.agree import raise_together
 from hpc_train.resilience.faults import fault_point
 
 KEEP = 2  # local steps kept
-TRASH = ".hpc_train_deleting_"  # what a deletion renames a directory to first
 
 
 def own_name(rank: int) -> str:
@@ -128,16 +125,14 @@ def partner_ranks(nodes: list[str]) -> list[int]:
 
 
 def discard(paths: list[Path]) -> threading.Thread:
-    """Delete `paths` on a thread, out of every reader's sight at once: each renamed (a unique name: several
-    ranks of a node may discard one path, and the first rename wins) to a TRASH name beside it, which a
-    later `discard` beside it also deletes where a killed process left it."""
+    """Delete `paths` on a thread, each out of every reader's sight at once (`to_trash`: several ranks of a
+    node may discard one path, and the first rename wins)."""
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(path, path.with_name(f"{TRASH}{path.name}.{uuid.uuid4().hex}"))
+        to_trash(path)
 
     def delete() -> None:
-        for trash in {trash for path in paths for trash in path.parent.glob(f"{TRASH}*")}:
-            shutil.rmtree(trash, ignore_errors=True)
+        for parent in {path.parent for path in paths}:
+            empty_trash(parent)
 
     thread = threading.Thread(target=delete, name="local-checkpoint-delete", daemon=True)
     thread.start()

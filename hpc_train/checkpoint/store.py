@@ -5,7 +5,8 @@ as it wrote and fsynced it (checkpoint/integrity.py); rank 0 then writes `manife
 checksums, layout, config, code version), fsyncs it and the directory, renames the directory to
 `step_XXXXXXX/`, and only then replaces the `latest` pointer atomically (temp file, fsync, rename). A
 crash at any point leaves either the previous state or a `.tmp` directory, which is never loaded.
-Loading picks the newest checkpoint that verifies.
+Loading picks the newest checkpoint that verifies. Retention renames a checkpoint out of sight before
+deleting it, so a kill inside a deletion leaves no half-deleted checkpoint behind.
 
 Verification is closed: the manifest must be well formed, every file in the directory must be listed
 in it (and nothing else), names are plain file names (no paths, no symbolic links), and DCP's metadata
@@ -14,11 +15,13 @@ must name only those files. Any problem is reported by name and the checkpoint s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,7 @@ from hpc_train.resilience.faults import fault_point
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
+TRASH = ".hpc_train_deleting_"  # what a directory being deleted is renamed to first
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointStore"]
 
@@ -149,18 +153,32 @@ class CheckpointStore:
         if not committed or keep_last <= 0:
             return []
         keep = {c.path for c in committed[:keep_last]}
-        removed = []
-        for c in committed[keep_last:]:
-            if c.path == protect or c.path in keep or (keep_every and c.step % keep_every == 0):
-                continue
-            shutil.rmtree(c.path, ignore_errors=True)
-            removed.append(c.path)
+        removed = [
+            c.path
+            for c in committed[keep_last:]
+            if c.path != protect and c.path not in keep and not (keep_every and c.step % keep_every == 0)
+        ]
         newest = committed[0].step
-        for c in self.scan():
-            if c.path.name.endswith(".tmp") and c.step < newest:
-                shutil.rmtree(c.path, ignore_errors=True)
-                removed.append(c.path)
+        removed += [c.path for c in self.scan() if c.path.name.endswith(".tmp") and c.step < newest]  # fmt: skip
+        for path in removed:
+            to_trash(path)
+        fault_point("pruned", newest, 0)
+        empty_trash(self.root)
         return removed
+
+
+def to_trash(path: Path) -> None:
+    """`path` out of every reader's sight at once, before it is deleted (a deletion takes a while, and a
+    process killed inside it would leave a half-deleted checkpoint that looks like one): renamed to a unique
+    TRASH name beside it, which `empty_trash` deletes, or the next one where a kill came first. Already gone
+    (another rank of the node took it first) is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, path.with_name(f"{TRASH}{path.name}.{uuid.uuid4().hex}"))
+
+
+def empty_trash(directory: Path) -> None:
+    for trash in directory.glob(f"{TRASH}*"):
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def read_manifest(directory: Path, step: int) -> tuple[dict | None, str | None]:
