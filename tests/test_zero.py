@@ -133,8 +133,9 @@ def _storage(t):
 
 def _one_step(rank_env, cfg, stage, offload):
     """A fresh run of `cfg` at zero `stage` after one step on this rank's 4 samples: (run, its memory by
-    category, and for stages 1-2 what the update rule was handed: each master's gradient, and the storages
-    of the device-side gradient slices at that moment)."""
+    category, and for stages 1-2 what the update rule was handed: each master's gradient (its storage then,
+    the gradient, the device-side slice's values), and the storages of the device-side gradient slices at
+    that moment: the step releases them after the update)."""
     cfg.optim.zero_stage, cfg.optim.offload = stage, offload
     run = build_run(cfg, rank_env, torch.device("cpu"), with_data=False)
     optimizer, handed, device_grads = run.optimizer, [], set()
@@ -142,7 +143,8 @@ def _one_step(rank_env, cfg, stage, offload):
         rule_step = optimizer.rule.step
 
         def step(lr, skip=None):  # the rule's own step, after noting what it is handed
-            handed.extend((s.master.grad, b.grad_shard[s.shard_start : s.shard_start + s.numel].clone())
+            handed.extend((_storage(s.master.grad), s.master.grad,
+                           b.grad_shard[s.shard_start : s.shard_start + s.numel].clone())
                           for b in optimizer.buckets for s in b.spans)  # fmt: skip
             device_grads.update(_storage(b.grad_shard) for b in optimizer.buckets)
             rule_step(lr, skip)
@@ -178,10 +180,10 @@ def _offload_checks(rank_env, cfg, stages):
             if run.model.mesh.rank("dp") == 0:  # the planner's rank: it owns the rounded-up half of the one bucket
                 assert plan.host == memory["host"]
             # without offload the update reads views of the device-side slices; with it, host copies of them
-            assert {_storage(g) for g, _ in plain_handed} <= plain_device_grads
-            assert {_storage(g) for g, _ in handed} == {_storage(optimizer.host_grads)}
+            assert {at for at, *_ in plain_handed} <= plain_device_grads
+            assert {at for at, *_ in handed} == {_storage(optimizer.host_grads)}
             assert _storage(optimizer.host_grads) not in device_grads
-            assert all(torch.equal(g, on_device) for g, on_device in handed)  # the reduced, clipped values
+            assert all(torch.equal(g, on_device) for _, g, on_device in handed)  # the reduced, clipped values
             device_side = {_storage(p) for p in run.model.parameters} | device_grads
             spans = [s for b in optimizer.buckets for s in b.spans]
             state = [t for s in spans for t in optimizer.rule.state(s.master).values()]

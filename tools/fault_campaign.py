@@ -87,6 +87,8 @@ NAME = "campaign"  # every run's name: runs of one name share node-local directo
 # CI's campaign (tests/test_fault_campaign.py): up to 2 ranks, without the frozen rank (its hang report waits
 # 10 s for a stack the stopped process cannot write, then the launcher 5 s more)
 SHORT = {"runs": 6, "seed": 70, "max_world": 2, "without": "hang/frozen (SIGSTOP)"}
+# what CI's campaign draws before any other fault (where a layout can meet it): what its test requires
+SHORT_FIRST = (("same name", "other run"), ("kill -9 rank", "local_saved"))
 TINY = ["model.n_layers=2", "model.n_heads=4", "model.d_model=64", "model.seq_len=32", "train.eval_interval=0",
         "optim.warmup_steps=2", "logging.progress=lines", "train.micro_batch_size=2"]  # fmt: skip
 STEP_LINE = re.compile(r"^step (\d+) \| loss", re.M)
@@ -283,11 +285,18 @@ def draw_faults(rng: random.Random, layout: Layout, used: Counter, kinds: list[K
 
 
 def draw_plans(
-    seed: int, runs: int, data: dict[str, str], scratch: Path, kinds: list[Kind], max_world: int
+    seed: int,
+    runs: int,
+    data: dict[str, str],
+    scratch: Path,
+    kinds: list[Kind],
+    max_world: int,
+    first: tuple[tuple[str, str], ...] = (),
 ) -> list[Plan]:
     """Every run's layout and faults, drawn up front from `seed` alone (a run can be met again alone: --only);
-    a layout that can meet none of `kinds` (say `--kinds wipe` without local checkpoints) is drawn again."""
-    rng, used = random.Random(seed), Counter()
+    a layout that can meet none of `kinds` (say `--kinds wipe` without local checkpoints) is drawn again.
+    The faults labelled `first` count as used less than any other: drawn as soon as a layout can meet them."""
+    rng, used = random.Random(seed), Counter(dict.fromkeys(first, -1))
     plans = []
     for index in range(runs):
         faults: list[Fault] = []
@@ -1088,7 +1097,8 @@ def campaign_main(argv: list[str] | None = None) -> int:
     start_fork_server()
     campaign = Campaign(out)
     kinds = select_kinds(args.kinds, args.without)
-    plans = draw_plans(args.seed, args.runs, campaign.data, out / "scratch", kinds, args.max_world)
+    plans = draw_plans(args.seed, args.runs, campaign.data, out / "scratch", kinds, args.max_world,
+                       SHORT_FIRST if args.short else ())  # fmt: skip
     only = {int(i) for i in args.only.split(",")} if args.only else None
     runs = []
     for plan in plans:
