@@ -81,6 +81,21 @@ def test_stopped_rank_is_located_with_every_stack(tmp_path, small_corpus):
     assert "no Python stack" in (run / "hang/rank00001.txt").read_text()
 
 
+def test_frozen_rank_without_peers_is_found_by_its_launcher(tmp_path, small_corpus):
+    """One rank (parallel.max_restarts=1: a process of its own) freezes (SIGSTOP) in step 3: its watchdog is
+    frozen with it and no peer's can notice, so the launcher, which no longer hears its heartbeat, kills it
+    within hang_timeout_s and a tick, names it, and restarts it: the run resumes from step 2 and completes."""
+    run = tmp_path / "run"
+    out = run_cli("train", *TINY_MODEL, f"data.train_path={small_corpus}", f"run_dir={run}", "parallel.nproc=1",
+                  "train.steps=4", "checkpoint.interval=2", "parallel.hang_timeout_s=3", "parallel.max_restarts=1",
+                  env={"HPC_TRAIN_FAULT": "mid_step@3@0@stop"}, timeout_s=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    frozen = r"rank 0 froze \(pid \d+, stopped\): no sign of life for [3-6]s \(parallel.hang_timeout_s=3s\)"
+    assert re.search(frozen + r".*\(in-job restart 1 of parallel.max_restarts=1\)", out.stderr), out.stderr
+    assert f"resumed from {run}/checkpoints/step_0000002 (step 2)" in out.stdout
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
+
+
 def test_hung_rank_is_located_and_the_run_restarts(tmp_path, small_corpus):
     """Rank 1 hangs inside step 3 (in Python: its watchdog still runs): both ranks write their stacks, the
     summary names where each one waits, and with parallel.max_restarts=1 the run restarts from step 2 and

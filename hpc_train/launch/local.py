@@ -7,7 +7,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from hpc_train.resilience.restart import (
     rank_processes,
     run_rank,
 )
+from hpc_train.resilience.watchdog import Heartbeats
 
 
 def serve_store() -> dist.TCPStore:
@@ -67,8 +68,8 @@ def launch_local(entry: Callable[..., Any], nproc: int, *args: Any, max_restarts
     """Run `entry(rank_env, *args)` on `nproc` ranks. One rank without restarts runs in this process and its
     result is returned; otherwise the ranks are started (forks of a server that has imported
     torch: `rank_processes`), and the first failing rank's error is raised here
-    once `max_restarts` in-job restarts are spent: a rank that dies, raises or hangs restarts every rank
-    (the run resumes from its newest checkpoint); one that stopped on a UserError does not, since bad input
+    once `max_restarts` in-job restarts are spent: a rank that dies, raises, hangs or freezes restarts every
+    rank (the run resumes from its newest checkpoint); one that stopped on a UserError does not, since bad input
     stays bad. SIGTERM and SIGUSR2 sent to this launcher reach every rank, as Slurm signals every task."""
     store = serve_store()  # lives as long as this call: the ranks rendezvous through it
     if nproc == 1 and not max_restarts:
@@ -82,13 +83,21 @@ def launch_local(entry: Callable[..., Any], nproc: int, *args: Any, max_restarts
                 if getattr(err, "exit_code", None) == HANG_EXIT:
                     hung = f"rank {err.error_index} stopped a hung run: the summary is printed above"
                     raise RankFailed(hung) from None
+                if isinstance(err, RankFrozen):
+                    raise RankFailed(f"rank {err.error_index} {err}") from None
                 raise
             attempt = Attempt(attempt.number + 1, time.time())
             announce_restart(f"rank {err.error_index} {_how(err)}", attempt, max_restarts)
 
 
+class RankFrozen(ProcessException):
+    """A rank process frozen where no rank was alive to locate it (`Heartbeats`): every rank was killed."""
+
+
 def _how(err: ProcessException) -> str:
     """What happened to the rank, for the restart's log line."""
+    if isinstance(err, RankFrozen):
+        return str(err)
     if isinstance(err, mp.ProcessExitedException):
         return exit_description(err.exit_code)
     return "failed: " + str(err).strip().splitlines()[-1]
@@ -96,18 +105,31 @@ def _how(err: ProcessException) -> str:
 
 def _attempt(entry: Callable[..., Any], nproc: int, port: int, attempt: Attempt, args: tuple) -> None:
     method = rank_processes().get_start_method()  # the fork server, with its imports
-    context = mp.start_processes(_started, args=(entry, nproc, port, attempt, args, LauncherState()),
+    beats = Heartbeats()
+    context = mp.start_processes(_started, args=(entry, nproc, port, attempt, args, LauncherState(beats.environ())),
                                  nprocs=nproc, start_method=method, join=False)  # fmt: skip
-    with forwarding_stop_signals(context.processes):
+    with forwarding_stop_signals(context.processes), closing(beats):
         try:
             # once a rank has failed the others cannot finish a step: 5 s to exit, then SIGKILL (a hung rank
             # keeps ignoring SIGTERM, which it treats as a request to stop after its current step)
-            while not context.join(grace_period=5):
-                pass
+            while not context.join(timeout=1, grace_period=5):
+                if frozen := beats.frozen():
+                    raise _killed(context.processes, frozen)
         except mp.ProcessExitedException as err:
             if err.exit_code == USER_ERROR_EXIT:
                 raise RankFailed(f"rank {err.error_index} stopped on the error printed above") from None
             raise
+
+
+def _killed(processes: list, frozen: dict[int, str]) -> RankFrozen:
+    """Every rank process killed (a frozen one ignores SIGTERM, and the others wait on it): the error naming
+    the frozen ranks, the first as the failed one."""
+    for process in processes:
+        process.kill()
+        process.join()
+    first, *others = sorted(frozen)
+    what = "; ".join([frozen[first], *(f"rank {r} {frozen[r]}" for r in others)])
+    return RankFrozen(what, first, processes[first].pid)
 
 
 @contextmanager

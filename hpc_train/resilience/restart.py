@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import closing, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import reduction
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hpc_train.bootstrap import STOP_SIGNALS, RankEnv, node_name, rendezvous
 from hpc_train.errors import USER_ERROR_EXIT, RankFailed, UserError
 from hpc_train.resilience.bad_nodes import blame
+from hpc_train.resilience.watchdog import Heartbeats
 
 KEY = "hpc_train/restart/{}/{}"  # attempt, what
 NODE_SIGNALS = (signal.SIGKILL, signal.SIGBUS)  # a rank killed by these blames its node (the OOM killer, hardware)
@@ -153,12 +154,20 @@ def _attempt(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any, attempt: At
     failed = KEY.format(attempt.number, "failed")
     done = KEY.format(attempt.number, "done")
     rank = dataclasses.replace(rank_env, store_prefix=f"attempt{attempt.number}")
-    child = rank_processes().Process(target=run_rank, args=(rank, entry, attempt, (cfg,), LauncherState()))
+    # a rank alone has no peer to locate it when frozen (with peers, theirs do, with every stack)
+    beats = Heartbeats() if rank_env.world_size == 1 else None
+    launcher = LauncherState(beats.environ() if beats else None)
+    child = rank_processes().Process(target=run_rank, args=(rank, entry, attempt, (cfg,), launcher))
     child.start()
-    with forwarding_stop_signals([child]) as forwarded:
+    with forwarding_stop_signals([child]) as forwarded, closing(beats) if beats else nullcontext():
         try:
-            while child.exitcode is None and not store.check([failed]):
+            frozen = None
+            while child.exitcode is None and not store.check([failed]) and not frozen:
                 child.join(0.5)
+                frozen = beats and beats.frozen()
+            if frozen:
+                child.kill()
+                child.join()
             code = child.exitcode
             if code == 0 or (code is not None and -code in forwarded):  # finished, or stopped before it could save
                 store.add(done, 1)
@@ -167,7 +176,7 @@ def _attempt(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any, attempt: At
                 if not store.check([failed]):
                     return None
             elif code is not None:
-                what = f"rank {rank_env.rank} {exit_description(code)}"
+                what = f"rank {rank_env.rank} {frozen[rank_env.rank] if frozen else exit_description(code)}"
                 mine = f"{time.time()!r} {'user' if code == USER_ERROR_EXIT else 'crash'} {what}"
                 if store.compare_set(failed, "", mine).decode() == mine and -code in NODE_SIGNALS:
                     blame(cfg.run_dir, node_name(), what)

@@ -4,19 +4,23 @@ are behind and the rank writes its stacks; when a step, a checkpoint save or res
 consolidation does not finish within `parallel.hang_timeout_s` (far sooner than a collective times out;
 a process's first step and a resume get START_ALLOWANCE times that: communicators, compilation),
 every rank writes its Python stacks to `run_dir/hang/` and one of them prints a summary: which rank is in
-which step and operation, which ranks never arrived."""
+which step and operation, which ranks never arrived. A rank whose whole process is frozen cannot fire: its
+peers' watchdogs find it, and where no rank is left alive to (one rank alone, or every one frozen), its
+supervisor, which outlives it, does (`Heartbeats`)."""
 
 from __future__ import annotations
 
 import faulthandler
 import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +38,8 @@ PHASES = ("started", "finished the backward pass of", "finished", "saving the ch
 SAVING, CONSOLIDATING, ROLLING_BACK = 3, 4, 5
 STACK = "rank{:05d}.txt"
 START_ALLOWANCE = 4  # a process's first step and a resume: communicator setup, compilation, a checkpoint read
+HEARTBEATS = "HPC_TRAIN_HEARTBEATS"  # the folder, of the rank's supervisor, where its watchdog shows it is alive
+FROZEN = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O, a driver)"}
 
 
 def _store():
@@ -107,6 +113,7 @@ class HangWatchdog:
         self.deadline: float | None = None
         self.step, self.what, self.allowed_s = 0, "step", float(timeout_s)
         self.done = threading.Event()
+        self.heartbeat: Path | None = None  # this rank's file in its supervisor's HEARTBEATS folder
         if not timeout_s:
             return
         if self.rank == 0 and self.dir.exists():  # an earlier hang's files, kept aside (no rank can fire yet)
@@ -115,6 +122,9 @@ class HangWatchdog:
             )
         _store().set(WHO.format(self.rank), f"{socket.gethostname()} {os.getpid()} {node_name()}")
         threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
+        if HEARTBEATS in os.environ:
+            self.heartbeat = Path(os.environ[HEARTBEATS]) / f"rank{self.rank}"
+            threading.Thread(target=self._beat, name="hang-heartbeat", daemon=True).start()
 
     def arm(self, step: int, what: str = "step", allowance: float = 1.0) -> None:
         """Time `what` (of `step`) from now: it must end within `allowance` times parallel.hang_timeout_s."""
@@ -144,7 +154,19 @@ class HangWatchdog:
                 self.arm(self.step, self.what, self.allowed_s / max(1, self.timeout_s))
 
     def close(self) -> None:
+        """No longer timed, nor watched by the supervisor (whatever the process does until it exits)."""
         self.done.set()
+        if self.heartbeat:
+            self.heartbeat.unlink(missing_ok=True)
+
+    def _beat(self) -> None:
+        """Show the supervisor this process still runs, armed or not, on a thread of its own (the watchdog's
+        is busy while it fires): its file's time, set every tick (`Heartbeats` reads it), after its
+        hang_timeout_s and pid. A process frozen, or blocked in C code that holds the GIL, stops beating."""
+        with suppress(OSError):  # the supervisor removes the folder when the ranks are gone
+            self.heartbeat.write_text(f"{self.timeout_s} {os.getpid()}")
+            while not self.done.wait(min(1.0, self.timeout_s / 4)):
+                os.utime(self.heartbeat)
 
     def _watch(self) -> None:
         while not self.done.wait(min(1.0, self.timeout_s / 4)):
@@ -213,16 +235,15 @@ class HangWatchdog:
     def _note_frozen(self, who: list[list[str] | None]) -> None:
         """A rank without a stack whose process is on this host and stopped (SIGSTOP, a debugger) or in
         uninterruptible sleep cannot run code to write one: its file says so, with the kernel's view."""
-        states = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O, a driver)"}
         for r in set(range(self.world)) - self._stacks():
             if not who[r] or who[r][0] != socket.gethostname():
                 continue
             pid = int(who[r][1])
             state = _state(pid)
-            if state in states:
+            if state in FROZEN:
                 (self.dir / STACK.format(r)).write_text(
                     f"rank {r} on {socket.gethostname()} (pid {pid}): no Python stack: the process is "
-                    f"{states[state]} (state {state}) and cannot write one\n"
+                    f"{FROZEN[state]} (state {state}) and cannot write one\n"
                 )
 
     def _operation(self, rank: int, who: list[str] | None) -> str:
@@ -243,6 +264,43 @@ class HangWatchdog:
         if ours and ours != inner:
             described += f" called from {ours[2]} ({_short(ours[0])}:{ours[1]})"
         return described
+
+
+class Heartbeats:
+    """A supervisor's watch over its rank processes, which it outlives: a rank whose process is frozen (SIGSTOP,
+    a debugger, blocked in C code holding the GIL) cannot fire its own watchdog, and with no live rank left to
+    notice (one rank alone, or every one frozen) the run would wait for ever. Each rank's watchdog beats in a
+    folder of the supervisor's (`HEARTBEATS` in the ranks' environment, a fresh one per start of the ranks);
+    only when every rank that beats has gone silent for longer than its parallel.hang_timeout_s does the
+    supervisor end them. While one still beats, the frozen rank is its watchdog's to locate (every stack, the
+    summary); a supervisor that sees only its own rank (Slurm's, of a job of several) must not watch it."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="hpc_train-heartbeats-"))
+
+    def environ(self) -> dict[str, str]:
+        """This process's environment and the folder: the rank processes'."""
+        return {**os.environ, HEARTBEATS: str(self.dir)}
+
+    def frozen(self) -> dict[int, str] | None:
+        """When every rank that beats is silent beyond its hang_timeout_s: what each one is, by rank
+        ('froze: ...'); else None (also before any beats: a rank's watchdog starts after the build)."""
+        now, silent = time.time(), {}
+        for path in self.dir.glob("rank*"):
+            with suppress(OSError, ValueError):  # a rank just closing its watchdog, or just writing its file
+                timeout_s, pid = map(int, path.read_text().split())
+                quiet_s = now - path.stat().st_mtime
+                if quiet_s <= timeout_s:
+                    return None
+                state = _state(pid)
+                silent[int(path.name[4:])] = (
+                    f"froze (pid {pid}, {FROZEN.get(state, 'state ' + (state or 'gone'))}): no sign of life for "
+                    f"{quiet_s:.0f}s (parallel.hang_timeout_s={timeout_s}s), and no rank alive to locate it"
+                )
+        return silent or None
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _short(path: str) -> str:
