@@ -262,7 +262,8 @@ def test_a_restart_before_the_first_commit_and_a_kill_inside_a_prune_leave_one_c
     tmp_path, uninterrupted, small_corpus
 ):
     """A rank killed in step 2, before the first checkpoint: the restart trains from scratch, and the first
-    start's records are gone from metrics.jsonl (they stayed: steps 1, 1, 2, ...). Rank 0 killed inside the
+    start's records are gone from metrics.jsonl (they stayed: steps 1, 1, 2, ...); a run started from scratch
+    over one that committed keeps its records in a file of their own. Rank 0 killed inside the
     prune after step 4's commit (keep_last=1: step 2 goes): no half-deleted checkpoint is left (the prune
     renames before it deletes), and the next prune deletes what the kill left. Both end on the uninterrupted
     run's losses."""
@@ -274,6 +275,12 @@ def test_a_restart_before_the_first_commit_and_a_kill_inside_a_prune_leave_one_c
         assert losses(tmp_path / run) == losses(uninterrupted)
         assert sorted(p.name for p in (tmp_path / run / "checkpoints").iterdir()) == [".lock", "latest", "step_0000006"]
     assert [r["step"] for r in resumed_from(tmp_path / "pruning")] == [4]
+    # from scratch over a run that committed (checkpoint.resume=false): its records are kept beside, not mixed
+    again = hpc_train_train(tmp_path / "early", small_corpus, 6, None, ["checkpoint.resume=false"])
+    (kept,) = (tmp_path / "early").glob("metrics.*.jsonl")
+    assert f"training from scratch: the earlier records in metrics.jsonl are kept in {kept.name}" in again.stdout
+    assert [m["step"] for m in read_metrics(tmp_path / "early")] == list(range(1, 7))
+    assert [json.loads(line)["step"] for line in kept.read_text().splitlines()] == list(range(1, 7))
 
 
 def corrupt(step_dir, how):

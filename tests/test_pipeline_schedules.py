@@ -225,7 +225,7 @@ def test_a_weight_the_split_backward_cannot_reach_stops_the_step_by_name():
     on that) stops the step naming them, the torch version and the fix; it used to leave them without a
     gradient. Kept gathered, every weight of the stage gets its gradient."""
     assert launch_local(weight_pass_gradients, 1, False) == {"weight": True, "bias": True}
-    with pytest.raises(RuntimeError) as refused:
+    with pytest.raises(ConfigError) as refused:
         launch_local(weight_pass_gradients, 1, True)
     message = str(refused.value)
     assert "leaves weight, bias of pipeline stage 1 without a gradient" in message

@@ -32,7 +32,7 @@ def restarted_run(root: Path, local: bool) -> dict:
            "checkpoint.interval=4", "checkpoint.verify=full", "train.eval_interval=0", "logging.progress=none",
            "train.save_final_model=false", f"run_dir={root / 'run'}", *where]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1],
-                   env={**os.environ, "HPC_TRAIN_FAULT": "mid_step@6@1"})  # fmt: skip
+                   env={**os.environ, "HPC_TRAIN_TESTING": "1", "HPC_TRAIN_FAULT": "mid_step@6@1"})  # fmt: skip
     records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     restarted = next(r for r in records if "restart" in r)
     figures = {"local_s": [round(r["local_checkpoint"]["local_s"], 2) for r in records if "local_checkpoint" in r],

@@ -46,7 +46,7 @@ def main() -> None:
     model = [f"model.n_layers={args.layers}", f"model.d_model={args.d_model}",
              f"model.n_heads={max(1, args.d_model // 128)}", "model.seq_len=32"]  # fmt: skip
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="bench_rollback_"))
-    os.environ["HPC_TRAIN_FAULT"] = "batch@7@0@spike"
+    os.environ.update(HPC_TRAIN_TESTING="1", HPC_TRAIN_FAULT="batch@7@0@spike")  # faults need the test switch
     try:
         rows = {source: rollback_run(root / source, model, source == "memory") for source in ("memory", "disk")}
     finally:

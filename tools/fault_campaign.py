@@ -228,9 +228,8 @@ KINDS = (
     Kind("out of memory", "compute"),
     Kind("hang", "mid_step"), Kind("hang", "frozen (SIGSTOP)"),
     Kind("SIGTERM preemption", "training"),
-    Kind("job killed (node crash)", "training"),
+    Kind("job killed (node crash)", "training"), Kind("job killed (node crash)", "nvme update", frozenset({"nvme"})),
     Kind("corrupt file", "shared checkpoint"), Kind("corrupt file", "local copy", frozenset({"local"})),
-    Kind("corrupt file", "nvme", frozenset({"nvme"})),
     Kind("local dir wiped", "local_saved", frozenset({"local"})),
     Kind("ENOSPC", "checkpoint save"),  # missed where this process may not mount a tmpfs
     Kind("loss spike", "batch", frozenset({"spike"})),
@@ -763,6 +762,8 @@ def inject_preemption(run: Run, fault: Fault, last: bool) -> None:
 
 
 def inject_job_kill(run: Run, fault: Fault, last: bool) -> None:
+    if fault.entry.phase == "nvme update":
+        return kill_in_nvme_update(run, fault, last)
     step = step_for(run, fault, last)
     job = run.job(fault, watch=Watch("kill", step))
     fault.fired = job.code == "killed"
@@ -776,9 +777,7 @@ def check_dead_job_files(run: Run, fault: Fault) -> None:
 
 
 def inject_corrupt(run: Run, fault: Fault, last: bool) -> None:
-    {"shared checkpoint": corrupt_shared, "local copy": corrupt_local, "nvme": corrupt_nvme}[fault.entry.phase](
-        run, fault, last
-    )
+    {"shared checkpoint": corrupt_shared, "local copy": corrupt_local}[fault.entry.phase](run, fault, last)
 
 
 def corrupt_shared(run: Run, fault: Fault, last: bool) -> None:
@@ -812,17 +811,13 @@ def corrupt_local(run: Run, fault: Fault, last: bool) -> None:
     fired(fault, job, "passed over")
 
 
-def corrupt_nvme(run: Run, fault: Fault, last: bool) -> None:
-    """The whole job killed after an update wrote the NVMe files; a byte of each file it left flipped (on a
-    cluster they would be another job's); the next job must not read them."""
+def kill_in_nvme_update(run: Run, fault: Fault, last: bool) -> None:
+    """The whole job killed inside an update, after it wrote the NVMe files: nothing may be left in
+    optim.offload_dir (on a cluster the next job is another job, which would never delete them)."""
     step = step_for(run, fault, last, least=2)  # killed while a rank waits after its write of `step`
     job = run.job(fault, f"nvme_written@{step}@{fault.rank}@late", Watch("kill", step - 1))
     fault.fired = job.code == "killed"
     check_dead_job_files(run, fault)
-    damaged = leftovers([run.dirs.offload])
-    for path in damaged:
-        flip_byte(Path(path))
-    run.actions.append(f"flipped a byte of each of the {len(damaged)} files the killed job left in optim.offload_dir")
 
 
 def inject_wipe(run: Run, fault: Fault, last: bool) -> None:

@@ -58,7 +58,7 @@ from hpc_train.checkpoint.ownership import DirectoryLock, RunIdentity
 from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.slices import FlatSlice, SliceLoadPlanner
 from hpc_train.checkpoint.state import ShardedPart, Stateful
-from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
+from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, empty_trash
 from hpc_train.config import CheckpointConfig
 from hpc_train.distributed.agree import raise_together
 from hpc_train.distributed.hooks import StepHooks
@@ -160,6 +160,7 @@ class Checkpointer:
             try:
                 if note := self.lock.acquire():
                     self.report(note)
+                empty_trash(self.store.root)  # what a kill inside the last run's last prune left
                 fresh = not self.options.resume
                 newest = self.store.newest_valid(full=False, report=lambda message: None) if fresh else None
                 if newest is not None:

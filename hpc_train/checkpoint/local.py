@@ -43,7 +43,7 @@ from hpc_train.bootstrap import node_name
 from hpc_train.checkpoint.integrity import WRITE_ALGORITHM, file_record, new_digest
 from hpc_train.checkpoint.memory_copy import MemoryCopy, split_pieces
 from hpc_train.checkpoint.store import CheckpointError, empty_trash, step_dir_name, to_trash
-from hpc_train.config import ConfigError
+from hpc_train.config import ConfigError, expand_on_node
 from hpc_train.distributed.agree import raise_together
 from hpc_train.resilience.faults import fault_point
 
@@ -104,12 +104,8 @@ def local_run_root(local_dir: str, run_name: str, checkpoint_dir: str) -> Path:
     checkpoint directory, which the directory lock gives to one live run at a time, so that runs of one name
     never share, prune or delete each other's copies, and the local steps never lie where the shared ones do
     (local_dir/<name> may be checkpoint.dir). A variable left unexpanded is a ConfigError."""
-    expanded = os.path.expandvars(local_dir)
-    if "$" in expanded:
-        raise ConfigError(f"checkpoint.local_dir={local_dir}: {expanded} holds a variable this node does not set; "
-                          "set it, or give the directory itself")  # fmt: skip
-    shared = str(Path(checkpoint_dir).resolve())
-    return Path(expanded) / f"{run_name}-{hashlib.sha256(shared.encode()).hexdigest()[:12]}"
+    digest = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:12]
+    return Path(expand_on_node("checkpoint.local_dir", local_dir)) / f"{run_name}-{digest}"
 
 
 def partner_ranks(nodes: list[str]) -> list[int]:
@@ -166,9 +162,13 @@ class LocalCheckpoints:
         """Collectively, once the run holds its checkpoint directory: on a first start (not an in-job restart,
         which reads them) delete what an earlier job of this run left on the node, which a resumed run
         could otherwise take for its own steps (the shared checkpoint it resumes may be older)."""
+        problem = None
         if os.environ.get("HPC_TRAIN_RESTART", "0") == "0":
-            discard([self.root]).join()
-        dist.barrier(group=self.group)  # nothing deleted once any rank saves
+            try:
+                discard([self.root]).join()
+            except OSError as err:  # a node whose disk refuses: every rank stops, none waits on it
+                problem = f"node-local checkpoints: cannot clear {self.root} on {node_name()}: {err}"
+        raise_together(problem, self.group)  # and nothing is deleted once any rank saves
 
     def finish(self) -> None:
         """Collectively, at the run's end: its copies deleted on every node (the shared checkpoint holds its
@@ -176,7 +176,10 @@ class LocalCheckpoints:
         if self.pruning is not None:
             self.pruning.join()
         dist.barrier(group=self.group)  # no rank still writing or reading a copy
-        discard([self.root]).join()
+        try:
+            discard([self.root]).join()
+        except OSError as err:  # the run itself ended well
+            self.report(f"node-local checkpoints: could not delete {self.root} on {node_name()}: {err}")
 
     def save(self, step: int) -> dict[str, Any]:
         """Write this rank's state of `step` here and on its partner; the bytes written and the partner's rank."""

@@ -6,6 +6,7 @@ checks omegaconf cannot express (checks.py). Every error is a `ConfigError` nami
 from hpc_train.config.checks import (
     check_values,
     derive_dp,
+    expand_on_node,
     has_control_chars,
     raise_all,
     time_limit_minutes,
@@ -32,7 +33,7 @@ from hpc_train.config.schema import (
 __all__ = [
     "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "JobConfig",
     "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "SlurmConfig", "TrainConfig",
-    "check_values", "choice", "compose", "fraction", "non_negative", "positive",
+    "check_values", "choice", "compose", "expand_on_node", "fraction", "non_negative", "positive",
     "derive_dp", "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes", "to_yaml",
     "validate",
 ]  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 import unicodedata
 from pathlib import Path
@@ -14,6 +15,17 @@ from typing import Any
 
 from hpc_train.config.fields import RANGES, ConfigError
 from hpc_train.config.schema import BUILTIN_DATA, SPLIT_BACKWARD, V_SHAPED, JobConfig
+
+
+def expand_on_node(key: str, path: str) -> str:
+    """`path` (the value of `key`, a directory on each node's own disk) with this process's environment
+    variables expanded, as each rank does on its node ($SLURM_TMPDIR, $SLURMD_NODENAME); one the node does
+    not set is a ConfigError, not a directory named after it."""
+    expanded = os.path.expandvars(path)
+    if "$" in expanded:
+        raise ConfigError(f"{key}={path}: {expanded} holds a variable this node does not set; set it, or give the "
+                          "directory itself")  # fmt: skip
+    return expanded
 
 
 def _get(cfg: JobConfig, key: str):

@@ -82,7 +82,7 @@ def _param_groups(state: object, stage: int) -> list[dict]:
     groups = state[1] if isinstance(state, tuple) and len(state) == 4 else None
     if not isinstance(groups, list) or not all(isinstance(g, dict) and {"params", "intermediates"} <= g.keys()
                                                for g in groups):  # fmt: skip
-        raise RuntimeError(split_backward_problem(f"keeps no parameter groups of stage {stage}'s input pass"))
+        raise ConfigError(split_backward_problem(f"keeps no parameter groups of stage {stage}'s input pass"))
     return groups
 
 
@@ -91,11 +91,11 @@ def _check_grouped(weight_of: dict, param_groups: list[dict], stage: int) -> Non
     pass computes the gradients of the grouped weights only, so one left out would silently get none."""
     grouped = {node for group in param_groups for node in group["params"]}
     if missing := [name for node, (name, _) in weight_of.items() if node not in grouped]:
-        raise RuntimeError(split_backward_problem(
+        raise ConfigError(split_backward_problem(
             f"leaves {', '.join(missing)} of pipeline stage {stage} without a gradient: no parameter group of its "
             "input pass reaches them (e.g. FSDP2 resharded them after forward)"))  # fmt: skip
     if strangers := len(grouped - weight_of.keys()):
-        raise RuntimeError(split_backward_problem(
+        raise ConfigError(split_backward_problem(
             f"groups {strangers} weights that are not pipeline stage {stage}'s trainable parameters"))  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,18 @@ class MetricsLog:
         if self.bar is not None:  # a rollback in the run (train.spike_guard): its steps are counted again
             self.bar.n = self.step
             self.bar.refresh()
+
+    def start_afresh(self, report: Callable[[str], None] | None) -> None:
+        """A run starting from scratch over records of an earlier start: dropped where that start committed
+        no checkpoint (it never happened, as far as the run goes: a restart, a relaunch); kept beside, named
+        and `report`ed, where it did (checkpoint.resume=false, or no checkpoint verified)."""
+        if not self.path.is_file() or not self.path.stat().st_size:
+            return
+        if report is not None:
+            kept = self.path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            self.path.rename(kept)
+            report(f"training from scratch: the earlier records in {self.path.name} are kept in {kept.name}")
+        self.load_state_dict({"step": 0})
 
     def _lines_up_to(self, step: int) -> list[str]:
         kept = []

@@ -38,7 +38,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from hpc_train.config import ConfigError
+from hpc_train.config import ConfigError, expand_on_node
 from hpc_train.distributed.agree import raise_together
 from hpc_train.placement import local, origin_of
 
@@ -111,7 +111,7 @@ def unnamed(directory: Path, direct: bool) -> int:
     filesystem lacks it, a new name unlinked at once."""
     flags = os.O_RDWR | (getattr(os, "O_DIRECT", 0) if direct else 0)
     try:
-        return os.open(directory, flags | os.O_TMPFILE, 0o600)
+        return os.open(directory, flags | getattr(os, "O_TMPFILE", 0), 0o600)  # none: EISDIR
     except OSError as err:
         if err.errno not in (errno.EOPNOTSUPP, errno.EISDIR):  # EISDIR: a kernel without O_TMPFILE
             raise
@@ -440,10 +440,10 @@ def check_offload_dir(directory: str | None, on_node: bool = False) -> list[str]
     (`on_node`), where a variable left unexpanded is an error."""
     if not directory:
         return ["optim.offload=nvme needs optim.offload_dir: a directory on each node's local NVMe disk"]
-    expanded = os.path.expandvars(directory)
-    if "$" in expanded:
-        return [f"optim.offload_dir={directory}: {expanded} holds a variable this node does not set; set it, or give "
-                "the directory itself"] if on_node else []  # fmt: skip
+    try:
+        expanded = expand_on_node("optim.offload_dir", directory)
+    except ConfigError as err:
+        return [str(err)] if on_node else []
     kind = filesystem_of(expanded)
     if kind in NETWORK_FILESYSTEMS:
         return [

@@ -309,7 +309,7 @@ class ZeroOptimizer:
         for p in self.params:
             p.grad = None
         for bucket in self.buckets:
-            if bucket.grad is not None and self.dp > 1:  # its reduce-scatter's work may still hold it
+            if bucket.grad is not None:  # a collective's work may still hold it (dp's, tp's or the tied copy's)
                 release(bucket.grad)
             bucket.grad, bucket.grad_shard = None, bucket.grad_shard.new_empty(0)
             for span in bucket.spans:

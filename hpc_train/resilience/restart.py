@@ -178,7 +178,7 @@ def _attempt(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any, attempt: At
             elif code is not None:
                 what = f"rank {rank_env.rank} {frozen[rank_env.rank] if frozen else exit_description(code)}"
                 mine = f"{time.time()!r} {'user' if code == USER_ERROR_EXIT else 'crash'} {what}"
-                if store.compare_set(failed, "", mine).decode() == mine and -code in NODE_SIGNALS:
+                if store.compare_set(failed, "", mine).decode() == mine and -code in NODE_SIGNALS and not frozen:
                     blame(cfg.run_dir, node_name(), what)
             failed_at, kind, what = store.get(failed).decode().split(" ", 2)
             return float(failed_at), kind == "user", what

@@ -38,6 +38,7 @@ PHASES = ("started", "finished the backward pass of", "finished", "saving the ch
 SAVING, CONSOLIDATING, ROLLING_BACK = 3, 4, 5
 STACK = "rank{:05d}.txt"
 START_ALLOWANCE = 4  # a process's first step and a resume: communicator setup, compilation, a checkpoint read
+SUPERVISOR_STOPPED_S = 5.0  # a supervisor that looked at its ranks' beats this long ago was stopped itself
 HEARTBEATS = "HPC_TRAIN_HEARTBEATS"  # the folder, of the rank's supervisor, where its watchdog shows it is alive
 FROZEN = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O, a driver)"}
 
@@ -154,19 +155,21 @@ class HangWatchdog:
                 self.arm(self.step, self.what, self.allowed_s / max(1, self.timeout_s))
 
     def close(self) -> None:
-        """No longer timed, nor watched by the supervisor (whatever the process does until it exits)."""
+        """No longer timed, nor watched by the supervisor (whatever the process does until it exits): the
+        beat's thread removes its file as it ends."""
         self.done.set()
-        if self.heartbeat:
-            self.heartbeat.unlink(missing_ok=True)
 
     def _beat(self) -> None:
         """Show the supervisor this process still runs, armed or not, on a thread of its own (the watchdog's
         is busy while it fires): its file's time, set every tick (`Heartbeats` reads it), after its
         hang_timeout_s and pid. A process frozen, or blocked in C code that holds the GIL, stops beating."""
         with suppress(OSError):  # the supervisor removes the folder when the ranks are gone
-            self.heartbeat.write_text(f"{self.timeout_s} {os.getpid()}")
-            while not self.done.wait(min(1.0, self.timeout_s / 4)):
-                os.utime(self.heartbeat)
+            try:
+                self.heartbeat.write_text(f"{self.timeout_s} {os.getpid()}")
+                while not self.done.wait(min(1.0, self.timeout_s / 4)):
+                    os.utime(self.heartbeat)
+            finally:  # here, not in `close`: a close before the first write would leave a file that never beats
+                self.heartbeat.unlink(missing_ok=True)
 
     def _watch(self) -> None:
         while not self.done.wait(min(1.0, self.timeout_s / 4)):
@@ -277,6 +280,9 @@ class Heartbeats:
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="hpc_train-heartbeats-"))
+        # silence counts from here at the earliest, and from the supervisor's own return after it was stopped
+        # too (a job suspended and resumed: its ranks wake with it, their next beat up to a tick away)
+        self.awake_since, self.last_look = time.time(), time.monotonic()
 
     def environ(self) -> dict[str, str]:
         """This process's environment and the folder: the rank processes'."""
@@ -286,10 +292,13 @@ class Heartbeats:
         """When every rank that beats is silent beyond its hang_timeout_s: what each one is, by rank
         ('froze: ...'); else None (also before any beats: a rank's watchdog starts after the build)."""
         now, silent = time.time(), {}
+        if time.monotonic() - self.last_look > SUPERVISOR_STOPPED_S:
+            self.awake_since = now
+        self.last_look = time.monotonic()
         for path in self.dir.glob("rank*"):
             with suppress(OSError, ValueError):  # a rank just closing its watchdog, or just writing its file
                 timeout_s, pid = map(int, path.read_text().split())
-                quiet_s = now - path.stat().st_mtime
+                quiet_s = now - max(path.stat().st_mtime, self.awake_since)
                 if quiet_s <= timeout_s:
                     return None
                 state = _state(pid)

@@ -210,8 +210,9 @@ def _train(
     cfg, t = run.cfg, run.cfg.train
     with hang.timed(0, "resume", watchdog.START_ALLOWANCE):  # collectives: the plan, the checksums' agreement
         resumed = run.checkpointer.resume() if cfg.checkpoint.resume else None
-    if resumed is None and run.metrics:  # from scratch: what an earlier start recorded before any commit goes
-        run.metrics.load_state_dict({"step": 0})
+    if resumed is None and run.metrics:  # from scratch: an earlier start's records are not this start's
+        committed = any(c.problem is None for c in run.checkpointer.store.scan())
+        run.metrics.start_afresh(run.report if committed else None)
     start_step = resumed.step if resumed else 0
     resumed_at = {"consumed_samples": run.sampler.consumed_samples, "skipped_samples": run.sampler.skipped}
     meter = announce(run, start_step)
