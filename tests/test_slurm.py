@@ -369,8 +369,14 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
     assert again.returncode == 0 and f"excluding node(s) {blamed}" in again.stdout, again.stdout + again.stderr
     second = again.stdout.split("submitted job ")[1].split(":")[0]
     assert "#SBATCH --exclude=n2\n" in (run_dir / "slurm" / f"{second}_submission.sh").read_text()
-    placed = subprocess.run(["sacct", "-j", second, "-X", "-n", "-o", "NodeList%40"], capture_output=True, text=True)
-    assert placed.stdout.strip() == "n[1,3]"
+    assert sorted(r["node"] for r in json.loads((run_dir / "rank_layout.json").read_text())) == ["n1", "n3"]
+    for _ in range(20):  # accounting records the allocation a moment after the job (once: "n1" alone)
+        placed = subprocess.run(["sacct", "-j", second, "-X", "-n", "-o", "NodeList%40"], capture_output=True,
+                                text=True).stdout.strip()  # fmt: skip
+        if placed == "n[1,3]":
+            break
+        time.sleep(0.5)
+    assert placed == "n[1,3]"
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 11))
 
 
