@@ -12,9 +12,8 @@ import time
 import pytest
 import torch
 
-from hpc_train.checkpoint.local import local_run_root, partner_ranks
+from hpc_train.checkpoint.local import partner_ranks
 from hpc_train.checkpoint.store import CheckpointStore
-from hpc_train.config import ConfigError
 from hpc_train.config.schema import SpikeGuardConfig
 from hpc_train.data.prepare import load_datasets
 from hpc_train.data.sampler import ResumableSampler, merge_ranges
@@ -331,21 +330,31 @@ def test_a_corrupt_local_copy_on_one_node_falls_back_to_the_step_before(tmp_path
     assert list(local.iterdir()) == []
 
 
-def test_local_copies_have_a_partner_on_another_node_and_faults_need_the_test_switch(tmp_path, monkeypatch):
+def test_local_copies_have_a_partner_on_another_node_and_faults_need_the_test_switch(
+    tmp_path, monkeypatch, small_corpus
+):
     """The partner that keeps a rank's local copy is on the next node under any task distribution (it was
     `rank + ranks per node`: on the same node under srun -m cyclic); one node, or nodes with different numbers
-    of ranks, keep no partner copies. An unset variable in checkpoint.local_dir is an error, not a directory
-    named `$UNSET`. HPC_TRAIN_FAULT does nothing without the test switch HPC_TRAIN_TESTING=1."""
+    of ranks, keep no partner copies. An unset variable in checkpoint.local_dir stops the run with an error
+    (it trained, in a directory named `$UNSET...`). With local_dir/<name> as checkpoint.dir, the local
+    prune keeps off the shared checkpoints (it deleted all but two of them). HPC_TRAIN_FAULT does nothing
+    without the test switch HPC_TRAIN_TESTING=1."""
     assert partner_ranks(["n1", "n1", "n2", "n2"]) == [2, 3, 0, 1]  # block
     assert partner_ranks(["n1", "n2", "n1", "n2"]) == [1, 0, 3, 2]  # cyclic
     assert partner_ranks(["n1", "n2", "n3"]) == [1, 2, 0]
     assert partner_ranks(["n1", "n1"]) == [0, 1] and partner_ranks(["n1", "n1", "n2"]) == [0, 1, 2]
     monkeypatch.delenv("UNSET_FOR_TEST", raising=False)
-    with pytest.raises(ConfigError, match=r"UNSET_FOR_TEST/x holds a variable this node does not set"):
-        local_run_root("$UNSET_FOR_TEST/x", "run", str(tmp_path))
-    # local_dir/<name> is checkpoint.dir: the local steps lie apart from the shared ones
-    assert local_run_root(str(tmp_path), "ckpt", str(tmp_path / "ckpt")).parent == tmp_path
-    assert local_run_root(str(tmp_path), "ckpt", str(tmp_path / "ckpt")) != tmp_path / "ckpt"
+    run = [*TINY_MODEL, f"data.train_path={small_corpus}", "train.steps=6", "checkpoint.interval=2",
+           "checkpoint.local_interval=1", "parallel.max_restarts=1", "name=ckpt"]  # fmt: skip
+    unset = run_cli("train", *run, "checkpoint.local_dir=$UNSET_FOR_TEST/x", f"run_dir={tmp_path / 'unset'}",
+                    cwd=tmp_path)  # fmt: skip
+    assert unset.returncode == 2 and "$UNSET_FOR_TEST/x holds a variable this node does not set" in unset.stderr
+    assert not any("UNSET" in p.name for p in tmp_path.iterdir())
+    shared = run_cli("train", *run, f"checkpoint.local_dir={tmp_path}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                     f"run_dir={tmp_path / 'run'}")  # fmt: skip
+    assert shared.returncode == 0, shared.stderr
+    kept = [info.step for info in CheckpointStore(tmp_path / "ckpt").scan() if info.problem is None]
+    assert kept == [6, 4, 2]  # checkpoint.keep_last=3; local steps 1, 3 and 5 in between
     monkeypatch.setenv("HPC_TRAIN_FAULT", "loss@3@0@nan")
     assert fault_point("loss", 3, 0) == "nan"
     monkeypatch.delenv("HPC_TRAIN_TESTING")
