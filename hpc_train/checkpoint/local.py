@@ -147,7 +147,7 @@ class LocalCheckpoints:
         except ConfigError as err:
             problem = str(err)
         raise_together(problem, self.group, ConfigError)  # a node's own unset variable stops every rank
-        self.copy, self.layout, self.report = copy, layout, report
+        self.copy, self.report = copy, report
         self.record = {"layout": layout, "run": run_id}  # what a copy must hold to be read
         nodes: list[str | None] = [None] * self.world
         dist.all_gather_object(nodes, node_name(), group=self.group)

@@ -159,7 +159,7 @@ class CheckpointStore:
             if c.path != protect and c.path not in keep and not (keep_every and c.step % keep_every == 0)
         ]
         newest = committed[0].step
-        removed += [c.path for c in self.scan() if c.path.name.endswith(".tmp") and c.step < newest]  # fmt: skip
+        removed += [c.path for c in self.scan() if c.path.name.endswith(".tmp") and c.step < newest]
         for path in removed:
             to_trash(path)
         fault_point("pruned", newest, 0)

@@ -47,15 +47,15 @@ def node_memory_mb(cfg: JobConfig) -> tuple[int, str] | None:
     command = ["sinfo", "-h", "-o", "%P %m", *(["-p", cfg.slurm.partition] if cfg.slurm.partition else [])]
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=20)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired):  # no sinfo here, or none that runs
         return None
     rows = [line.split() for line in out.stdout.splitlines() if len(line.split()) == 2]
     if not cfg.slurm.partition:  # every partition is listed: the job goes to the default one, marked with a '*'
-        rows = [[name.rstrip("*"), size] for name, size in rows if name.endswith("*")]
+        rows = [row for row in rows if row[0].endswith("*")]
     sizes = [int(m.group()) for _, size in rows if (m := re.match(r"[0-9]+", size))]  # '8000+': nodes differ
     if out.returncode or not sizes:
         return None
-    return min(sizes), f"sinfo, partition {rows[0][0]}"
+    return min(sizes), f"sinfo, partition {rows[0][0].rstrip('*')}"
 
 
 def log_folder(cfg: JobConfig) -> Path:

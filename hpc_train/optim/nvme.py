@@ -131,21 +131,17 @@ def direct_io_works(directory: Path) -> bool:
     """Whether this filesystem takes O_DIRECT reads and writes (some refuse it: EINVAL)."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    block = aligned_empty(ELEMENTS, pinned=False)
-    try:
+    block, fd = aligned_empty(ELEMENTS, pinned=False), None
+    try:  # refused at the open or at the first write, depending on the filesystem
         fd = unnamed(directory, direct=True)
-    except OSError as err:
-        if err.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return False
-        raise
-    try:
         return os.pwrite(fd, block.numpy().view("uint8"), 0) == ALIGN
     except OSError as err:
         if err.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return False
         raise
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 @dataclass
