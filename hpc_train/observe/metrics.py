@@ -117,7 +117,9 @@ class MetricsLog:
         if not self.path.is_file() or not self.path.stat().st_size:
             return
         if report is not None:
-            kept = self.path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+            while (kept := self.path.with_name(f"metrics.{stamp}{f'-{n}' if n else ''}.jsonl")).exists():
+                n += 1  # two starts in one second: the earlier one's records are never overwritten
             self.path.rename(kept)
             report(f"training from scratch: the earlier records in {self.path.name} are kept in {kept.name}")
         self.load_state_dict({"step": 0})
