@@ -56,6 +56,11 @@ FEATURES: dict[str, tuple[list[str], list[str]]] = {
     "adamw8bit": (["optim.name=adamw8bit"], []),
     "lora": (["finetune.method=lora"], []),
     "qlora": (["finetune.method=qlora"], ["train.precision=bf16"]),
+    "spike guard": (["train.spike_guard.enabled=true"], ["checkpoint.interval=100"]),
+    "local ckpt": (
+        ["checkpoint.local_dir=$SLURM_TMPDIR/ckpt", "checkpoint.local_interval=10"],
+        ["parallel.max_restarts=1", "checkpoint.interval=100"],
+    ),
 }
 
 
