@@ -1,4 +1,4 @@
-"""The `hpc-train` command: train, submit, plan, config show, ckpt, prepare-data, import-hf, export-hf,
+"""The `hpc-train` command: train, submit, stop, status, plan, config show, ckpt, prepare-data, import-hf, export-hf,
 generate."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import torch
 
 from hpc_train.bootstrap import detect_rank_env
-from hpc_train.config import ConfigError, check_values, raise_all, to_yaml
+from hpc_train.config import ConfigError, check_values, config_path, raise_all, to_yaml
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.errors import UserError
 from hpc_train.job import JobConfig, check_run, load_config
@@ -38,7 +38,7 @@ def check_job(
     except ConfigError as err:
         if not world_from:
             raise
-        raise ConfigError(f"{err} (world size = {world_from} = {world_size})") from None
+        raise err.noting_layout(f"(world size = {world_from} = {world_size})") from None
 
 
 def check_machine(cfg: JobConfig) -> None:
@@ -61,25 +61,36 @@ def check_machine(cfg: JobConfig) -> None:
         raise ConfigError("\n".join(problems))
 
 
+def _config_items(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The config file and the overrides. CONFIG is optional: a first argument holding '=' is already an
+    override."""
+    items = [args.config, *args.overrides] if args.config else list(args.overrides)
+    return (items.pop(0) if items and "=" not in items[0] else None), items
+
+
 def _config_and_overrides(args: argparse.Namespace) -> JobConfig:
-    """CONFIG is optional: a first argument holding '=' is already an override."""
     from hpc_train.checkpoint.init_from import with_source_model
 
-    items = [args.config, *args.overrides] if args.config else list(args.overrides)
-    path = items.pop(0) if items and "=" not in items[0] else None
-    return with_source_model(load_config(path, items))
+    return with_source_model(load_config(*_config_items(args)))
 
 
-def check_inputs(cfg: JobConfig, world: int, starts_here: bool, world_from: str = "") -> ParallelDims:
+def check_inputs(
+    cfg: JobConfig, world: int, starts_here: bool, world_from: str = "", notes: bool = True
+) -> ParallelDims:
     """Everything a run reads, before any process starts: the config (`check_job`: for this world size, and
     this machine's limits for ranks starting here), the datasets' contents, and that checkpoint.dir is this
-    run's (and, for a run starting here, not in use)."""
+    run's (and, for a run starting here, not in use). With `notes` (one process of a job says it), a training
+    dataset the run reads more than once is noted (on stderr: a dry run's output stays the job)."""
     from hpc_train.checkpoint.ownership import check_checkpoint_dir
-    from hpc_train.data.prepare import check_datasets
+    from hpc_train.data.prepare import check_datasets, repeats
 
     dims = check_job(cfg, world, starts_here, world_from=world_from)
-    check_datasets(cfg.data, cfg.model)
+    datasets = check_datasets(cfg.data, cfg.model)
     check_checkpoint_dir(cfg, probe_lock=starts_here)
+    t = cfg.train
+    global_batch = dims.dp * t.micro_batch_size * t.grad_accum
+    for line in repeats(cfg.data, datasets, t.steps * global_batch, global_batch) if notes else []:
+        print(f"hpc-train: note: {line}", file=sys.stderr)
     return dims
 
 
@@ -90,7 +101,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     cfg = _config_and_overrides(args)
     rank_env = detect_rank_env()
-    check_inputs(cfg, rank_env.world_size if rank_env else cfg.parallel.nproc, starts_here=rank_env is None)
+    world = rank_env.world_size if rank_env else cfg.parallel.nproc
+    check_inputs(cfg, world, starts_here=rank_env is None, notes=rank_env is None or rank_env.rank == 0)
     if rank_env is not None:
         run_task(run_training, rank_env, cfg)
     else:
@@ -113,6 +125,8 @@ def describe(dims: ParallelDims, sep: str = " ") -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    """The plan of the config's layout, or with --search every layout's; exit status 1 where the layout (with
+    --search: every layout) does not fit, with the nearest fix."""
     import json
 
     from hpc_train import planner
@@ -128,15 +142,23 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.search:
         check_values(cfg)  # check_job's rules for every key; the layout is what --search varies
         host_mem = args.host_mem * 2**30 if args.host_mem else None
-        rows = planner.search(cfg, world, gpu_mem, args.peak_tflops * 1e12, host_mem)
-        print(json.dumps(rows, indent=1) if args.json else planner.format_search(rows))
+        report = planner.search_report(cfg, world, gpu_mem, args.peak_tflops * 1e12, host_mem, args.allow_rule_change)
+        print(json.dumps(report, indent=1) if args.json else planner.format_report(report))
+        if report["fix"]:  # nothing fits
+            sys.exit(1)
         return
     dims = check_job(cfg, world, starts_here=False, check_paths=False)
     plan = planner.estimate(cfg, dims)
+    fits = plan.total <= gpu_mem
+    limits = planner.Limits(world, gpu_mem, node=cfg.slurm.gpus_per_node or 8)
+    fix = None if fits else planner.nearest_fix(cfg, limits, args.peak_tflops * 1e12)
     if args.json:
-        print(json.dumps({**plan.as_dict(), "fits": plan.total <= gpu_mem, "gpu_mem": gpu_mem}, indent=1))
+        print(json.dumps({**plan.as_dict(), "fits": fits, "gpu_mem": gpu_mem, "fix": fix}, indent=1))
     else:
-        print(planner.format_estimate(cfg, dims, plan, gpu_mem))
+        print(planner.format_estimate(cfg, dims, plan, gpu_mem), *[planner.format_fix(fix, plan.total)] * (not fits),
+              sep="\n")  # fmt: skip
+    if not fits:
+        sys.exit(1)
 
 
 def check_fits(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -184,8 +206,25 @@ def check_host_fits(cfg: JobConfig, dims: ParallelDims) -> None:
         )
 
 
+def world_note(cfg: JobConfig, dims: ParallelDims) -> str:
+    """Where `submit` and `train` here would run a config with different world sizes (slurm.nodes x
+    slurm.tasks_per_node against parallel.nproc), what each gives and the key that makes them agree; ''
+    where they agree."""
+    nproc, nodes, per_dp = cfg.parallel.nproc, cfg.slurm.nodes, dims.world_size // dims.dp
+    if nproc == dims.world_size:
+        return ""
+    batch = cfg.train.micro_batch_size * cfg.train.grad_accum  # a data-parallel rank's share of the global batch
+    here = f", global batch {nproc // per_dp * batch}" if nproc % per_dp == 0 else ""
+    fix = f"slurm.tasks_per_node={nproc // nodes}" if nproc % nodes == 0 else f"{SLURM_WORLD} = {nproc}"
+    return (f"note: this job runs {dims.world_size} rank(s) ({SLURM_WORLD} = {nodes} x {cfg.slurm.tasks_per_node}), "
+            f"global batch {dims.dp * batch}; `hpc-train train` here would run parallel.nproc={nproc}{here} (submit "
+            f"does not use parallel.nproc): set {fix} for the same run")  # fmt: skip
+
+
 def cmd_submit(args: argparse.Namespace) -> None:
     from hpc_train.launch import slurm
+    from hpc_train.launch.partition import check_partition
+    from hpc_train.launch.queue import check_no_job_runs
     from hpc_train.train.loop import run_training
 
     cfg = _config_and_overrides(args)
@@ -193,11 +232,17 @@ def cmd_submit(args: argparse.Namespace) -> None:
     if not args.force:
         check_fits(cfg, dims)
         check_host_fits(cfg, dims)
+    check_partition(cfg, limits=not args.force)
+    check_no_job_runs(cfg.run_dir)
+    note = world_note(cfg, dims)
     if args.dry_run:
-        print(slurm.dry_run(cfg, describe(dims, ", ")), end="")
+        path, overrides = _config_items(args)  # the by-hand script's: the config from any directory
+        train_args = [*([str(config_path(path).absolute())] if path else []), *overrides]
+        print(f"# {note}" if note else "", slurm.dry_run(cfg, describe(dims, ", "), train_args), sep="\n" * bool(note),
+              end="")  # fmt: skip
         return
     job = slurm.submit(cfg, run_training)
-    print(slurm.submission_summary(cfg, job), flush=True)
+    print(*[note] * bool(note), slurm.submission_summary(cfg, job), sep="\n", flush=True)
     if args.wait:
         _follow(cfg, job)
 
@@ -207,16 +252,43 @@ def _follow(cfg: JobConfig, job) -> None:
     from hpc_train.launch import slurm
 
     state = slurm.follow(job)
+    if (step := slurm.stopped_at(job)) is not None:  # a user's stop: saved, and not requeued
+        print(f"job {job.job_id} stopped on request at step {step}, saved (Slurm state {state}); submitting the "
+              "same config resumes it")  # fmt: skip
+        return
     print(f"job {job.job_id} finished: {state}")
     if state != "COMPLETED":
         print(slurm.failure_report(job, cfg.slurm.nodes * cfg.slurm.tasks_per_node), file=sys.stderr)
         sys.exit(1)
 
 
+def cmd_stop(args: argparse.Namespace) -> None:
+    """Stop each run's job: it saves and ends without requeueing (a pending one is cancelled)."""
+    import time
+
+    from hpc_train.commands.status import format_status, status_rows
+    from hpc_train.launch import queue
+
+    for run_dir in args.run_dirs:
+        done = queue.stop(run_dir)
+        print("\n".join(done) if done else f"no job in the queue runs {run_dir}")
+    if args.wait:
+        while any(queue.jobs_of(run_dir) for run_dir in args.run_dirs):
+            time.sleep(1)
+        print(format_status(status_rows(args.run_dirs)))
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    from hpc_train.commands.status import format_status, status_rows
+
+    print(format_status(status_rows(args.run_dirs)))
+
+
 def cmd_doctor(args: argparse.Namespace) -> None:
     from hpc_train.commands.doctor import run_doctor
     from hpc_train.launch import slurm
     from hpc_train.launch.local import launch_local
+    from hpc_train.launch.partition import check_partition
 
     cfg = _config_and_overrides(args)  # a doctor job is never restarted: a failure is its finding
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, max_restarts=0))
@@ -225,6 +297,7 @@ def cmd_doctor(args: argparse.Namespace) -> None:
         launch_local(run_doctor, cfg.parallel.nproc, cfg)
         return
     check_job(cfg, slurm.slurm_world_size(cfg), starts_here=False, check_paths=False, world_from=SLURM_WORLD)
+    check_partition(cfg)
     job = slurm.submit(cfg, run_doctor)
     print(slurm.submission_summary(cfg, job), flush=True)
     _follow(cfg, job)
@@ -279,9 +352,10 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
     from hpc_train.launch.local import single_process_group
 
     with single_process_group():
-        out = export_hf(args.source, args.out_dir, args.adapters_only, args.base)
+        out = export_hf(args.source, args.out_dir, args.adapters_only, args.base, args.tokenizer)
     what = "LoRA adapters (PEFT format)" if args.adapters_only else "model"
-    print(f"exported the {what} of {args.source} to {out}")
+    note = "" if (out / "tokenizer.json").is_file() else " (no tokenizer: none is recorded for it; give --tokenizer)"
+    print(f"exported the {what} of {args.source} to {out}{note}")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -300,12 +374,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> None:
+    from hpc_train.data.indexed import read_index
     from hpc_train.data.prepare import expand_inputs, prepare_data
 
     written = prepare_data(expand_inputs(args.inputs), args.output, args.tokenizer, args.valid_every,
                            max_tokens=args.max_tokens, workers=args.workers, text_key=args.text_key)  # fmt: skip
     for split, prefix in written.items():
-        print(f"{split}: {prefix}.bin / {prefix}.idx")
+        docs, tokens = (read_index(prefix)[0][key] for key in ("num_docs", "num_tokens"))
+        print(f"{split}: {prefix}.bin / {prefix}.idx: {docs:,} document{'s' * (docs != 1)}, {tokens:,} tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,13 +399,20 @@ def build_parser() -> argparse.ArgumentParser:
     submit = with_config(sub.add_parser("submit", help="submit a Slurm job (sbatch through submitit)"))
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch script and config; submit nothing")
     submit.add_argument("--wait", action="store_true", help="follow the job to its end, streaming rank 0's output")
-    submit.add_argument("--force", action="store_true", help="submit even if the planner says it does not fit")
+    submit.add_argument("--force", action="store_true", help="submit past the planner's or the partition's limits")
+    stop = sub.add_parser("stop", help="stop a run's Slurm job: its ranks save, and it ends without requeueing")
+    stop.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    stop.add_argument("--wait", action="store_true", help="until the jobs have left the queue, then their status")
+    status = sub.add_parser("status", help="each run's job, its state, its step and newest checkpoint")
+    status.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="(default: every run with a queued job)")
     plan = with_config(sub.add_parser("plan", help="memory per rank of a layout; --search ranks layouts"))
     plan.add_argument("--gpu-mem", type=float, help="GiB per GPU (default: slurm.gpu_mem_gb)")
     plan.add_argument("--host-mem", type=float, help="--search: GiB of host memory per node (default: unbounded)")
     plan.add_argument("--search", action="store_true", help="enumerate layouts, rank those that fit by step time")
     plan.add_argument("--world", type=int, help="ranks (default: slurm nodes x tasks on GPUs, else parallel.nproc)")
     plan.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, for --search (H100 bf16)")
+    low_bit = "--search: also layouts that fit only with 8-bit or 4-bit AdamW moments (which change the numerics)"
+    plan.add_argument("--allow-rule-change", action="store_true", help=low_bit)
     plan.add_argument("--json", action="store_true")
     ckpt = sub.add_parser("ckpt", help="list, verify (checksums) or inspect a run's checkpoints")
     ckpt.add_argument("ckpt_command", choices=["list", "verify", "inspect"])
@@ -345,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("source", help="a run directory or checkpoint directory (its newest verified checkpoint)")
     exp.add_argument("out_dir")
     exp.add_argument("--adapters-only", action="store_true", help="LoRA adapters alone, in PEFT's format")
+    exp.add_argument("--tokenizer", help="a tokenizer.json to export (default: the one the run was trained with)")
     gen = sub.add_parser("generate", help="text from a checkpoint or Hugging Face folder (greedy or top-p)")
     for p in (exp, gen):
         p.add_argument("--base", help="QLoRA: where the run's base weights (its model.init_from) are now")
@@ -354,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching this mass")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--tokenizer", help="a tokenizer.json (default: the source's, else byte-level)")
+    gen.add_argument("--tokenizer", help="a tokenizer.json (default: the one the source was trained with, else "
+                     "byte-level)")  # fmt: skip
     prep = sub.add_parser("prepare-data", help="tokenize text, JSONL or parquet files into an indexed dataset")
     prep.add_argument("inputs", nargs="+", help="text files (one document each), .jsonl/.ndjson files of {text} or "
                       "{prompt, response} lines, .parquet files with a text (or prompt and response) column, or globs "
@@ -362,8 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--workers", type=int, default=1, help="processes tokenizing in parallel (default 1)")
     prep.add_argument("--text-key", default="text", help="the JSON key / parquet column holding a document's text")
     prep.add_argument("--max-tokens", type=int, help="keep the last N tokens of a longer example (use model.seq_len)")
-    prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
-    prep.add_argument("--tokenizer", default="byte", help="'byte' (default) or a Hugging Face tokenizer.json")
+    prep.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx (a .bin given "
+                      "is dropped)")  # fmt: skip
+    prep.add_argument("--tokenizer", default="byte", help="'byte' (default) or a Hugging Face tokenizer.json with an "
+                      "end-of-document token; recorded as PREFIX.tokenizer.json")  # fmt: skip
     prep.add_argument(
         "--valid-every", type=int, default=0, help="hold out every N-th document (file or example) as PREFIX_valid"
     )
@@ -374,6 +461,8 @@ COMMANDS = {
     "train": cmd_train,
     "submit": cmd_submit,
     "doctor": cmd_doctor,
+    "stop": cmd_stop,
+    "status": cmd_status,
     "plan": cmd_plan,
     "config": cmd_config_show,
     "ckpt": cmd_ckpt,

@@ -21,6 +21,8 @@ import dataclasses
 import functools
 import itertools
 import math
+import shlex
+import textwrap
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,13 +41,14 @@ from hpc_train.models import get_spec
 from hpc_train.models.common.document_attention import document_tile
 from hpc_train.models.common.moe import is_moe_layer, moe_layers
 from hpc_train.models.spec import ActivationShape, StageActivations, is_frozen, projections
-from hpc_train.optim import optimizer_class, precision_policy
+from hpc_train.optim import NVME, OPTIMIZERS, optimizer_class, precision_policy
 from hpc_train.optim.buckets import largest_bucket
 from hpc_train.optim.nvme import padded, ring_bytes
 from hpc_train.optim.rules import UpdateRule, is_hidden_matrix, rule_class
 
 GiB = 2**30
 LONG_SEQUENCE = 8192  # `plan --search` tries context parallelism from this model.seq_len on
+RECOMPUTE = ("none", "selective", "full")  # model.recompute's choices, which `plan --search` tries
 
 
 @dataclass
@@ -506,38 +509,115 @@ def feature_memory(cfg: JobConfig, dims: ParallelDims, **given) -> Memory:
 
 
 LOW_BIT_FALLBACK = {"adamw": ("adamw8bit", "adamw4bit")}  # what `search` tries where a rule's state does not fit
+NODE_DISK = "$SLURM_TMPDIR/hpc_train_offload"  # where a searched nvme layout keeps its state: the node's own disk
+# step-time estimates this close to the fastest's tie: the estimate's own error (a fixed MFU, no kernel or
+# network measured) is larger than that
+TIE = 0.05
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a layout of `world` ranks must fit: `gpu_mem` bytes a GPU and, where given, `host_mem` bytes a
+    node, which the node's ranks (`node` a node at most) share."""
+
+    world: int
+    gpu_mem: float
+    host_mem: float | None = None
+    node: int = 8
+
+    def over(self, total: float, host: float) -> float:
+        """How far a rank's `total` device bytes and `host` bytes are from fitting: their largest ratio to
+        what they must fit in (1 or less: it fits)."""
+        node_host = host * min(self.world, self.node)
+        return max(total / self.gpu_mem, node_host / self.host_mem if self.host_mem else 0.0)
+
+    def fits(self, plan: MemoryEstimate) -> bool:
+        host = (plan.host + plan.host_copy) * min(self.world, self.node)
+        return plan.total <= self.gpu_mem and (self.host_mem is None or host <= self.host_mem)
+
+    def row_over(self, row: dict) -> float:
+        return self.over(row["total_gib"] * GiB, row["host_gib"] * GiB)
+
+
+def layout_settings(cfg: JobConfig, layout: dict) -> dict[str, object]:
+    """The config keys that give `cfg` a `search` row's layout, with their values. dp and the global batch
+    follow from the world; sequence parallelism (on with tp) and the cp mode are set only where they act
+    (tp > 1, cp > 1); nvme offload goes to the node's own disk unless the config names a directory."""
+    settings: dict[str, object] = {"parallel.tp": layout["tp"]}
+    if layout["tp"] > 1:
+        settings["parallel.sequence_parallel"] = True
+    settings |= {"parallel.pp": layout["pp"], "parallel.virtual_stages": layout["vp"],
+                 "parallel.schedule": layout["schedule"], "parallel.cp": layout["cp"]}  # fmt: skip
+    if layout["cp"] > 1:
+        settings["parallel.cp_mode"] = layout["cp_mode"]
+    settings |= {"parallel.dp": None, "train.micro_batch_size": layout["mbs"], "train.grad_accum": layout["grad_accum"],
+                 "train.global_batch_size": None, "model.recompute": layout["recompute"],
+                 "optim.zero_stage": layout["zero"], "optim.offload": layout["offload"]}  # fmt: skip
+    if layout["offload"] == "nvme" and not cfg.optim.offload_dir:
+        settings["optim.offload_dir"] = NODE_DISK
+    settings["optim.name"] = layout["optim"]
+    return settings
+
+
+def with_settings(cfg: JobConfig, settings: dict[str, object]) -> JobConfig:
+    """`cfg` with `settings` (`section.key`: value): the sections they set copied, the others shared (the checks
+    and the plan only read them)."""
+    from copy import copy
+
+    c = copy(cfg)
+    for section in {key.split(".")[0] for key in settings}:
+        setattr(c, section, copy(getattr(cfg, section)))
+    for key, value in settings.items():
+        section, name = key.split(".")
+        setattr(getattr(c, section), name, value)
+    return c
+
+
+def overrides(cfg: JobConfig, settings: dict[str, object]) -> list[str]:
+    """The `key=value` arguments that give `settings` from `cfg`: the keys whose value differs, as YAML spells
+    the value."""
+    spelled = {None: "null", True: "true", False: "false"}
+    return [f"{key}={spelled.get(value, value) if isinstance(value, bool | None) else value}"
+            for key, value in settings.items() if functools.reduce(getattr, key.split("."), cfg) != value]  # fmt: skip
+
+
+def _row(c: JobConfig, dims: ParallelDims, plan: MemoryEstimate, fits: bool, peak_flops: float,
+         changed: list[str]) -> dict:  # fmt: skip
+    """A layout as `search` lists it: its settings, its memory, whether it fits, its estimated step time and the
+    overrides (`changed`) that give it from the config searched."""
+    p, t, o = c.parallel, c.train, c.optim
+    return {
+        "tp": p.tp, "pp": p.pp, "vp": p.virtual_stages, "schedule": p.schedule, "dp": dims.dp, "cp": p.cp,
+        "cp_mode": p.cp_mode, "mbs": t.micro_batch_size, "grad_accum": t.grad_accum, "recompute": c.model.recompute,
+        "zero": o.zero_stage, "offload": o.offload, "optim": o.name,
+        "total_gib": plan.total / GiB, "host_gib": (plan.host + plan.host_copy) / GiB, "disk_gib": plan.disk / GiB,
+        "fits": fits, "step_s": step_time_estimate(c, dims, peak_flops), "overrides": changed,
+    }  # fmt: skip
 
 
 def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float,
-           host_mem_bytes: float | None = None) -> list[dict]:  # fmt: skip
+           host_mem_bytes: float | None = None, rule_change: bool = True) -> list[dict]:  # fmt: skip
     """Every layout of `world` ranks (tp within a node of slurm.gpus_per_node or 8, pp, virtual stages and
     schedule, micro-batch size at a fixed global batch, recompute, zero stage, offload: none, cpu, nvme)
-    that passes validation, with its memory and estimated step time; those that fit first, fastest first.
+    that passes validation, with its memory, estimated step time and the overrides that give it from `cfg`;
+    those that fit first, fastest first, each marked `tie` where its estimate is within TIE of the fastest's.
     With `host_mem_bytes` (a node's), a layout fits only where its node's ranks' host memory does too: so
     nvme offload, slower than cpu, comes first where cpu offload's state does not fit the host. A layout
-    whose AdamW state does not fit is tried with 8-bit, then 4-bit moments (`LOW_BIT_FALLBACK`): the first
-    that fits is its row."""
-    from copy import copy
-
-    from hpc_train.optim import NVME, OPTIMIZERS
-
+    whose AdamW state does not fit is tried with 8-bit, then 4-bit moments (`LOW_BIT_FALLBACK`): with
+    `rule_change`, the first that fits is its row; without, the row keeps the config's rule and `fits_with`
+    names the low-bit rule that would fit."""
     t = cfg.train
     # the config's micro-batches per dp rank at `world` (at least one dp rank, where its own layout is larger)
     own_dp = max(1, world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
     global_batch = t.micro_batch_size * t.grad_accum * own_dp
-    node = cfg.slurm.gpus_per_node or 8
-
-    def fits(plan: MemoryEstimate) -> bool:
-        host = (plan.host + plan.host_copy) * min(world, node)  # the node's ranks'
-        return plan.total <= gpu_mem_bytes and (host_mem_bytes is None or host <= host_mem_bytes)
-
+    limits = Limits(world, gpu_mem_bytes, host_mem_bytes, cfg.slurm.gpus_per_node or 8)
     choices = itertools.product(
-        [x for x in (1, 2, 4, 8) if x <= node],  # tp
+        [x for x in (1, 2, 4, 8) if x <= limits.node],  # tp
         (1, 2, 4, 8, 16),  # pp
         # (virtual stages, schedule) at pp > 1
         ((1, "1f1b"), (2, "interleaved_1f1b"), (2, "interleaved_zb"), (2, "zbv"), (2, "dualpipev")),
         (1, 2, 4, 8),  # micro-batch size
-        ("none", "selective", "full"),  # recompute
+        RECOMPUTE,
         [
             (zero, offload)
             for zero, cls in OPTIMIZERS.items()
@@ -554,37 +634,117 @@ def search(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float,
         if world % (tp * pp * cp) or (vp > 1 and pp == 1) or global_batch % (mbs * (world // (tp * pp * cp))):
             continue
         dp = world // (tp * pp * cp)
-        c = copy(cfg)  # the sections a layout sets, copied (the checks and the plan only read)
-        c.parallel, c.train, c.model, c.optim = copy(cfg.parallel), copy(cfg.train), copy(cfg.model), copy(cfg.optim)
-        c.parallel.tp, c.parallel.pp, c.parallel.dp, c.parallel.virtual_stages = tp, pp, None, vp
-        c.parallel.cp, c.parallel.cp_mode = cp, cp_mode
-        c.parallel.schedule = schedule
-        c.parallel.sequence_parallel = tp > 1
-        c.train.micro_batch_size, c.train.grad_accum, c.train.global_batch_size = mbs, global_batch // (mbs * dp), None
-        c.model.recompute, c.optim.zero_stage, c.optim.offload = recompute, zero, offload
-        if offload == "nvme" and not c.optim.offload_dir:  # where a job would put it: the node's own disk
-            c.optim.offload_dir = "$SLURM_TMPDIR/hpc_train_offload"
+        layout = {"tp": tp, "pp": pp, "vp": vp, "schedule": schedule, "cp": cp, "cp_mode": cp_mode, "mbs": mbs,
+                  "grad_accum": global_batch // (mbs * dp), "recompute": recompute, "zero": zero, "offload": offload,
+                  "optim": cfg.optim.name}  # fmt: skip
+        settings = layout_settings(cfg, layout)
+        c = with_settings(cfg, settings)
         try:
             dims = check_run(c, world, check_paths=False)
         except ConfigError:
             continue
-        plan = estimate(c, dims)
-        for rule in LOW_BIT_FALLBACK.get(cfg.optim.name, ()) if not fits(plan) and offload != "nvme" else ():
-            c.optim.name = rule
-            low_bit = estimate(c, dims)
-            if fits(low_bit):
-                plan = low_bit
+        plan, fits_with = estimate(c, dims), None
+        for rule in LOW_BIT_FALLBACK.get(cfg.optim.name, ()) if not limits.fits(plan) and offload != "nvme" else ():
+            low_bit = estimate(with_settings(c, {"optim.name": rule}), dims)
+            if limits.fits(low_bit):
+                fits_with = rule
                 break
-        else:  # none fits: the row is the rule asked for
-            c.optim.name = cfg.optim.name
-        rows.append({
-            "tp": tp, "pp": pp, "vp": vp, "schedule": schedule, "dp": dp, "cp": cp, "cp_mode": cp_mode, "mbs": mbs,
-            "grad_accum": c.train.grad_accum,
-            "recompute": recompute, "zero": zero, "offload": offload, "optim": c.optim.name,
-            "total_gib": plan.total / GiB, "host_gib": (plan.host + plan.host_copy) / GiB, "disk_gib": plan.disk / GiB,
-            "fits": fits(plan), "step_s": step_time_estimate(c, dims, peak_flops),
-        })  # fmt: skip
-    return sorted(rows, key=lambda r: (not r["fits"], r["step_s"], r["total_gib"]))
+        if fits_with and rule_change:
+            settings["optim.name"], plan, fits_with = fits_with, low_bit, None
+            c = with_settings(cfg, settings)
+        row = _row(c, dims, plan, limits.fits(plan), peak_flops, overrides(cfg, settings))
+        rows.append({**row, "fits_with": fits_with})
+    rows.sort(key=lambda r: (not r["fits"], r["step_s"], r["total_gib"]))
+    fastest = rows[0]["step_s"] if rows and rows[0]["fits"] else 0.0
+    for row in rows:
+        row["tie"] = row["fits"] and row["step_s"] <= fastest * (1 + TIE)
+    return rows
+
+
+def search_report(cfg: JobConfig, world: int, gpu_mem_bytes: float, peak_flops: float,
+                  host_mem_bytes: float | None = None, rule_change: bool = False) -> dict:  # fmt: skip
+    """`hpc-train plan --search`'s answer: every layout `search` finds (`rows`), how many fit, the config's own
+    layout at `world` ranks (`own`: its rank among those that fit, `error` where it is not valid there), and,
+    where nothing fits (the config's own layout neither), the nearest fix (`fix`, `search_fix`). Without
+    `rule_change` the config's update rule is kept (a low-bit one changes the numerics); `fit_with_rule_change`
+    counts the layouts that fit only with one (with it: the layouts that fit with one)."""
+    limits = Limits(world, gpu_mem_bytes, host_mem_bytes, cfg.slurm.gpus_per_node or 8)
+    rows = search(cfg, world, gpu_mem_bytes, peak_flops, host_mem_bytes, rule_change)
+    fitting = [r for r in rows if r["fits"]]
+    changed_rule = sum(r["fits_with"] is not None for r in rows) if not rule_change else \
+        sum(r["fits"] and r["optim"] != cfg.optim.name for r in rows)  # fmt: skip
+    try:
+        dims = check_run(cfg, world, check_paths=False)
+    except ConfigError as err:
+        own = {"error": str(err)}
+    else:
+        plan = estimate(cfg, dims)
+        own = _row(cfg, dims, plan, limits.fits(plan), peak_flops, [])
+        if own["fits"]:
+            own["rank"] = 1 + sum(r["step_s"] < own["step_s"] for r in fitting)
+            own["tie"] = not fitting or own["step_s"] <= fitting[0]["step_s"] * (1 + TIE)
+    return {"world": world, "node": limits.node, "gpu_mem_gib": gpu_mem_bytes / GiB,
+            "host_mem_gib": host_mem_bytes / GiB if host_mem_bytes else None, "searched": len(rows),
+            "fit": len(fitting), "ties": sum(r["tie"] for r in rows), "tie_within": TIE, "rule_change": rule_change,
+            "fit_with_rule_change": changed_rule, "own": own,
+            "fix": None if fitting or own.get("fits") else search_fix(cfg, rows, limits, peak_flops),
+            "rows": rows}  # fmt: skip
+
+
+def search_fix(cfg: JobConfig, rows: list[dict], limits: Limits, peak_flops: float) -> dict:
+    """Where no layout fits: the one closest to fitting (`closest`, `over`: its ratio to the limit it exceeds
+    most) and what would fit it: a GPU (`gpu_mem_gib`) or a node's host memory (`host_mem_gib`) that large, or
+    more ranks (`more_ranks`, `_at_more_ranks`, or None). Every recompute choice, zero stage and offload was
+    searched."""
+    if not rows:
+        return {"closest": None}
+    closest = min(rows, key=lambda r: (limits.row_over(r), r["step_s"]))
+    node_host = closest["host_gib"] * min(limits.world, limits.node)
+    return {
+        "closest": closest, "over": limits.row_over(closest),
+        "gpu_mem_gib": math.ceil(closest["total_gib"]) if closest["total_gib"] * GiB > limits.gpu_mem else None,
+        "host_mem_gib": math.ceil(node_host) if limits.host_mem and node_host * GiB > limits.host_mem else None,
+        "more_ranks": _at_more_ranks(cfg, closest, limits, peak_flops),
+    }  # fmt: skip
+
+
+def _at_more_ranks(cfg: JobConfig, row: dict, limits: Limits, peak_flops: float) -> dict | None:
+    """`row`'s layout on 2, 4 or 8 times the ranks, the extra ones tensor-parallel (within a node), pipeline or
+    data-parallel (the global batch kept: fewer micro-batches each): the first that fits, with its `world`
+    (of the fewest ranks, the fastest); None where none does."""
+    for times in (2, 4, 8):
+        more, found = dataclasses.replace(limits, world=limits.world * times), []
+        wider = [{"tp": row["tp"] * times}] if row["tp"] * times <= limits.node else []
+        deeper = [{"grad_accum": row["grad_accum"] // times}] if row["grad_accum"] % times == 0 else []
+        for change in [*wider, {"pp": row["pp"] * times}, *deeper]:
+            if fitting := _fitting_row(cfg, layout_settings(cfg, {**row, **change}), more, peak_flops):
+                found.append({**fitting, "world": more.world})
+        if found:
+            return min(found, key=lambda r: r["step_s"])
+    return None
+
+
+def nearest_fix(cfg: JobConfig, limits: Limits, peak_flops: float) -> dict | None:
+    """For a config whose layout does not fit: the fewest changes of its recompute choice, zero stage and cpu
+    offload (its tp, pp and batch kept) that fit, the fastest of those; None where none does."""
+    found = []
+    for recompute, zero, offload in itertools.product(RECOMPUTE, OPTIMIZERS, ("none", "cpu")):
+        settings = {"model.recompute": recompute, "optim.zero_stage": zero, "optim.offload": offload}
+        if overrides(cfg, settings) and (fitting := _fitting_row(cfg, settings, limits, peak_flops)):
+            found.append(fitting)
+    return min(found, key=lambda r: (len(r["overrides"]), r["step_s"]), default=None)
+
+
+def _fitting_row(cfg: JobConfig, settings: dict, limits: Limits, peak_flops: float) -> dict | None:
+    """The row of `cfg` changed by `settings` at `limits.world`, where that layout is valid there and fits;
+    None otherwise."""
+    c = with_settings(cfg, settings)
+    try:
+        dims = check_run(c, limits.world, check_paths=False)
+    except ConfigError:
+        return None
+    plan = estimate(c, dims)
+    return _row(c, dims, plan, True, peak_flops, overrides(cfg, settings)) if limits.fits(plan) else None
 
 
 def dp_traffic_bytes(cfg: JobConfig, dims: ParallelDims, params: int, matrices: int = 0) -> float:
@@ -707,20 +867,135 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
     if plan.host_features:  # each feature's line above says what
         lines.append(f"  {'in host memory (the features above)':<44} {plan.host_features / GiB:10.3f} GiB")
     verdict = "fits" if plan.total <= gpu_mem_bytes else "DOES NOT FIT"
-    lines.append(f"  {verdict} in {gpu_mem_bytes / GiB:.0f} GiB per GPU ({100 * plan.total / gpu_mem_bytes:.0f}%)")
+    lines.append(f"  {verdict} in {gpu_mem_bytes / GiB:g} GiB per GPU ({100 * plan.total / gpu_mem_bytes:.0f}%)")
     return "\n".join(lines)
 
 
+def describe_layout(row: dict) -> str:
+    """A `search` row's layout in a few words, as `format_estimate`'s head line names one."""
+    pipeline = f" (x{row['vp']} {row['schedule']})" if row["pp"] > 1 else ""
+    cp = f" cp={row['cp']} ({row['cp_mode']})" if row["cp"] > 1 else ""
+    return (f"tp={row['tp']} pp={row['pp']}{pipeline} dp={row['dp']}{cp}, mbs {row['mbs']} x accum "
+            f"{row['grad_accum']}, recompute={row['recompute']}, zero={row['zero']}, offload={row['offload']}, "
+            f"{row['optim']}")  # fmt: skip
+
+
+def shell_overrides(row: dict) -> str:
+    """A row's overrides as a shell takes them (a `$VAR` left for the job's node to expand)."""
+    return " ".join(shlex.quote(item) for item in row["overrides"]) or "(the config's own layout)"
+
+
 def format_search(rows: list[dict], limit: int = 20) -> str:
-    head = f"{'tp':>3} {'pp':>3} {'vp':>3} {'schedule':>16} {'dp':>4} {'cp':>8} {'mbs':>4} {'accum':>6} " \
-           f"{'recompute':>10} {'zero':>5} {'offload':>8} {'optim':>10} {'GiB/rank':>9} {'host GiB':>9} {'fits':>5} " \
-           f"{'step s (est.)':>14}"  # fmt: skip
+    """The first `limit` rows that fit, ranked (#); a disk column where one of them offloads to nvme."""
+    shown = [r for r in rows if r["fits"]][:limit]
+    disk = any(r["disk_gib"] for r in shown)
+    head = f"{'#':>4} {'~':>1} {'tp':>3} {'pp':>3} {'vp':>3} {'schedule':>16} {'dp':>4} {'cp':>8} {'mbs':>4} " \
+           f"{'accum':>6} {'recompute':>10} {'zero':>5} {'offload':>8} {'optim':>10} {'GiB/rank':>9} " \
+           f"{'host GiB':>9} {'disk GiB' if disk else '':>{9 * disk}}{' ' * disk}{'step s':>9}  overrides"  # fmt: skip
     lines = [head]
-    for r in rows[:limit]:
-        cp = f"{r.get('cp', 1)} {r.get('cp_mode', 'ring')}" if r.get("cp", 1) > 1 else "1"
-        lines.append(f"{r['tp']:>3} {r['pp']:>3} {r['vp']:>3} {r.get('schedule', '1f1b'):>16} {r['dp']:>4} "
-                     f"{cp:>8} {r['mbs']:>4} {r['grad_accum']:>6} "
-                     f"{r['recompute']:>10} {r['zero']:>5} {r['offload']:>8} {r.get('optim', ''):>10} "
-                     f"{r['total_gib']:>9.2f} {r.get('host_gib', 0.0):>9.2f} "
-                     f"{'yes' if r['fits'] else 'no':>5} {r['step_s']:>14.3f}")  # fmt: skip
+    for rank, r in enumerate(shown, 1):
+        cp = f"{r['cp']} {r['cp_mode']}" if r["cp"] > 1 else "1"
+        on_disk = f"{r['disk_gib']:>9.2f} " if disk else ""
+        lines.append(f"{rank:>4} {'~' if r['tie'] else '':>1} {r['tp']:>3} {r['pp']:>3} {r['vp']:>3} "
+                     f"{r['schedule']:>16} {r['dp']:>4} {cp:>8} {r['mbs']:>4} {r['grad_accum']:>6} "
+                     f"{r['recompute']:>10} {r['zero']:>5} {r['offload']:>8} {r['optim']:>10} "
+                     f"{r['total_gib']:>9.2f} {r['host_gib']:>9.2f} {on_disk}{r['step_s']:>9.4g}  "
+                     f"{shell_overrides(r)}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_report(report: dict, limit: int = 20) -> str:
+    """`search_report` for a reader: what was searched and what fits, the config's own layout, the ties and the
+    fastest layouts that fit (`format_search`) with a legend; or, where none fits, the nearest fix
+    (`format_search_fix`)."""
+    rows, fit, changed = report["rows"], report["fit"], report["fit_with_rule_change"]
+    host = f" and {report['host_mem_gib']:g} GiB of host a node" if report["host_mem_gib"] else ""
+    shown = f"; the {min(limit, fit)} fastest below (--json lists all)" if fit else ""
+    lines = [f"{_ranks(report['world'])}, {report['gpu_mem_gib']:g} GiB per GPU{host}: {report['searched']} layouts "
+             f"searched, {fit or 'none'} fit{shown}", _own_line(report)]  # fmt: skip
+    if report["fix"]:
+        return "\n".join([*lines, format_search_fix(report)])
+    if not fit:  # the config's own layout fits, outside what was searched
+        return "\n".join(lines)
+    ties = [(rank, r) for rank, r in enumerate(rows, 1) if r["tie"]]
+    rank, fewest = min(ties, key=lambda tie: (len(tie[1]["overrides"]), tie[0]))
+    lines.append(f"{len(ties)} layout(s) tie with the fastest (~: within {report['tie_within']:.0%} of its "
+                 f"estimate); of those, the fewest changes: #{rank}, {shell_overrides(fewest)}")  # fmt: skip
+    if changed and not report["rule_change"]:
+        lines.append(f"{changed} layout(s) that fit only with 8-bit or 4-bit AdamW moments are left out: they "
+                     "change the update's numerics (--allow-rule-change lists them)")  # fmt: skip
+    elif changed:
+        lines.append(f"{changed} of the layouts that fit change the update rule (their overrides set optim.name)")
+    lines.append(format_search(rows, limit))
+    on_disk = any(r["disk_gib"] for r in [r for r in rows if r["fits"]][:limit])
+    disk = " disk GiB: optimizer state a rank keeps on its node's own disk (optim.offload=nvme);" * on_disk
+    legend = (f"legend: #: rank by estimated step time; ~: a tie, within {report['tie_within']:.0%} of the "
+              "fastest's estimate, less than the estimate's error (choose among ties by memory or by fewer "
+              "changes); GiB/rank: device memory of the rank that needs the most; host GiB: host memory a rank "
+              f"(offloaded state, the state copy);{disk} step s: estimated seconds a step (compute at 40% MFU, "
+              "the pipeline bubble, tp and dp traffic, offload); overrides: the key=value arguments that give the "
+              "layout from this config")  # fmt: skip
+    return "\n".join([*lines, *textwrap.wrap(legend, 118, subsequent_indent="  ")])
+
+
+def _ranks(world: int) -> str:
+    return f"{world} rank{'s' * (world != 1)}"
+
+
+def _own_line(report: dict) -> str:
+    """Where the config's own layout stands among those searched."""
+    own, fit, world = report["own"], report["fit"], report["world"]
+    if "error" in own:
+        return f"the config's layout: not valid at {_ranks(world)}: {own['error'].splitlines()[0]}"
+    head = f"the config's layout ({describe_layout(own)}):"
+    if not own["fits"]:
+        return f"{head} does not fit: {_needs(report, own)}"
+    if not fit:
+        searched = "no searched layout does"
+        return f"{head} fits at {own['total_gib']:.4g} GiB a rank, est. {own['step_s']:.4g} s a step ({searched})"
+    behind = own["step_s"] / report["rows"][0]["step_s"] - 1
+    tie = ", a tie (~)" if own["tie"] else ""
+    return (f"{head} #{own['rank']} of {fit} that fit, est. {own['step_s']:.4g} s a step ({behind:+.1%} on the "
+            f"fastest{tie}), {own['total_gib']:.4g} GiB a rank")  # fmt: skip
+
+
+def _needs(report: dict, row: dict) -> str:
+    """What a row needs against the limits it was searched for (host memory only where one was given)."""
+    gpu, host = report["gpu_mem_gib"], report["host_mem_gib"]
+    needs = f"{row['total_gib']:.4g} GiB a rank ({row['total_gib'] / gpu:.0%} of {gpu:g} GiB)"
+    if host:
+        node_host = row["host_gib"] * min(report["world"], report["node"])
+        needs += f", {node_host:.4g} GiB of host a node ({node_host / host:.0%} of {host:g} GiB)"
+    return needs
+
+
+def format_search_fix(report: dict) -> str:
+    """Where no layout fits: the closest, by how much, and what would fit it (`search_fix`)."""
+    fix, world = report["fix"], report["world"]
+    if fix["closest"] is None:
+        return f"nothing fits: no layout of {_ranks(world)} passes the config's checks"
+    closest = fix["closest"]
+    lines = [f"nothing fits: the closest layout needs {_needs(report, closest)}: {describe_layout(closest)}",
+             f"  overrides: {shell_overrides(closest)}",
+             "every recompute choice, zero stage and offload was tried; what would fit it:"]  # fmt: skip
+    if fix["gpu_mem_gib"]:
+        lines.append(f"  a GPU of {fix['gpu_mem_gib']} GiB: --gpu-mem {fix['gpu_mem_gib']}")
+    if fix["host_mem_gib"]:
+        lines.append(f"  {fix['host_mem_gib']} GiB of host memory a node: --host-mem {fix['host_mem_gib']}")
+    if more := fix["more_ranks"]:
+        lines.append(f"  more ranks: --world {more['world']}, where {shell_overrides(more)} needs "
+                     f"{more['total_gib']:.4g} GiB a rank")  # fmt: skip
+    if report["fit_with_rule_change"] and not report["rule_change"]:
+        lines.append(f"  --allow-rule-change: {report['fit_with_rule_change']} layout(s) fit with 8-bit or 4-bit "
+                     "AdamW moments (they change the update's numerics)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_fix(fix: dict | None, total: int) -> str:
+    """What `hpc-train plan` says under a layout that does not fit: the nearest fix (`nearest_fix`), a GPU that
+    would hold it, and --search."""
+    gpu = math.ceil(total / GiB)
+    lines = [f"nearest fix: {shell_overrides(fix)} fits at {fix['total_gib']:.4g} GiB a rank (est. {fix['step_s']:.4g} "
+             "s a step)" if fix else "no recompute choice, zero stage or cpu offload makes this layout fit",
+             f"or a GPU of {gpu} GiB (--gpu-mem {gpu}); add --search to rank every layout that fits"]  # fmt: skip
     return "\n".join(lines)

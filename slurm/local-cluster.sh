@@ -137,6 +137,7 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 NodeName=$nodelist NodeHostname=localhost NodeAddr=127.0.0.1 Port=$NODE_PORT_BASE-$last_port CPUs=$CPUS_PER_NODE RealMemory=$MEM_PER_NODE_MB State=UNKNOWN
 PartitionName=debug Nodes=$nodelist Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes=${NODES[0]},${NODES[1]} MaxTime=00:10:00 MaxNodes=1 State=UP
 EOF
     install -m 600 /dev/null /etc/slurm/slurmdbd.conf  # holds the password: never readable by others
     cat >/etc/slurm/slurmdbd.conf <<EOF
@@ -189,8 +190,8 @@ EOF
 
 nodes_idle() {
     local states
-    states=$(sinfo -h -N -o '%T' 2>/dev/null) || return 1
-    [[ $(grep -c '^idle' <<<"$states") -eq ${#NODES[@]} ]]
+    states=$(sinfo -h -N -o '%N %T' 2>/dev/null) || return 1  # a node in two partitions is listed twice
+    [[ $(sort -u <<<"$states" | grep -c ' idle') -eq ${#NODES[@]} ]]
 }
 
 all_running() {
@@ -198,7 +199,9 @@ all_running() {
 }
 
 start() {
-    if all_running && nodes_idle && grep -qxF "SchedulerParameters=$SCHEDULER_PARAMETERS" /etc/slurm/slurm.conf; then
+    # a running cluster is kept where its configuration is this script's (the parameters, the partitions)
+    if all_running && nodes_idle && grep -qxF "SchedulerParameters=$SCHEDULER_PARAMETERS" /etc/slurm/slurm.conf &&
+        grep -q "^PartitionName=short " /etc/slurm/slurm.conf; then
         log "already running: $(sinfo -h -o '%D nodes %T' | tr '\n' ' ')"
         return
     fi

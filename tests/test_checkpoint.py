@@ -142,13 +142,19 @@ def reshard_target(cfg_for, source, target):
 def resharded(cfg_for, world4_runs):
     """The reshard rows' sources and targets, one launch per world size (world4_runs writes the 4-rank sources
     and runs the 4-rank target): the 1-rank sources, then the 2-rank sources and targets, then the 1-rank
-    targets."""
+    targets. The 2-rank launch also resumes a copy of reshard_dp's step 2 (dp4 x micro batch 2: a global batch
+    of 8) at tp2 with micro batch 4 (dp1: 4) for a step; rank 0's output of that launch is returned."""
     sources = {w: [cfg_for(name, *o, "train.steps=2") for name, (world, o) in RESHARD_SOURCES.items() if world == w]
                for w in (1, 2)}  # fmt: skip
     targets = [reshard_target(cfg_for, source, target) for source, target in RESHARDS]
+    halved = cfg_for("batch_halved", "parallel.tp=2", "train.micro_batch_size=4", "parallel.nproc=2", "train.steps=3")
+    shutil.copytree(cfg_for("reshard_dp").checkpoint.dir, halved.checkpoint.dir)
     launch(1, *sources[1])
-    launch(2, *sources[2], *(cfg for cfg in targets if cfg.parallel.nproc == 2))
+    out = Path(halved.run_dir).with_name("launch2.out")
+    with stdout_into(out):
+        launch(2, *sources[2], *(cfg for cfg in targets if cfg.parallel.nproc == 2), halved)
     launch(1, *(cfg for cfg in targets if cfg.parallel.nproc == 1))
+    return out.read_text()
 
 
 @pytest.mark.parametrize("source, target", RESHARDS)
@@ -161,6 +167,16 @@ def test_resharded_resume_continues_the_same_run(cfg_for, reference, resharded, 
     assert saved_layout != {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": p.nproc // (p.tp * p.pp * p.cp)}
     assert losses(cfg.run_dir) == pytest.approx(losses(reference), abs=1e-5)
     assert max_param_diff(read_final_model(cfg.run_dir), read_final_model(reference)) <= 1e-5
+
+
+def test_a_resume_at_another_global_batch_says_so(resharded):
+    """Where a resume changes the global batch (tp2 at micro batch 4 halves reshard_dp's 8), one warning names
+    both, the keys that give them and how to keep the checkpoint's; the reshards that keep it get none."""
+    (warning,) = [line for line in resharded.splitlines() if "global batch changes" in line]
+    old = "batch_halved/checkpoints/step_0000002: train.micro_batch_size x train.grad_accum x dp = 2 x 1 x 4"
+    assert warning.startswith("warning: the global batch changes on resume, from 8 samples a step (checkpoint ")
+    assert f"{old}) to 4 (4 x 1 x 1)" in warning
+    assert "To keep 8, set train.grad_accum=2 (train.global_batch_size=8 then refuses" in warning
 
 
 def train_args(run_dir, corpus, steps, extra=()) -> list[str]:

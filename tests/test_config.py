@@ -1,7 +1,10 @@
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
+import yaml
 
 from hpc_train.cli import main
 from hpc_train.config import ConfigError, to_yaml, validate
@@ -217,6 +220,66 @@ def test_every_command_refuses_the_same_bad_input(overrides, expected, local_onl
     assert all(text == error for text in outcomes.values()), report
     if local_only:  # the cluster's nodes, not this machine, bound a submitted job
         assert outcome([*cluster["submit --dry-run"], *overrides], capsys) == "accepted"
+
+
+def test_configs_and_runs_are_found_from_any_directory(tmp_path, capsys, monkeypatch):
+    """From another directory than the repository's: a preset by name or by its path in the repository, but a
+    file where the user stands first (a configs/tiny.yaml of theirs); a name that is neither gets the presets'
+    folder and names. tools/plot_run.py takes a run's directory or name from there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/tiny.yaml").write_text("name: mine\n")
+    names = {}
+    spellings = ("tiny", "moe_tiny.yaml", "configs/moe_tiny.yaml", "configs/tiny.yaml", str(ROOT / "configs/tiny.yaml"))
+    for spelled in spellings:
+        main(["config", "show", spelled])
+        names[spelled] = yaml.safe_load(capsys.readouterr().out)["name"]
+    assert list(names.values()) == ["tiny", "moe_tiny", "moe_tiny", "mine", "tiny"]
+    error = outcome(["plan", "nope"], capsys)
+    assert error.startswith(f"hpc-train: error: config file 'nope' does not exist (from {tmp_path}), nor is it a ")
+    assert f"are gpt2_124m, gpt2_1_5b, gpt_125m, gpt_130b, gpt_1_3b, gpt_70b, gpt_7b, llama2_7b_qlora, " \
+           f"moe_qwen3_30b_a3b, moe_tiny, tiny (in {ROOT / 'configs'})" in error and error.count("\n") == 1  # fmt: skip
+    run = tmp_path / "runs/demo"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "loss": 5.0 / step, "tokens_per_s": 1e3,
+                                                           "memory_gb": 0.1}) + "\n" for step in (1, 2)))  # fmt: skip
+    plot = [sys.executable, str(ROOT / "tools/plot_run.py")]
+    drawn = subprocess.run([*plot, "demo", "runs/demo", "--out", "p.png"], capture_output=True, text=True)
+    assert drawn.returncode == 0 and drawn.stdout == f"{tmp_path / 'p.png'}\n", drawn.stderr
+    gone = subprocess.run([*plot, "gone"], capture_output=True, text=True)
+    assert gone.returncode == 1 and gone.stderr == (
+        f"plot_run.py: error: no run 'gone': there is no {tmp_path}/gone/metrics.jsonl nor {tmp_path}/runs/gone/"
+        "metrics.jsonl; give a run's directory (its run_dir)\n"
+    )
+
+
+def test_every_problem_is_one_line_where_it_belongs(tmp_path, capsys, monkeypatch):
+    """Every unknown key is named (one under another section pointed to it there), the embedded corpus's
+    vocabulary is refused once before any rank starts, and the world size's source stands beside a layout
+    problem only, not beside a missing dataset."""
+    monkeypatch.chdir(ROOT)
+
+    def launched(*args, **kwargs):
+        raise Started("started ranks here")
+
+    monkeypatch.setattr(local, "launch_local", launched)
+    bad_keys = ["train.lr=1e-3", "model.n_layer=2", "parallel.bar=2"]
+    error = outcome(["config", "show", "configs/tiny.yaml", *bad_keys], capsys)
+    assert error.splitlines() == [
+        "hpc-train: error: unknown config key 'train.lr' (from command line); did you mean 'optim.lr'?",
+        "hpc-train: error: unknown config key 'model.n_layer' (from command line); did you mean 'model.n_layers'?",
+        "hpc-train: error: unknown config key 'parallel.bar' (from command line); did you mean 'parallel.backend'?",
+    ]
+    error = outcome(["train", "configs/tiny.yaml", "model.vocab_size=100", f"run_dir={tmp_path / 'run'}"], capsys)
+    assert error == ("hpc-train: error: model.vocab_size=100 is smaller than the 257 byte-level tokens of the embedded "
+                     "corpus (data.train_path=stdlib): set model.vocab_size=257 or more, or give a dataset made by "
+                     "`hpc-train prepare-data`\n")  # fmt: skip
+    error = outcome(["submit", "configs/tiny.yaml", "parallel.tp=3", "data.train_path=/nonexistent/x", "--dry-run",
+                     f"run_dir={tmp_path / 'run'}"], capsys)  # fmt: skip
+    layout, data = error.splitlines()
+    assert layout.startswith("hpc-train: error: world size 1 is not divisible by tp x pp x cp = 3 x 1 x 1")
+    assert layout.endswith("(world size = slurm.nodes x slurm.tasks_per_node = 1)")
+    assert data.startswith("hpc-train: error: data.train_path='/nonexistent/x'") and "world size" not in data
 
 
 def test_the_configuration_reference_is_the_schemas_and_current():

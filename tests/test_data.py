@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter
-from hpc_train.data.prepare import builtin_corpus
+from hpc_train.data.prepare import builtin_corpus, dataset_tokenizer, record_run_tokenizer
 from hpc_train.data.sampler import ResumableSampler
-from tests.conftest import ROOT, run_cli
+from hpc_train.data.tokenizer import ByteTokenizer, build_tokenizer
+from tests.conftest import ROOT, TINY_MODEL, run_cli
 
 
 def test_indexed_roundtrip_and_dtypes(tmp_path):
@@ -69,11 +70,24 @@ def test_prepare_data_cli_byte_and_hf(tmp_path):
     run = lambda *a: subprocess.run(
         [sys.executable, "tools/prepare_data.py", *a], cwd=ROOT, check=True, capture_output=True, text=True
     )
-    run(str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "byte"), "--valid-every", "3")
+    out = run(str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "byte"), "--valid-every", "3").stdout
     train, valid = IndexedDataset(tmp_path / "byte", 8), IndexedDataset(tmp_path / "byte_valid", 8)
     assert (train.header["num_docs"], valid.header["num_docs"]) == (4, 2)
     first = bytes(np.asarray(train.tokens[: train.doc_offsets[1] - 1]).astype(np.uint8)).decode()
     assert first == "hello world number 0\n" * 20 and train.tokens[train.doc_offsets[1] - 1] == 256
+    assert f"train: {tmp_path}/byte.bin / {tmp_path}/byte.idx: 4 documents, 1,684 tokens\n" in out  # 4 x (420 + 1)
+    assert f"valid: {tmp_path}/byte_valid.bin / {tmp_path}/byte_valid.idx: 2 documents, 842 tokens\n" in out
+    # a run that would read these 52 samples of 32 tokens more than once is told so before it starts
+    assert len(IndexedDataset(tmp_path / "byte", 32)) == 52
+    dry = run_cli("submit", *TINY_MODEL, f"data.train_path={tmp_path / 'byte'}", "train.steps=10",
+                  "train.micro_batch_size=8", f"run_dir={tmp_path / 'run'}", "--dry-run")  # fmt: skip
+    assert dry.returncode == 0 and dry.stderr == (
+        f"hpc-train: note: data.train_path={tmp_path / 'byte'}: the run reads 80 of its 52 samples (1.5 epochs): "
+        "they repeat from about step 7\n"
+    ), dry.stderr
+    for prefix in ("byte", "byte_valid"):  # the byte-level tokenizer's own tokenizer.json, recorded
+        assert dataset_tokenizer(str(tmp_path / prefix)) == f"{tmp_path / prefix}.tokenizer.json"
+        assert isinstance(build_tokenizer(f"{tmp_path / prefix}.tokenizer.json"), ByteTokenizer)
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -81,15 +95,53 @@ def test_prepare_data_cli_byte_and_hf(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train([str(p) for p in tmp_path.glob("doc*.txt")], trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))
     tok.save(str(tmp_path / "tokenizer.json"))
-    prepared = run_cli("prepare-data", str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "hf"),
+    prepared = run_cli("prepare-data", str(tmp_path / "doc*.txt"), "--output", str(tmp_path / "hf.bin"),
                        "--tokenizer", str(tmp_path / "tokenizer.json"))  # fmt: skip
     assert prepared.returncode == 0, prepared.stderr
+    assert sorted(p.name for p in tmp_path.glob("hf*")) == ["hf.bin", "hf.idx", "hf.tokenizer.json"]  # .bin dropped
+    assert (tmp_path / "hf.tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
     hf = IndexedDataset(tmp_path / "hf", 4)
+    # the run records its data's tokenizer; a copy that is not the one the index records is none
+    assert record_run_tokenizer(hf, tmp_path / "run") == tmp_path / "run" / "tokenizer.json"
+    assert (tmp_path / "run" / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
+    (tmp_path / "byte.tokenizer.json").write_text((tmp_path / "tokenizer.json").read_text())
+    assert dataset_tokenizer(str(tmp_path / "byte")) == "byte"  # as before datasets recorded theirs
     assert hf.vocab_size == tok.get_vocab_size() and hf.header["num_docs"] == 6
     assert hf.tokens[hf.doc_offsets[1] - 1] == tok.token_to_id("</s>")
     assert tok.decode(np.asarray(hf.tokens[:4]).tolist()) == "hello world number 0"
     bad = run_cli("prepare-data", str(tmp_path / "*.nothing"), "--output", "x")
     assert bad.returncode == 2 and "matches no file" in bad.stderr
+
+
+def test_prepare_data_refuses_a_tokenizer_without_an_end_of_document_and_names_the_text_key(tmp_path):
+    """A tokenizer.json without an end-of-document token would glue the documents together: refused in one
+    line naming the fix, nothing written. JSON lines holding their text under another key: the error names
+    the --text-key that reads it, which then does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    (tmp_path / "notes.txt").write_text("one document\n")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["one document"], trainers.BpeTrainer(special_tokens=["<unk>"]))
+    tok.save(str(tmp_path / "no_eod.json"))
+    refused = run_cli("prepare-data", str(tmp_path / "notes.txt"), "--output", str(tmp_path / "glued"),
+                      "--tokenizer", str(tmp_path / "no_eod.json"))  # fmt: skip
+    assert refused.returncode == 2 and refused.stderr == (
+        f"hpc-train: error: --tokenizer {tmp_path / 'no_eod.json'} has no end-of-document token (none of "
+        "<|endoftext|>, </s>, <eos>, <|end_of_text|>), so its documents would run together: add one to it as a "
+        "special token (tokenizer.add_special_tokens(['</s>']), then save) and prepare the data again\n"
+    )
+    assert not list(tmp_path.glob("glued*"))
+
+    (tmp_path / "chat.jsonl").write_text('{"id": 1, "content": "first"}\n\n{"id": 2, "content": "second"}\n')
+    wrong_key = run_cli("prepare-data", str(tmp_path / "chat.jsonl"), "--output", str(tmp_path / "chat"))
+    assert wrong_key.returncode == 2 and wrong_key.stderr == (
+        f'hpc-train: error: {tmp_path / "chat.jsonl"}:1 has no "text" string, nor "prompt" and "response" strings: '
+        'to read its text from "content", give --text-key content\n'
+    )
+    right_key = run_cli("prepare-data", str(tmp_path / "chat.jsonl"), "--output", str(tmp_path / "chat"),
+                        "--text-key", "content")  # fmt: skip
+    assert right_key.returncode == 0 and IndexedDataset(tmp_path / "chat", 1).header["num_docs"] == 2
 
 
 def test_builtin_corpus_is_built_once(tmp_path):
@@ -120,7 +172,7 @@ def test_instruction_jsonl_keeps_a_loss_mask_on_the_responses(tmp_path):
     with pytest.raises(ValueError, match="longer than a sample"):
         IndexedDataset(tmp_path / "sft", 8)
     (tmp_path / "bad.jsonl").write_text('{"prompt": "no response"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1 needs"):
+    with pytest.raises(ValueError, match=r'bad.jsonl:1 has no "text" string, nor "prompt" and "response" strings$'):
         prepare_data([tmp_path / "bad.jsonl"], str(tmp_path / "bad"), progress=False)
 
 

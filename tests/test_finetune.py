@@ -33,6 +33,7 @@ from hpc_train.config import ConfigError, ModelConfig, MoEConfig
 from hpc_train.data.batch import collate
 from hpc_train.data.prepare import load_datasets, prepare_data, stdlib_sources
 from hpc_train.data.sampler import ResumableSampler
+from hpc_train.data.tokenizer import is_byte_json
 from hpc_train.distributed.parallelize import step_context
 from hpc_train.job import check_run, load_config
 from hpc_train.launch.local import launch_local, launch_sequence, single_process_group
@@ -136,13 +137,17 @@ def test_imported_models_give_the_logits_of_transformers(make_cfg, hf_models, tm
         assert (torch.load(out) - expected).abs().max() < TOL, (arch, layout)
 
 
-def test_import_at_tp2_then_export_is_bit_exact(hf_models, tmp_path):
+def test_import_at_tp2_then_export_is_bit_exact(hf_models, tmp_path, capsys):
+    """Each family's folder imported at tp2 and exported gives back every tensor; their folders hold no
+    tokenizer, so neither does the export, which says so."""
     layout = ["parallel.nproc=2", "parallel.tp=2", "model.seq_len=32"]
     imports = {arch: import_config(path, str(tmp_path / arch), layout) for arch, path in hf_models.items()}
     launch_sequence(import_hf, 2, [(cfg,) for cfg in imports.values()])
-    with single_process_group():
-        for arch in hf_models:
-            export_hf(str(tmp_path / arch), str(tmp_path / f"{arch}_out"))
+    capsys.readouterr()
+    for arch in hf_models:
+        main(["export-hf", str(tmp_path / arch), str(tmp_path / f"{arch}_out")])
+        assert capsys.readouterr().out.endswith(" (no tokenizer: none is recorded for it; give --tokenizer)\n")
+        assert not (tmp_path / f"{arch}_out" / "tokenizer.json").exists()
     for arch, path in hf_models.items():
         original = safetensors_torch.load_file(f"{path}/model.safetensors")
         exported = safetensors_torch.load_file(str(tmp_path / f"{arch}_out" / "model.safetensors"))
@@ -158,28 +163,76 @@ def _hf_config(path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def test_export_keeps_the_source_context(make_cfg, hf_models, tmp_path):
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory) -> tuple[str, str]:
+    """(tokenizer.json, dataset prefix): a BPE tokenizer of at most VOCAB tokens ending documents with
+    </s>, and standard-library sources prepared with it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    root, sources = tmp_path_factory.mktemp("bpe"), stdlib_sources()[:6]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, limit_alphabet=100, special_tokens=["<unk>", "</s>"])
+    tok.train_from_iterator([path.read_text() for path in sources], trainer)
+    tok.save(str(root / "tokenizer.json"))
+    return str(root / "tokenizer.json"), prepare_data(sources, str(root / "code"), str(root / "tokenizer.json"),
+                                                      progress=False)["train"]  # fmt: skip
+
+
+def test_export_keeps_the_source_context(make_cfg, hf_models, bpe_data, tmp_path, capsys):
     """A model fine-tuned at a shorter model.seq_len than its source's context exports that context, not
     the training length: Llama through import-hf and a run from the imported checkpoint, GPT-2 from its
-    folder, whose whole learned position table (trained rows and the rest) comes back."""
+    folder, whose whole learned position table (trained rows and the rest) comes back. Each export holds
+    the tokenizer its data was prepared with (byte-level for Llama, BPE for GPT-2), which
+    `AutoTokenizer.from_pretrained` loads, its end-of-document id as bos and eos, and which import-hf then
+    export-hf keep; `generate` uses it, on the run and on the export, unless --tokenizer says otherwise."""
+    tokenizer_file, bpe_prefix = bpe_data
     imported = import_config(hf_models["llama"], str(tmp_path / "imported"), ["model.seq_len=16"])
     launch_local(import_hf, 1, imported)
     short = ["model.seq_len=16", "train.steps=2", "checkpoint.interval=2"]
     runs = {
         "llama": _cfg(make_cfg, f"model.init_from={tmp_path / 'imported'}", *short, run="ctx_llama"),
-        "gpt2": _cfg(make_cfg, f"model.init_from={hf_models['gpt2']}", *short, run="ctx_gpt2"),
-    }
+        "gpt2": _cfg(make_cfg, f"model.init_from={hf_models['gpt2']}", f"data.train_path={bpe_prefix}", *short,
+                     run="ctx_gpt2"),
+    }  # fmt: skip
     for arch, cfg in runs.items():
         launch_local(run_training, 1, cfg)
         with single_process_group():
             export_hf(cfg.run_dir, str(tmp_path / f"{arch}_out"))
         source, exported = _hf_config(hf_models[arch]), _hf_config(tmp_path / f"{arch}_out")
         assert {k: exported.get(k) for k in CONTEXT_KEYS[arch]} == {k: source.get(k) for k in CONTEXT_KEYS[arch]}
+    # each run recorded the tokenizer its data was prepared with
+    assert Path(runs["gpt2"].run_dir, "tokenizer.json").read_text() == Path(tokenizer_file).read_text()
+    assert is_byte_json(Path(runs["llama"].run_dir, "tokenizer.json"))
     wpe = "transformer.wpe.weight"
     original = safetensors_torch.load_file(f"{hf_models['gpt2']}/model.safetensors")[wpe]
     tuned = safetensors_torch.load_file(str(tmp_path / "gpt2_out" / "model.safetensors"))[wpe]
     assert tuned.shape == original.shape and torch.allclose(tuned[16:], original[16:], rtol=1e-3)
     assert hf_logits(str(tmp_path / "gpt2_out")).isfinite().all()  # transformers loads the table it describes
+
+    from tokenizers import Tokenizer
+
+    text, bpe = "def héllo(self):\n    return 1", Tokenizer.from_file(tokenizer_file)
+    expected = {"llama": (list(text.encode()), 256), "gpt2": (bpe.encode(text).ids, bpe.token_to_id("</s>"))}
+    for arch, (ids, eod) in expected.items():
+        out = tmp_path / f"{arch}_out"
+        theirs = transformers.AutoTokenizer.from_pretrained(str(out))
+        assert theirs(text)["input_ids"] == ids and theirs.eos_token_id == theirs.bos_token_id == eod, arch
+        generation = json.loads((out / "generation_config.json").read_text())
+        for config in (_hf_config(out), generation):
+            assert (config["bos_token_id"], config["eos_token_id"]) == (eod, eod), arch
+    # imported, the export keeps its tokenizer: import-hf copies it beside the checkpoint
+    main(["import-hf", str(tmp_path / "gpt2_out"), str(tmp_path / "reimported"), "model.seq_len=16"])
+    with single_process_group():
+        export_hf(str(tmp_path / "reimported"), str(tmp_path / "again"))
+    assert (tmp_path / "again" / "tokenizer.json").read_text() == (tmp_path / "gpt2_out" / "tokenizer.json").read_text()
+    generated, _ = {}, capsys.readouterr()
+    for source, extra in (("run", []), ("export", []), ("byte", ["--tokenizer", "byte"]),
+                          ("given", ["--tokenizer", tokenizer_file])):  # fmt: skip
+        folder = runs["gpt2"].run_dir if source != "export" else str(tmp_path / "gpt2_out")
+        main(["generate", folder, "--prompt", "def ", "--max-new-tokens", "6", *extra])
+        generated[source] = capsys.readouterr().out
+    assert generated["run"] == generated["export"] == generated["given"] != generated["byte"]
 
 
 def test_a_seq_len_beyond_the_source_context_is_refused(make_cfg, hf_models):

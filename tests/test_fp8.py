@@ -265,8 +265,9 @@ def test_mfu_peak_fp8_is_the_data_sheet_fp8_figure():
     assert gpu_peak_flops(h100) == 989e12 and gpu_peak_flops(h100, "fp8") == 1979e12
     assert gpu_peak_flops(h200, "fp8") == 1979e12 and gpu_peak_flops("NVIDIA H100 PCIe", "fp8") == 1513e12
     assert gpu_peak_flops(a100, "fp8") == 2 * gpu_peak_flops(a100) == 624e12  # no fp8: twice bf16
-    cpu = __import__("torch").device("cpu")  # a CPU's peak is measured, whatever is asked
-    assert device_peak_flops(cpu, "fp8") == device_peak_flops(cpu, "bf16")
+    assert gpu_peak_flops("NVIDIA L4") is None and gpu_peak_flops("NVIDIA L4", "fp8") is None  # no guess
+    cpu = __import__("torch").device("cpu")  # a CPU has no data-sheet peak: no MFU
+    assert device_peak_flops(cpu, "fp8") is device_peak_flops(cpu, "bf16") is None
     assert load_config(None, ["logging.mfu_peak=fp8"]).logging.mfu_peak == "fp8"
 
 

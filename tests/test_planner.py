@@ -58,7 +58,7 @@ def test_plan_cli_and_submit_refuses_a_layout_that_does_not_fit(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and 20 * 2**30 < plan["total"] < 80 * 2**30 and plan["microbatches_in_flight"] == 5
     main(["plan", "configs/gpt_7b.yaml", "--search", "--json"])
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows[0]["fits"] and all(r["tp"] * r["pp"] * r["dp"] == 32 for r in rows)
     assert [r["step_s"] for r in rows if r["fits"]] == sorted(r["step_s"] for r in rows if r["fits"])
 
@@ -116,3 +116,118 @@ def test_plan_counts_context_parallelism():
     assert all(r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 for r in rows)
     short = search(load_config(None, TINY_MODEL), 8, 80 * 2**30, 1e15)
     assert all(r["cp"] == 1 for r in short)
+
+
+def test_plan_search_says_what_it_shows_where_the_config_stands_and_how_to_get_each_row(capsys):
+    """`plan --search` (issue 71): how many layouts it searched, fit and shows; the config's own layout and its
+    rank among those that fit; the rows that tie with the fastest (an estimate within 5% of its, less than the
+    estimate's error) marked; a legend; and each row's overrides, only the keys that differ from the config,
+    which give the same plan: the config with them has the same bytes and estimated step time."""
+    import functools
+    import json
+    import shlex
+
+    import yaml
+
+    from hpc_train.cli import main
+    from hpc_train.job import check_run, load_config
+    from hpc_train.planner import GiB, estimate, step_time_estimate
+
+    main(["plan", "configs/tiny.yaml", "--search", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    rows, own = report["rows"], report["own"]
+    fitting = [r for r in rows if r["fits"]]
+    assert report["world"] == 2 and report["searched"] == len(rows) and report["fit"] == len(fitting) > 20
+    assert own["rank"] == 1 + sum(r["step_s"] < own["step_s"] for r in fitting) > 1 and not own["tie"]
+    (same,) = [r for r in rows if not r["overrides"]]  # the config's own layout is among those searched
+    assert (same["total_gib"], same["step_s"]) == (own["total_gib"], own["step_s"])
+    assert [r["tie"] for r in rows] == [r["fits"] and r["step_s"] <= 1.05 * rows[0]["step_s"] for r in rows]
+    assert 0 < report["ties"] == sum(r["tie"] for r in rows) < report["fit"] and report["tie_within"] == 0.05
+    base = load_config("configs/tiny.yaml")
+    for row in rows:
+        for item in row["overrides"]:
+            key, value = item.split("=", 1)
+            assert functools.reduce(getattr, key.split("."), base) != yaml.safe_load(value), (item, row)
+    nvme = next(r for r in rows if r["offload"] == "nvme")
+    assert {"optim.offload=nvme", "optim.offload_dir=$SLURM_TMPDIR/hpc_train_offload"} <= set(nvme["overrides"])
+    interleaved = next(r for r in rows if r["schedule"] == "interleaved_1f1b")
+    for row in (rows[0], nvme, interleaved, rows[-1]):
+        cfg = load_config("configs/tiny.yaml", row["overrides"])
+        dims = check_run(cfg, 2, check_paths=False)
+        planned = (estimate(cfg, dims).total / GiB, step_time_estimate(cfg, dims, 989e12))
+        assert planned == (row["total_gib"], row["step_s"]), row
+
+    main(["plan", "configs/tiny.yaml", "--search"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"2 ranks, 80 GiB per GPU: {len(rows)} layouts searched, {len(fitting)} fit; the 20 fastest "
+                        "below (--json lists all)")  # fmt: skip
+    assert lines[1].startswith("the config's layout (tp=1 pp=1 dp=2, mbs 8 x accum 1, recompute=none, zero=0, "
+                               f"offload=none, adamw): #{own['rank']} of {len(fitting)} that fit, est. ")  # fmt: skip
+    assert lines[2].startswith(f"{report['ties']} layout(s) tie with the fastest (~: within 5% of its estimate)")
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["#", "~", "tp"])
+    assert lines[header].endswith("step s  overrides") and "disk GiB" not in lines[header]  # no nvme row shown
+    table, legend = lines[header + 1 : header + 21], " ".join(line.strip() for line in lines[header + 21 :])
+    assert [line.split()[:2] for line in table] == [[str(i), "~" if r["tie"] else str(r["tp"])] for i, r in
+                                                     enumerate(fitting[:20], 1)]  # fmt: skip
+    assert all(line.endswith(f"  {shlex.join(r['overrides'])}") for line, r in zip(table, fitting, strict=False))
+    assert legend.startswith("legend: #: rank by estimated step time; ~: a tie, within 5% of the fastest's estimate")
+    assert "overrides: the key=value arguments that give the layout from this config" in legend
+
+
+def test_plan_search_keeps_the_update_rule_and_a_plan_that_does_not_fit_exits_1_with_the_nearest_fix(capsys):
+    """The update rule is kept unless --allow-rule-change (a low-bit one changes the numerics): the layouts
+    that fit only with 8-bit or 4-bit moments are counted, and with the flag listed, their overrides setting
+    optim.name. The disk column and its legend where a row shown offloads to nvme. Where nothing fits,
+    `plan --search` exits 1 naming the closest layout and what would fit it (a larger GPU, more ranks: the
+    overrides given fit there); a `plan` that does not fit exits 1 with the nearest fix, which fits."""
+    import json
+
+    from hpc_train.cli import main
+    from hpc_train.job import check_run, load_config
+    from hpc_train.planner import GiB, estimate
+
+    tight = ["plan", "configs/tiny.yaml", "--world", "1", "--gpu-mem", "0.012", "--search"]
+    main([*tight, "--json"])
+    kept = json.loads(capsys.readouterr().out)
+    main([*tight, "--json", "--allow-rule-change"])
+    changed = json.loads(capsys.readouterr().out)
+    assert {r["optim"] for r in kept["rows"]} == {"adamw"} and kept["fit_with_rule_change"] > 0
+    low_bit = [r for r in changed["rows"] if r["optim"] != "adamw"]
+    assert len(low_bit) == kept["fit_with_rule_change"] == changed["fit"] - kept["fit"]
+    assert all(r["fits"] and f"optim.name={r['optim']}" in r["overrides"] for r in low_bit)
+    main(tight)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"1 rank, 0.012 GiB per GPU: 108 layouts searched, {kept['fit']} fit")
+    assert f"{kept['fit_with_rule_change']} layout(s) that fit only with 8-bit or 4-bit AdamW moments are left " \
+           "out" in lines[3]  # fmt: skip
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["#", "~", "tp"])
+    assert "host GiB  disk GiB    step s" in lines[header]
+    legend = " ".join(line.strip() for line in lines[header + 1 + kept["fit"] :])
+    assert "disk GiB: optimizer state a rank keeps on its node's own disk (optim.offload=nvme)" in legend
+
+    nothing = ["plan", "configs/tiny.yaml", "--world", "1", "--gpu-mem", "0.002", "--search"]
+    with pytest.raises(SystemExit) as none_fit:
+        main([*nothing, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    fix = report["fix"]
+    assert none_fit.value.code == 1 and report["fit"] == 0 and fix["gpu_mem_gib"] == 1
+    assert fix["closest"]["total_gib"] == min(r["total_gib"] for r in report["rows"]) > 0.002
+    cfg = load_config("configs/tiny.yaml", fix["more_ranks"]["overrides"])
+    assert fix["more_ranks"]["world"] == 2 and estimate(cfg, check_run(cfg, 2, check_paths=False)).total <= 0.002 * GiB
+    with pytest.raises(SystemExit) as none_fit:
+        main(nothing)
+    out = capsys.readouterr().out
+    assert none_fit.value.code == 1 and "1 rank, 0.002 GiB per GPU: 108 layouts searched, none fit" in out
+    assert "nothing fits: the closest layout needs" in out and "  a GPU of 1 GiB: --gpu-mem 1" in out
+    assert "  more ranks: --world 2, where parallel.tp=2 " in out
+
+    with pytest.raises(SystemExit) as too_big:
+        main(["plan", "configs/tiny.yaml", "--gpu-mem", "0.03"])
+    out = capsys.readouterr().out
+    assert too_big.value.code == 1 and "DOES NOT FIT in 0.03 GiB per GPU" in out
+    assert "nearest fix: model.recompute=full fits at " in out and "add --search to rank every layout" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "configs/tiny.yaml", "--gpu-mem", "0.03", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    cfg = load_config("configs/tiny.yaml", plan["fix"]["overrides"])
+    assert not plan["fits"] and estimate(cfg, check_run(cfg, 2, check_paths=False)).total <= 0.03 * GiB

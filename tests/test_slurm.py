@@ -2,6 +2,7 @@
 real local cluster (slurm/local-cluster.sh; `make test` starts it). Real sbatch, real srun, real
 accounting: no mocks. In CI a missing cluster fails the tests that need it."""
 
+import getpass
 import json
 import os
 import shlex
@@ -13,10 +14,11 @@ import time
 import pytest
 
 from hpc_train.cli import main
+from hpc_train.commands.status import last_step
 from hpc_train.config import check_values
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.job import load_config
-from hpc_train.launch import slurm
+from hpc_train.launch import queue, slurm
 from hpc_train.launch.local import launch_local
 from hpc_train.planner import stage_estimates
 from hpc_train.train.loop import run_training
@@ -63,19 +65,53 @@ TWO_BY_TWO = ["slurm.nodes=2", "slurm.tasks_per_node=2"]
 def test_dry_run_prints_the_job_and_submits_nothing(capsys, tmp_path):
     before = job_count()
     main(["submit", "configs/tiny.yaml", *TWO_BY_TWO, "slurm.partition=debug", "slurm.time=0-02:30:00",
-          "slurm.account=proj", "slurm.extra={mail-type: END}", "slurm.setup=[module load cuda]",
+          "slurm.account=root", "slurm.extra={mail-type: END}", "slurm.setup=[module load cuda]",
           f"run_dir={tmp_path}", "--dry-run"])  # fmt: skip
     out = capsys.readouterr().out
     expected = [
         "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --partition=debug", "#SBATCH --time=150",
-        "#SBATCH --account=proj", "#SBATCH --signal=USR2@120", "#SBATCH --mail-type=END", "module load cuda",
+        "#SBATCH --account=root", "#SBATCH --signal=USR2@120", "#SBATCH --mail-type=END", "module load cuda",
         "--kill-on-bad-exit=1", "4 ranks as (pp=1, dp=4, cp=1, tp=1)", "-m submitit.core._submit",
         "# ---- resolved config",
     ]  # fmt: skip
     for line in expected:
         assert line in out, line
-    assert "srun --unbuffered" in out
+    assert "srun --unbuffered" in out and f"#SBATCH --comment=hpc_train:{tmp_path}\n" in out  # the run's job
     assert job_count() == before and not (tmp_path / "slurm").exists()
+    # submit and `train` here run configs/tiny.yaml with different world sizes: the dry run says so, and how
+    main(["submit", "configs/tiny.yaml", f"run_dir={tmp_path}", "--dry-run"])
+    assert capsys.readouterr().out.startswith(
+        "# note: this job runs 1 rank(s) (slurm.nodes x slurm.tasks_per_node = 1 x 1), global batch 8; `hpc-train "
+        "train` here would run parallel.nproc=2, global batch 16 (submit does not use parallel.nproc): set "
+        "slurm.tasks_per_node=2 for the same run\n# hpc_train dry run"
+    )
+    main(["submit", "configs/tiny.yaml", "slurm.tasks_per_node=2", f"run_dir={tmp_path}", "--dry-run"])
+    assert "# note" not in capsys.readouterr().out
+
+
+def test_partition_limits_are_read_before_submitting(capsys):
+    """The local cluster's partition `short` (n1 and n2, at most 1 node a job, 10 minutes, no GPUs), an
+    account the user has no association with, and a partition that does not exist: each one line, nothing
+    submitted (a job past a partition's limits would otherwise wait forever)."""
+    before = job_count()
+    for overrides in (["slurm.partition=short", "slurm.time=00:30:00", "slurm.gpus_per_node=2", "slurm.account=nosuch"],
+                      ["slurm.partition=gpu"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main(["submit", "configs/tiny.yaml", *TWO_BY_TWO, *overrides, "--dry-run"])
+        assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "hpc-train: error: slurm.nodes=2 but partition short has 2 nodes, at most 1 a job: the job would wait "
+        "forever; use slurm.nodes <= 1 (more slurm.tasks_per_node) or another partition",
+        "hpc-train: error: slurm.time=00:30:00 exceeds partition short's limit of 00:10:00; use slurm.time <= "
+        "00:10:00 (the job requeues itself at its time limit and resumes)",
+        "hpc-train: error: slurm.gpus_per_node=2 but partition short's nodes have no GPUs; use "
+        "slurm.gpus_per_node=0 (a CPU job) or a GPU partition",
+        f"hpc-train: error: slurm.account=nosuch: not an account {getpass.getuser()} may charge; use one of root "
+        "(sacctmgr show assoc user=$USER)",
+        "hpc-train: error: slurm.partition=gpu: no such partition on this cluster; use one of debug, short (sinfo "
+        "lists them)",
+    ]
+    assert job_count() == before
 
 
 @pytest.mark.parametrize(
@@ -126,6 +162,8 @@ OTHER_PROBLEMS = [
     ('slurm.account="it\'s"', "slurm.account="),
     ("slurm.mem=lots", "slurm.mem="),
     ("slurm.log_dir=/tmp/logs-%j", "slurm.log_dir="),
+    ("slurm.extra={array: 0-3}", "slurm.extra key 'array': an array's tasks would all run one run"),  # four copies
+    ("slurm.extra={comment: x}", "slurm.extra key 'comment': hpc_train sets the job's comment"),
     ("slurm.cpus_per_task=0", "slurm.cpus_per_task="),
     ("slurm.signal_delay_s=3600", "slurm.signal_delay_s="),
 ]
@@ -181,7 +219,8 @@ def test_script_from_valid_fields_has_only_the_expected_lines(tmp_path):
     check_values(cfg)  # no field is refused
     logs = tmp_path / "with space" / "slurm"
     directives = [
-        "account=proj-1", "constraint=a100", "cpus-per-task=4", f"error='{logs}/%j_0_log.err'", "exclusive",
+        "account=proj-1", f"comment='hpc_train:{tmp_path / 'with space'}'", "constraint=a100", "cpus-per-task=4",
+        f"error='{logs}/%j_0_log.err'", "exclusive",
         "gpus-per-node=2", "job-name=pretrain.v2", "mail-type=END", "mail-user=me@example.org", "mem=200G",
         "nodes=2", "ntasks-per-node=2", "open-mode=append", f"output='{logs}/%j_0_log.out'", "partition=gpu",
         "qos=normal", "signal=USR2@120", "time=60", "wckey=submitit",
@@ -205,7 +244,7 @@ def test_dry_run_needs_no_slurm(tmp_path):
                   env={"PATH": str(empty_bin)})  # fmt: skip
     assert out.returncode == 0, out.stderr
     cfg = load_config(ROOT / "configs/tiny.yaml", [*TWO_BY_TWO, f"run_dir={run_dir}"])
-    assert f"# ---- sbatch script ----\n{slurm.sbatch_script(cfg)}\n" in out.stdout
+    assert f"of the job beside it) ----\n{slurm.sbatch_script(cfg)}\n" in out.stdout
     assert "#SBATCH --nodes=2" in out.stdout and "srun --unbuffered" in out.stdout
     assert not run_dir.exists()
 
@@ -250,33 +289,58 @@ def test_two_node_job_matches_local_launcher(make_cfg, tmp_path, monkeypatch):
 
 
 @pytest.mark.usefixtures("cluster")
-def test_crashing_job_is_reported_failed_with_the_rank_error(make_cfg, tmp_path, monkeypatch):
-    """A failure only on the node (every input checked fine at submission): rank 0 raises inside step 2."""
-    monkeypatch.setenv("HPC_TRAIN_FAULT", "mid_step@2@0@oom")  # sbatch passes the environment to the job
+def test_crashing_job_names_the_first_rank_to_fail(make_cfg, tmp_path, monkeypatch):
+    """A failure only on the node (every input checked fine at submission): rank 3, on the second node, is
+    killed outright inside step 2 (it leaves nothing in its own log), and the other ranks then fail on the
+    lost connection. The error names rank 3, its node and the signal (srun's first report), not rank 0's
+    connection error. Where ranks are supervised (parallel.max_restarts), the supervisors' agreed line does:
+    test_killed_rank_restarts_inside_the_allocation."""
+    monkeypatch.setenv("HPC_TRAIN_FAULT", "mid_step@2@3")  # sbatch passes the environment to the job
     start = time.monotonic()
     job = run_cli("submit", *TINY_MODEL, *TWO_BY_TWO, f"data.train_path={make_cfg().data.train_path}",
                   f"run_dir={tmp_path / 'run'}", "train.steps=3", "--wait")  # fmt: skip
     elapsed = time.monotonic() - start
     assert job.returncode == 1
     assert "finished: FAILED" in job.stdout
-    assert "injected by HPC_TRAIN_FAULT" in job.stderr and "rank 0" in job.stderr
+    job_id = job.stdout.split("submitted job ")[1].split(":")[0]
+    assert job.stderr.startswith(
+        f"the first rank to fail: rank 3 on n2 was killed by SIGKILL\nrank 3's stderr ({tmp_path}/run/slurm/"
+        f"{job_id}_3_log.err):\n  (nothing: the process was killed from outside it)"
+    ), job.stderr
     assert elapsed < 60, elapsed
 
 
 @pytest.mark.usefixtures("cluster")
-def test_sbatch_template_runs_the_same_entry_point(make_cfg, tmp_path):
+def test_sbatch_template_and_the_dry_runs_script_run_the_same_entry_point(make_cfg, tmp_path, capsys):
+    """Two ways to call sbatch yourself, submitted side by side: slurm/train.sbatch on two nodes, and the
+    script a dry run prints for doing so, from another directory, on one node with two tasks. (Their ends
+    are read from accounting: `sbatch --wait` polls at growing intervals, up to half a minute late.)"""
     cfg = make_cfg()
     env = {**os.environ, "HPC_TRAIN_PYTHON": sys.executable}
-    out = subprocess.run(
-        ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", f"--output={tmp_path}/slurm-%j.out",
-         "slurm/train.sbatch", *TINY_MODEL, f"data.train_path={cfg.data.train_path}", f"run_dir={tmp_path / 'run'}",
-         "train.steps=2", "logging.progress=lines"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180, env=env,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert len(read_metrics(tmp_path / "run")) == 2
-    log = next(tmp_path.glob("slurm-*.out")).read_text()
-    assert "world 2 (pp 1, dp 2, tp 1)" in log and "step 2 | loss" in log
+    common = [*TINY_MODEL, f"data.train_path={cfg.data.train_path}", "train.steps=2", "logging.progress=lines"]
+    template = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={tmp_path}/slurm-%j.out",
+         "slurm/train.sbatch", *common, f"run_dir={tmp_path / 'run'}"],
+        cwd=ROOT, capture_output=True, text=True, env=env, check=True,
+    ).stdout.strip()  # fmt: skip
+    main(["submit", "configs/tiny.yaml", *common, "slurm.tasks_per_node=2", f"run_dir={tmp_path / 'by_hand'}",
+          "--dry-run"])  # fmt: skip
+    printed = capsys.readouterr().out
+    script = printed.split("`sbatch` it ----\n")[1].split("# ---- resolved config")[0]
+    assert "#SBATCH --comment=hpc_train:" in script and "submitit" not in script
+    (tmp_path / "by_hand" / "slurm").mkdir(parents=True)
+    (tmp_path / "job.sbatch").write_text(script)
+    by_hand = subprocess.run(["sbatch", "--parsable", str(tmp_path / "job.sbatch")], cwd=tmp_path,
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not all(sacct_state(job).startswith(("COMPLETED", "FAILED", "CANCELLED")) for job in (template, by_hand)):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert sacct_state(template) == sacct_state(by_hand) == "COMPLETED"
+    for run, log in (("by_hand", tmp_path / "by_hand" / "slurm" / f"{by_hand}_0_log.out"),
+                     ("run", tmp_path / f"slurm-{template}.out")):  # fmt: skip
+        assert len(read_metrics(tmp_path / run)) == 2
+        assert "world 2 (pp 1, dp 2, tp 1)" in log.read_text() and "step 2 | loss" in log.read_text()
 
 
 def sacct_state(job_id: str) -> str:
@@ -314,6 +378,81 @@ def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
     uninterrupted = make_cfg("train.steps=150", "train.micro_batch_size=4", "parallel.nproc=2", run="straight")
     launch_local(run_training, 2, uninterrupted)
     assert [m["loss"] for m in read_metrics(run_dir)] == [m["loss"] for m in read_metrics(uninterrupted.run_dir)]
+
+
+@pytest.mark.usefixtures("cluster")
+def test_stop_saves_and_ends_the_job_without_requeueing(make_cfg, tmp_path):
+    """A user's stop. The run's first job, followed by `--wait`, gets a plain `scancel` (SIGTERM): every rank
+    saves and the job ends CANCELLED, never requeued, and `--wait` says so. While it runs, `status` shows it
+    and a second job for its run directory is refused. Its second job, submitted again with in-job restarts
+    (its ranks supervised), resumes and is stopped by `hpc-train stop`: it saves and ends COMPLETED. Each
+    step's record names its job."""
+    corpus = make_cfg().data.train_path
+    run_dir = tmp_path / "stopped"
+    job = [*TINY_MODEL, f"data.train_path={corpus}", "train.steps=100000", "train.micro_batch_size=4",
+           "checkpoint.interval=100000", "slurm.nodes=2", "slurm.tasks_per_node=1", f"run_dir={run_dir}"]  # fmt: skip
+    before = job_count()
+
+    def running_past(step: int) -> None:  # until the run records a step past `step`
+        deadline = time.monotonic() + 90
+        while last_step(run_dir) is None or last_step(run_dir) <= step:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+    def cancel() -> None:  # whatever happened, no job of this run is left behind
+        for queued in queue.jobs_of(str(run_dir)):
+            subprocess.run(["scancel", queued.job_id], check=False)
+
+    waiting = subprocess.Popen([sys.executable, "-m", "hpc_train.cli", "submit", *job, "--wait"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        running_past(2)
+        first = read_metrics(run_dir)[0]["job_id"]
+        status = run_cli("status")  # every run with a job in the queue
+        assert [str(run_dir), first, "RUNNING"] in [line.split()[:3] for line in status.stdout.splitlines()]
+        again = run_cli("submit", *job)
+        assert (
+            again.returncode == 2
+            and (
+                f"hpc-train: error: job {first} (RUNNING) already runs {run_dir}: a second job would write the same run"
+            )
+            in again.stderr
+        ), again.stderr
+        subprocess.run(["scancel", first], check=True)
+        out, err = waiting.communicate(timeout=120)
+    finally:
+        waiting.kill()
+        cancel()
+    assert waiting.returncode == 0, out + err
+    stopped = int(out.split("stopped on request at step ")[1].split(",")[0])
+    assert f"job {first} stopped on request at step {stopped}, saved (Slurm state CANCELLED)" in out
+    assert "requeued" not in out and sacct_state(first).startswith("CANCELLED")  # sacct's 'CANCELLED by 0'+
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:07d}"
+    assert job_count() == before + 1  # the refused submission reached no Slurm
+
+    while queue.jobs_of(str(run_dir)):  # until the stopped job has left the queue (COMPLETING: refused)
+        time.sleep(0.2)
+    # supervised (parallel.max_restarts): the stop signal reaches every process of the step, the rank's fork
+    # server too, which must outlive it for the supervisor to learn that its rank stopped cleanly
+    second = run_cli("submit", *job, "parallel.max_restarts=1")
+    assert second.returncode == 0, second.stderr
+    second_id = second.stdout.split("submitted job ")[1].split(":")[0]
+    try:
+        running_past(stopped + 2)
+        halted = run_cli("stop", str(run_dir), "--wait")
+    finally:
+        cancel()
+    assert f"job {second_id} (RUNNING): asked its ranks to save and stop\n" in halted.stdout, halted.stdout
+    row = halted.stdout.splitlines()[-1].split()
+    assert row[:4] == [str(run_dir), second_id, "COMPLETED", "(not"], halted.stdout
+    assert sacct_state(second_id) == "COMPLETED"
+    records = read_metrics(run_dir)
+    last = records[-1]["step"]
+    assert [r["step"] for r in records] == list(range(1, last + 1)) and records[stopped]["resumed_from"][
+        "step"
+    ] == stopped
+    assert [r["job_id"] for r in records] == [first] * stopped + [second_id] * (last - stopped)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:07d}"
 
 
 @pytest.mark.usefixtures("cluster")
@@ -359,8 +498,8 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
     assert [m["loss"] for m in read_metrics(run_dir)] == [m["loss"] for m in read_metrics(uninterrupted.run_dir)]
     # the killed rank's node is blamed, and the run's next job leaves it out (the cluster has n1, n2, n3)
     (reason,) = json.loads((run_dir / "bad_nodes.json").read_text())["n2"]
-    assert reason["reason"] == "rank 1 was killed by SIGKILL" and reason["job"] == job_id
-    blamed = f"blamed in {run_dir}/bad_nodes.json: n2 (rank 1 was killed by SIGKILL, job {job_id})"
+    assert reason["reason"] == "rank 1 on n2 was killed by SIGKILL" and reason["job"] == job_id
+    blamed = f"blamed in {run_dir}/bad_nodes.json: n2 (rank 1 on n2 was killed by SIGKILL, job {job_id})"
     resubmit = [*TINY_MODEL, f"data.train_path={corpus}", "train.steps=10", "train.micro_batch_size=4",
                 "checkpoint.interval=2", "slurm.tasks_per_node=1", f"run_dir={run_dir}"]  # fmt: skip
     three = run_cli("submit", *resubmit, "slurm.nodes=3", "--dry-run")  # it would leave too few nodes

@@ -180,7 +180,8 @@ def row_figures(rows: dict[str, dict], cfg: JobConfig, device: torch.device) -> 
     tokens = cfg.train.micro_batch_size * m.seq_len
     flops = get_spec(m.arch).flops_per_token(m)
     attention = 12 * m.n_layers * m.d_model * m.seq_len
-    peak, fp8_peak = device_peak_flops(device), device_peak_flops(device, "fp8")
+    # a device without a known peak (a CPU, a GPU not in the table) gets nan MFUs
+    peak, fp8_peak = (device_peak_flops(device, kind) or float("nan") for kind in ("bf16", "fp8"))
     base = rows.get(PLAIN_COMPILED, {})
     out = {}
     for row, r in rows.items():

@@ -4,6 +4,9 @@ and for each run with a straggler report (logging.straggler_interval) a heat str
 time over the median.
 
 python tools/plot_run.py runs/tiny runs/other --out runs.png
+
+A RUN is a run's directory (its run_dir) from where you stand, or a run's name for the default run_dir,
+runs/<name> there (`tiny`); the script runs from any directory.
 """
 
 from __future__ import annotations
@@ -11,12 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def run_dir_of(run: str) -> Path:
+    """The directory RUN names: a run directory from here, else runs/<RUN> (the default run_dir of a run
+    named RUN); SystemExit naming where it looked otherwise."""
+    candidates = [Path(run), Path("runs") / run] if len(Path(run).parts) == 1 else [Path(run)]
+    for candidate in candidates:
+        if (candidate / "metrics.jsonl").is_file():
+            return candidate
+    looked = " nor ".join(str((candidate / "metrics.jsonl").absolute()) for candidate in candidates)
+    sys.exit(f"plot_run.py: error: no run '{run}': there is no {looked}; give a run's directory (its run_dir)")
 
 
 def read(run_dir: Path) -> list[dict]:
@@ -93,10 +108,10 @@ def heat_strip(fig, ax, name: str, reports: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run directory, or a run's name (runs/<name>)")
     parser.add_argument("--out", type=Path, default=Path("run.png"))
     args = parser.parse_args()
-    print(plot(args.run_dirs, args.out))
+    print(plot([run_dir_of(run) for run in args.runs], args.out).absolute())
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader, Regio
 from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_digest
 from hpc_train.checkpoint.local import LocalCheckpoints
 from hpc_train.checkpoint.memory_copy import MemoryCopy
-from hpc_train.checkpoint.ownership import DirectoryLock, RunIdentity
+from hpc_train.checkpoint.ownership import DirectoryLock, RunIdentity, batch_change
 from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.slices import FlatSlice, SliceLoadPlanner
 from hpc_train.checkpoint.state import ShardedPart, Stateful
@@ -408,7 +408,7 @@ class Checkpointer:
     def resume(self, step: int | None = None) -> Resumed | None:
         """Load the newest checkpoint that verifies (of `step`, if given) into every registered part; None when
         there is none. Under a change of update rule (optim.reset_state=true) the rule's saved state is not
-        loaded."""
+        loaded; a change of the global batch is reported (`batch_change`)."""
         if step is None and (resumed := self._resume_locally()):
             return self._restored(resumed)
         path, manifest, reset = self._choose(step)
@@ -434,6 +434,8 @@ class Checkpointer:
         self.own_step = step
         change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
         self.report(f"resumed from {path} (step {step}{change})")
+        if self.rank == 0 and (note := batch_change(Path(path), manifest, self.identity.cfg, self.layout["dp"])):
+            self.report(note)
         return self._restored(Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime))
 
     def _restored(self, resumed: Resumed) -> Resumed:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hpc_train.config import ConfigError, ModelConfig
+from hpc_train.data.tokenizer import build_tokenizer, special_tokens, tokenizer_json
 from hpc_train.models import hf_adapter_reading
 from hpc_train.models.common.hf import HFAdapter, export_state, model_fields
 
@@ -76,18 +77,56 @@ class HFFolder:
         return self._last[1]
 
 
-def save_hf(out: str | os.PathLike, adapter: HFAdapter, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
+def save_hf(
+    out: str | os.PathLike,
+    adapter: HFAdapter,
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    tokenizer: str | None = None,
+) -> Path:
     """Whole, unpadded hpc_train tensors -> a Hugging Face folder at `out` through `adapter`, written beside it
-    and renamed into place (an existing `out` is replaced only once the new one is complete)."""
+    and renamed into place (an existing `out` is replaced only once the new one is complete). `tokenizer` (as
+    data/tokenizer.py's `build_tokenizer` takes it): its files too (`save_tokenizer`), and its bos and eos ids
+    in config.json and generation_config.json."""
     transformers, save_file = require_module("transformers"), require_module("safetensors.torch").save_file
     tensors = export_state(adapter, cfg, state)  # refuses what the HF class cannot express
-    config = transformers.AutoConfig.for_model(adapter.model_type, **adapter.to_hf_config(cfg))
+    special = check_tokenizer(tokenizer, cfg.vocab_size) if tokenizer else None
+    ids = {f"{name}_token_id": special[name][1] for name in ("bos", "eos")} if special else {}
+    config = transformers.AutoConfig.for_model(adapter.model_type, **{**adapter.to_hf_config(cfg), **ids})
     config.architectures = [adapter.architecture]
     config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     with written_into(out) as tmp:
         config.save_pretrained(tmp)
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if tokenizer:
+            transformers.GenerationConfig(**ids).save_pretrained(tmp)
+            save_tokenizer(tmp, tokenizer, cfg.context_len)
     return Path(out)
+
+
+def check_tokenizer(tokenizer: str, vocab_size: int) -> dict[str, tuple[str, int]]:
+    """The tokenizer's bos and eos (token, id), once it is known to fit a model of `vocab_size` and to end
+    documents."""
+    tok = build_tokenizer(tokenizer)
+    if tok.vocab_size > vocab_size:
+        raise ConfigError(f"tokenizer {tokenizer} has {tok.vocab_size} tokens, more than the model's vocabulary "
+                          f"({vocab_size}): it is not the tokenizer this model was trained with")  # fmt: skip
+    try:
+        return special_tokens(tokenizer)
+    except ValueError as err:
+        raise ConfigError(f"tokenizer {err}: an export names its end-of-document token as eos") from None
+
+
+def save_tokenizer(folder: str | os.PathLike, tokenizer: str, context: int) -> None:
+    """What `transformers.AutoTokenizer.from_pretrained(folder)` loads (tokenizer.json, tokenizer_config.json),
+    written by transformers' fast tokenizer over `tokenizer`'s tokenizer.json, with its bos and eos tokens
+    and `context` as its model_max_length."""
+    transformers, tokenizers = require_module("transformers"), require_module("tokenizers")
+    special = special_tokens(tokenizer)
+    backend = tokenizers.Tokenizer.from_str(tokenizer_json(tokenizer))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special["bos"][0],
+                                                eos_token=special["eos"][0], model_max_length=context)  # fmt: skip
+    fast.save_pretrained(folder)
 
 
 @contextmanager

@@ -7,10 +7,10 @@ training data (tokens, documents) and its content fingerprint (from the dataset'
 dataset is the same data and another one, even one of the same size, is not; a side without a fingerprint
 (a checkpoint or a dataset from before them, a Megatron-LM corpus) is compared by its size only. Resuming
 with a different one is refused with the differences named. So is resuming under another update rule
-(`optim.name`), unless `optim.reset_state=true` asks for the optimizer state to start afresh. The lock is an
-`flock` on `<dir>/.lock`, held by global rank 0 for as long as it trains; the kernel drops it when that
-process dies however it dies, so a lock left by a dead run is simply taken over (the file names the last
-holder, for the messages).
+(`optim.name`), unless `optim.reset_state=true` asks for the optimizer state to start afresh; resuming at
+another global batch is warned of (`batch_change`). The lock is an `flock` on `<dir>/.lock`, held by global
+rank 0 for as long as it trains; the kernel drops it when that process dies however it dies, so a lock left
+by a dead run is simply taken over (the file names the last holder, for the messages).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import math
 import os
 import socket
 import time
@@ -142,6 +143,37 @@ def rule_change(path: Path, manifest: dict, cfg: JobConfig) -> str | None:
         )
     return (f"optimizer state reset (optim.reset_state=true): checkpoint {path} was trained with optim.name={old}; "
             f"{new}'s state starts at zero for every parameter")  # fmt: skip
+
+
+BATCH_KEYS = "train.micro_batch_size x train.grad_accum x dp"
+
+
+def batch_change(path: Path, manifest: dict, cfg: JobConfig, dp: int) -> str | None:
+    """The warning a resume at another global batch than the checkpoint's gets (its recorded config's micro
+    batch and gradient accumulation, its layout's dp), naming both and how to keep the checkpoint's; None
+    where it is the same. Not refused: the data position (consumed samples) carries over, and a run may mean
+    to change it (Megatron-LM's batch-size ramp-up does as much)."""
+    saved = yaml.safe_load(manifest["config"]).get("train") or {}
+    defaults = JobConfig().train
+    old_parts = [saved.get("micro_batch_size", defaults.micro_batch_size), saved.get("grad_accum", defaults.grad_accum),
+                 manifest["layout"]["dp"]]  # fmt: skip
+    t = cfg.train
+    new_parts = [t.micro_batch_size, t.grad_accum, dp]
+    old, new = math.prod(old_parts), math.prod(new_parts)
+    if old == new:
+        return None
+    per_rank, uneven = divmod(old, dp)
+    if uneven:
+        keep = f"a layout whose dp divides {old}"
+    elif per_rank % t.micro_batch_size == 0:
+        keep = f"train.grad_accum={per_rank // t.micro_batch_size}"
+    else:
+        keep = f"train.micro_batch_size x train.grad_accum = {per_rank}"
+    spell = lambda parts: " x ".join(map(str, parts))
+    return (f"warning: the global batch changes on resume, from {old} samples a step (checkpoint {path}: "
+            f"{BATCH_KEYS} = {spell(old_parts)}) to {new} ({spell(new_parts)}); the learning-rate schedule still "
+            f"counts steps. To keep {old}, set {keep} (train.global_batch_size={old} then refuses a layout that "
+            "changes it)")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,14 @@ import torch
 from hpc_train.bootstrap import RankEnv, distributed, select_device
 from hpc_train.builder import build_model
 from hpc_train.checkpoint.checkpointer import read_parts
-from hpc_train.checkpoint.hf_io import is_hf_folder, require_module, save_hf, written_into
+from hpc_train.checkpoint.hf_io import (
+    check_tokenizer,
+    is_hf_folder,
+    require_module,
+    save_hf,
+    save_tokenizer,
+    written_into,
+)
 from hpc_train.checkpoint.init_from import (
     base_fingerprint,
     checkpoint_store,
@@ -25,6 +32,9 @@ from hpc_train.checkpoint.init_from import (
 from hpc_train.checkpoint.state import ModelState
 from hpc_train.checkpoint.store import CheckpointError
 from hpc_train.config import ConfigError
+from hpc_train.data.indexed import replace_file
+from hpc_train.data.prepare import dataset_tokenizer
+from hpc_train.data.tokenizer import TOKENIZER_FILE
 from hpc_train.distributed.mesh import Mesh, ParallelDims
 from hpc_train.distributed.parallelize import ParallelModel, full_state_dict
 from hpc_train.features.lora.adapters import merge_adapters
@@ -60,7 +70,8 @@ def import_config(hf_dir: str, out: str, overrides: list[str]) -> JobConfig:
 
 
 def import_hf(rank_env: RankEnv, cfg: JobConfig) -> None:
-    """Per rank: build the layout with the Hugging Face weights (builder's `model.init_from`), save step 0."""
+    """Per rank: build the layout with the Hugging Face weights (builder's `model.init_from`), save step 0;
+    rank 0 then copies the folder's tokenizer.json, if any, beside the checkpoints (`source_tokenizer`)."""
     from hpc_train.builder import build_run
 
     device = select_device(cfg.train.device, rank_env.local_rank)
@@ -72,6 +83,9 @@ def import_hf(rank_env: RankEnv, cfg: JobConfig) -> None:
             run.checkpointer.save(0)
         finally:
             run.checkpointer.release()
+    tokenizer = Path(cfg.model.init_from) / TOKENIZER_FILE
+    if rank_env.rank == 0 and tokenizer.is_file():
+        replace_file(Path(cfg.run_dir) / TOKENIZER_FILE, tokenizer.read_bytes())
 
 
 def load_model(source: str, base: str | None = None) -> tuple[JobConfig, ParallelModel]:
@@ -111,19 +125,44 @@ def load_whole(source: str, base: str | None = None) -> tuple[JobConfig, dict[st
     }  # a tied head: the embedding
 
 
-def export_hf(source: str, out: str, adapters_only: bool = False, base: str | None = None) -> Path:
-    """Write the checkpoint under `source` as a Hugging Face folder at `out`; needs a one-rank process group."""
+def export_hf(
+    source: str, out: str, adapters_only: bool = False, base: str | None = None, tokenizer: str | None = None
+) -> Path:
+    """Write the checkpoint under `source` as a Hugging Face folder at `out`, with `tokenizer` (default: the
+    one the run recorded, `source_tokenizer`; none known: no tokenizer files); needs a one-rank process group."""
     cfg, state = load_whole(source, base)
+    tokenizer = tokenizer or source_tokenizer(source)
     if adapters_only:
-        return save_peft_adapters(out, cfg, state)
+        return save_peft_adapters(out, cfg, state, tokenizer)
     if cfg.finetune.adapters:
         state = merge_adapters(state, cfg.finetune)
-    return save_hf(out, hf_adapter_writing(cfg.model), cfg.model, state)
+    return save_hf(out, hf_adapter_writing(cfg.model), cfg.model, state, tokenizer)
 
 
-def save_peft_adapters(out: str, cfg: JobConfig, state: dict[str, torch.Tensor]) -> Path:
+def source_tokenizer(source: str) -> str | None:
+    """The tokenizer the model under `source` was trained with, as `build_tokenizer` takes it: SOURCE's
+    tokenizer.json (a Hugging Face folder, or the run directory, where the run records it at its start),
+    else that of the run directory its newest checkpoint names (checkpoint.dir elsewhere), else, for a
+    checkpoint that trained (step > 0: not one `import-hf` wrote), the one its training data records
+    (data/prepare.py's `dataset_tokenizer`: a run from before runs recorded theirs, its data still in place).
+    None: none known."""
+    if (Path(source) / TOKENIZER_FILE).is_file():
+        return str(Path(source) / TOKENIZER_FILE)
+    if is_hf_folder(source):
+        return None
+    info = newest_checkpoint(source, report=lambda message: None, full=False)  # its manifest only
+    saved = load_config(None, [], saved=info.manifest["config"])
+    if (Path(saved.run_dir) / TOKENIZER_FILE).is_file():
+        return str(Path(saved.run_dir) / TOKENIZER_FILE)
+    if info.step == 0:
+        return None
+    prefixes = [s.path for s in saved.data.sources] or [saved.data.train_path]
+    return next(filter(None, map(dataset_tokenizer, prefixes)), None)
+
+
+def save_peft_adapters(out: str, cfg: JobConfig, state: dict[str, torch.Tensor], tokenizer: str | None) -> Path:
     """LoRA adapters alone, as PEFT saves them (adapter_model.safetensors + adapter_config.json), named after
-    the Hugging Face modules they sit beside."""
+    the Hugging Face modules they sit beside, with `tokenizer`'s files if given."""
     save_file = require_module("safetensors.torch").save_file
     ft = cfg.finetune
     if not ft.adapters:
@@ -139,7 +178,11 @@ def save_peft_adapters(out: str, cfg: JobConfig, state: dict[str, torch.Tensor])
               "lora_dropout": ft.lora_dropout, "target_modules": sorted(set(theirs.values())), "bias": "none",
               "fan_in_fan_out": fan_in_fan_out, "inference_mode": True,
               "base_model_name_or_path": None}  # fmt: skip
+    if tokenizer:
+        check_tokenizer(tokenizer, cfg.model.vocab_size)
     with written_into(out) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        if tokenizer:
+            save_tokenizer(tmp, tokenizer, cfg.model.context_len)
     return Path(out)

@@ -4,19 +4,17 @@ process, no KV cache: each new token re-runs the context (at most model.seq_len 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from hpc_train.commands.convert import source_tokenizer
 from hpc_train.data.tokenizer import Tokenizer, build_tokenizer
 from hpc_train.distributed.parallelize import ParallelModel
 
 
 def pick_tokenizer(source: str, tokenizer: str | None) -> Tokenizer:
-    """`tokenizer` if given, else the source folder's tokenizer.json, else byte-level."""
-    if tokenizer is None and (Path(source) / "tokenizer.json").is_file():
-        tokenizer = str(Path(source) / "tokenizer.json")
-    return build_tokenizer(tokenizer or "byte")
+    """`tokenizer` if given, else the one the source was trained with (convert.py's `source_tokenizer`: a
+    folder's tokenizer.json, a run's record, its data's), else byte-level."""
+    return build_tokenizer(tokenizer or source_tokenizer(source) or "byte")
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
 """Configuration: the core schema (schema.py: one dataclass per section, each field's rule beside it, fields.py),
 its composition with the keys every registered feature declares (compose.py; the registry, hpc_train/job.py,
-composes the schema a run loads), loading YAML + `key=value` overrides over a schema (load.py), and the
-checks omegaconf cannot express (checks.py). Every error is a `ConfigError` naming the key and the fix."""
+composes the schema a run loads), loading YAML (a path, or a preset by name) + `key=value` overrides over a
+schema (load.py), and the checks omegaconf cannot express (checks.py). Every error is a `ConfigError` naming
+the key and the fix, one line per problem; a `LayoutError` is one that the world size decides."""
 
 from hpc_train.config.checks import (
     check_values,
@@ -13,8 +14,8 @@ from hpc_train.config.checks import (
     validate,
 )
 from hpc_train.config.compose import compose
-from hpc_train.config.fields import ConfigError, choice, fraction, non_negative, positive
-from hpc_train.config.load import load_config, parse_overrides, to_yaml
+from hpc_train.config.fields import ConfigError, LayoutError, choice, fraction, non_negative, positive
+from hpc_train.config.load import config_path, load_config, parse_overrides, to_yaml
 from hpc_train.config.schema import (
     BUILTIN_DATA,
     CheckpointConfig,
@@ -31,9 +32,9 @@ from hpc_train.config.schema import (
 )
 
 __all__ = [
-    "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "JobConfig",
+    "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "JobConfig", "LayoutError",
     "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "SlurmConfig", "TrainConfig",
-    "check_values", "choice", "compose", "expand_on_node", "fraction", "non_negative", "positive",
+    "check_values", "choice", "compose", "config_path", "expand_on_node", "fraction", "non_negative", "positive",
     "derive_dp", "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes", "to_yaml",
     "validate",
 ]  # fmt: skip

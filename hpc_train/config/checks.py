@@ -13,8 +13,8 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from hpc_train.config.fields import RANGES, ConfigError
-from hpc_train.config.schema import BUILTIN_DATA, SPLIT_BACKWARD, V_SHAPED, JobConfig
+from hpc_train.config.fields import RANGES, ConfigError, LayoutError
+from hpc_train.config.schema import BUILTIN_DATA, BYTE_VOCAB, SPLIT_BACKWARD, V_SHAPED, JobConfig
 
 
 def expand_on_node(key: str, path: str) -> str:
@@ -43,13 +43,13 @@ def derive_dp(cfg: JobConfig, world_size: int) -> int:
     p = cfg.parallel
     model_parallel = p.tp * p.pp * p.cp
     if world_size % model_parallel:
-        raise ConfigError(
+        raise LayoutError(
             f"world size {world_size} is not divisible by tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {model_parallel}; "
             f"use a world size that is a multiple of {model_parallel} or change parallel.tp / parallel.pp / parallel.cp"
         )
     dp = world_size // model_parallel
     if p.dp is not None and p.dp != dp:
-        raise ConfigError(
+        raise LayoutError(
             f"parallel.dp={p.dp} but world size {world_size} / (tp x pp x cp = {model_parallel}) gives dp={dp}; "
             f"set parallel.dp={dp}, leave it out to derive it, or change the number of processes"
         )
@@ -123,7 +123,7 @@ def _value_problems(cfg: JobConfig) -> list[str]:
         if not any(value.startswith(f"{source}/") or value.endswith(f"/{source}") for source in bad):
             problems.append(f"{key}={value!r} holds a control character (a newline?); remove it")
         bad.append(value)
-    return problems + _source_problems(cfg) + _slurm_problems(cfg)
+    return problems + _source_problems(cfg) + _embedded_corpus_problems(cfg) + _slurm_problems(cfg)
 
 
 def _host_copy_problems(cfg: JobConfig) -> list[str]:
@@ -165,6 +165,22 @@ def _source_problems(cfg: JobConfig) -> list[str]:
         if twice := sorted({label for label in labels if labels.count(label) > 1}):
             problems.append(f"{key} name {', '.join(twice)} more than once: give each source its own `name`")
     return problems
+
+
+def _embedded_corpus_problems(cfg: JobConfig) -> list[str]:
+    """The embedded corpus is byte-level: a model's vocabulary holds its tokens. Checked here, with the keys,
+    since only the ranks open that corpus (the checks of the datasets before they start skip it)."""
+    d = cfg.data
+    keys = [f"data.sources[{i}].path" for i, src in enumerate(d.sources) if src.path == BUILTIN_DATA]
+    keys += [f"data.valid_sources[{i}].path" for i, src in enumerate(d.valid_sources) if src.path == BUILTIN_DATA]
+    keys += [key for key in ("data.train_path", "data.valid_path") if _get(cfg, key) == BUILTIN_DATA]
+    if d.sources and d.train_path == BUILTIN_DATA:  # the default: a blend replaces it
+        keys.remove("data.train_path")
+    if not keys or cfg.model.vocab_size >= BYTE_VOCAB:
+        return []
+    return [f"model.vocab_size={cfg.model.vocab_size} is smaller than the {BYTE_VOCAB} byte-level tokens of the "
+            f"embedded corpus ({keys[0]}={BUILTIN_DATA}): set model.vocab_size={BYTE_VOCAB} or more, or give a "
+            "dataset made by `hpc-train prepare-data`"]  # fmt: skip
 
 
 # Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
@@ -209,6 +225,15 @@ def _directive_problem(key: str, value: str) -> str | None:
     return None
 
 
+# sbatch options slurm.extra may not set, and why
+RESERVED_EXTRA = {
+    "array": "an array's tasks would all run one run, in one run directory; submit one job per run (each with "
+    "its own name=)",
+    "comment": "hpc_train sets the job's comment to its run directory (how submit, stop and status find a run's "
+    "job); remove it",
+}
+
+
 def _slurm_problems(cfg: JobConfig) -> list[str]:
     """What sbatch would refuse, or what would break (or inject into) the script `submit` writes, one line
     each. Checked for every command, not only `submit`: a config is one document, and the one a local run
@@ -229,6 +254,7 @@ def _slurm_problems(cfg: JobConfig) -> list[str]:
         for key in s.extra
         if not EXTRA_KEY_PATTERN.fullmatch(key)
     ]
+    problems += [f"slurm.extra key {key!r}: {why}" for key, why in RESERVED_EXTRA.items() if key in s.extra]
     if s.mem is not None and not MEM_PATTERN.fullmatch(s.mem):
         problems.append(f"slurm.mem={s.mem!r} is not a Slurm size; use a number with an optional unit K, M, G "
                         f"or T (e.g. 200G, or 0 for all of a node's memory)")  # fmt: skip
@@ -291,7 +317,7 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
         dp = derive_dp(cfg, world_size)
         derived_gbs = t.micro_batch_size * t.grad_accum * dp
         if t.global_batch_size is not None and t.global_batch_size != derived_gbs:
-            raise ConfigError(
+            raise LayoutError(
                 f"train.global_batch_size={t.global_batch_size} != micro_batch_size x grad_accum x dp = "
                 f"{t.micro_batch_size} x {t.grad_accum} x {dp} = {derived_gbs}; "
                 f"set train.grad_accum={t.global_batch_size // (t.micro_batch_size * dp) or 1} or leave "
@@ -311,22 +337,24 @@ def validate(cfg: JobConfig, world_size: int, check_paths: bool = True) -> int:
 
 
 def raise_all(checks) -> None:
-    """Run every check; raise one ConfigError holding all their messages, one per line."""
-    problems = []
+    """Run every check; raise one ConfigError holding all their messages, one per line (the layout's lines
+    still known as such)."""
+    problems, layout = [], []
     for check in checks:
         try:
             check()
         except ConfigError as err:
             problems.append(str(err))
+            layout += err.layout
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise ConfigError("\n".join(problems), layout)
 
 
 def check_skip_samples(ranges: list[list[int]], global_batch: int) -> None:
     """data.skip_samples: [start, end) ranges of whole global batches (a sampler skips a batch, not a part)."""
     for start, end in (r if len(r) == 2 else (-1, -1) for r in ranges):
         if not 0 <= start < end or start % global_batch or end % global_batch:
-            raise ConfigError(
+            raise LayoutError(
                 f"data.skip_samples={[list(r) for r in ranges]}: each range is [start, end) with 0 <= start < end, "
                 f"both multiples of the global batch ({global_batch} samples), e.g. [[{global_batch}, "
                 f"{2 * global_batch}]] skips the second step's batch"

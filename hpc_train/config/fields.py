@@ -4,6 +4,7 @@ their fields with these, and config/checks.py applies them all."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import field
 from typing import Any
 
@@ -34,4 +35,23 @@ def fraction(default: float) -> Any:
 
 
 class ConfigError(UserError, ValueError):
-    """A configuration problem, with a message that names the key and what to change."""
+    """A configuration problem, with a message that names the key and what to change, one line per problem.
+    `layout`: those lines that are a layout's problems at some world size (LayoutError's), beside which a
+    command names where it took that world size from (`noting_layout`), and beside no other line."""
+
+    def __init__(self, message: str, layout: Iterable[str] = ()):
+        super().__init__(message)
+        self.layout = tuple(layout)
+
+    def noting_layout(self, note: str) -> ConfigError:
+        """This error with `note` after each line of a layout problem."""
+        lines = [f"{line} {note}" if line in self.layout else line for line in str(self).splitlines()]
+        return ConfigError("\n".join(lines))
+
+
+class LayoutError(ConfigError):
+    """A problem of the parallel layout that the world size it was checked at decides (a world size that
+    tp x pp x cp does not divide, a global batch from the dp it gives)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, message.splitlines())

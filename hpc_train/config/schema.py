@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from hpc_train.config.fields import choice, fraction, non_negative, positive
 
 BUILTIN_DATA = "stdlib"  # data path naming the embedded corpus (the interpreter's own standard library)
+BYTE_VOCAB = 257  # the byte-level tokenizer's vocabulary (256 bytes + end-of-document): the embedded corpus's
 
 
 @dataclass(unsafe_hash=True)
@@ -37,7 +38,7 @@ class MoEConfig:
 @dataclass
 class ModelConfig:
     arch: str = "llama"  # model family: llama | gpt2 (hpc_train/models)
-    vocab_size: int = positive(257)  # byte-level tokenizer: 256 bytes + end-of-document
+    vocab_size: int = positive(BYTE_VOCAB)  # byte-level tokenizer: 256 bytes + end-of-document
     vocab_multiple: int = positive(128)  # embedding rows are padded to a multiple of this (x tp), as Megatron does
     n_layers: int = positive(4)
     n_heads: int = positive(4)

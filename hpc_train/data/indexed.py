@@ -8,6 +8,9 @@ data adds `PREFIX.mask`, one uint8 per token:
 prompt); the header says so (`loss_mask`, and `longest_document`: a sample must hold a whole one, so that
 none is all prompt). All are read through `numpy.memmap`, never loaded whole.
 Writers go to temporary names and rename on close, so a crash never leaves a half-written dataset.
+`PREFIX.tokenizer.json` is the tokenizer the dataset was prepared with (a copy of its tokenizer.json; the
+byte-level one's own, data/tokenizer.py), its digest in the header: a copy that does not match (left by an
+earlier preparation under the same prefix) is not this dataset's.
 Megatron-LM's `MMIDIDX` datasets (data/megatron.py) are read by the same class, told apart by their magic.
 
 The fingerprint is xxh3-128 over the digests of the document offsets, the tokens and the mask, hashed as
@@ -32,6 +35,7 @@ from hpc_train.data import megatron
 from hpc_train.data.batch import Batch, collate
 
 MAGIC = b"HPCTIDX1"
+TOKENIZER_SUFFIX = ".tokenizer.json"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -41,10 +45,19 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class IndexedDatasetWriter:
     """Append documents, then `close()` to commit the .bin/.idx pair atomically."""
 
-    def __init__(self, prefix: str | os.PathLike, vocab_size: int, tokenizer: str, loss_mask: bool = False):
+    def __init__(
+        self,
+        prefix: str | os.PathLike,
+        vocab_size: int,
+        tokenizer: str,
+        loss_mask: bool = False,
+        tokenizer_json: str | None = None,
+    ):
+        """`tokenizer`: its name in the header; `tokenizer_json`: its tokenizer.json, written beside the data."""
         self.prefix = str(prefix)
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
+        self.tokenizer_json = tokenizer_json
         self.dtype = token_dtype(vocab_size)
         self.offsets = [0]
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +122,9 @@ class IndexedDatasetWriter:
         }
         if self._mask is not None:
             fields.update(loss_mask=True, longest_document=int(np.diff(self.offsets).max(initial=0)))
+        if self.tokenizer_json is not None:
+            fields["tokenizer_digest"] = tokenizer_digest(self.tokenizer_json.encode())
+            replace_file(self.prefix + TOKENIZER_SUFFIX, self.tokenizer_json.encode())
         header = json.dumps(fields).encode()
         idx_tmp = f"{self.prefix}.idx.tmp{os.getpid()}"
         with open(idx_tmp, "wb") as f:
@@ -121,6 +137,29 @@ class IndexedDatasetWriter:
         if self._mask_tmp is not None:
             os.replace(self._mask_tmp, self.prefix + ".mask")
         os.replace(idx_tmp, self.prefix + ".idx")  # last: the index commits the dataset
+
+
+def tokenizer_digest(data: bytes) -> str:
+    return "xxh3_128:" + xxhash.xxh3_128_hexdigest(data)
+
+
+def replace_file(path: str | os.PathLike, data: bytes) -> None:
+    """`path` holds `data`, written to a temporary name, synced and renamed: never half-written."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def recorded_tokenizer_file(prefix: str, header: dict) -> str | None:
+    """PREFIX.tokenizer.json if it is the one the header records (its digest), else None."""
+    path = prefix + TOKENIZER_SUFFIX
+    digest = header.get("tokenizer_digest")
+    if not digest or not os.path.isfile(path):
+        return None
+    return path if tokenizer_digest(Path(path).read_bytes()) == digest else None
 
 
 def _read_header(idx_path: str) -> tuple[dict, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import hashlib
+import math
 import multiprocessing
 import os
 import sys
@@ -24,9 +25,24 @@ from tqdm import tqdm
 
 from hpc_train.config import BUILTIN_DATA, ConfigError, DataConfig, ModelConfig
 from hpc_train.data.blend import BlendedSource
-from hpc_train.data.indexed import IndexedDataset, IndexedDatasetWriter, check_token_ids
+from hpc_train.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    check_token_ids,
+    read_index,
+    recorded_tokenizer_file,
+    replace_file,
+)
 from hpc_train.data.readers import iter_documents
-from hpc_train.data.tokenizer import Encoded, build_tokenizer, encode_documents, quiet_tokenizers
+from hpc_train.data.tokenizer import (
+    EOD_CANDIDATES,
+    TOKENIZER_FILE,
+    Encoded,
+    build_tokenizer,
+    encode_documents,
+    quiet_tokenizers,
+    tokenizer_json,
+)
 
 VALID_SUFFIX = "_valid"
 
@@ -56,7 +72,9 @@ def prepare_data(
     them in order, so memory stays flat as the corpus grows. Instruction examples give the dataset a .mask
     (only response tokens count in the loss). With `valid_every=N`, every N-th document goes to the held-out
     OUTPUT_valid instead. `max_tokens`: longer documents keep their last `max_tokens` tokens (an example's
-    response and its end). Returns the prefixes written."""
+    response and its end). Each prefix records the tokenizer (PREFIX.tokenizer.json), which must have an
+    end-of-document token. An `output` ending in .bin or .idx names the prefix before it. Returns the
+    prefixes written."""
     if max_tokens is not None and max_tokens < 1:
         raise ConfigError(f"--max-tokens {max_tokens} must be at least 1 (use model.seq_len)")
     if workers < 1:
@@ -65,9 +83,15 @@ def prepare_data(
         raise ConfigError(f"--valid-every {valid_every} holds out none; use a value between 2 and the number of "
                           "documents, or 0 for no held-out split")  # fmt: skip
     tok = build_tokenizer(tokenizer)
-    writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name)}
+    if tok.eod_id is None:
+        raise ConfigError(f"--tokenizer {tokenizer} has no end-of-document token (none of {', '.join(EOD_CANDIDATES)})"
+                          ", so its documents would run together: add one to it as a special token "
+                          "(tokenizer.add_special_tokens(['</s>']), then save) and prepare the data again")  # fmt: skip
+    output = output[:-4] if output.endswith((".bin", ".idx")) else output  # a file's name given for the prefix
+    text = tokenizer_json(tokenizer)
+    writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name, tokenizer_json=text)}
     if valid_every:
-        writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name)
+        writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name, tokenizer_json=text)
     seen = {"documents": 0, "text": False, "cut": 0}
 
     def batches() -> Iterator[list[tuple[str | None, str]]]:
@@ -127,6 +151,34 @@ def encoded_batches(
             yield pending.popleft().get()
 
 
+def dataset_tokenizer(prefix: str) -> str | None:
+    """The tokenizer a dataset was prepared with, as `build_tokenizer` takes it: its PREFIX.tokenizer.json,
+    or "byte" for the embedded corpus and a byte-level dataset prepared before datasets recorded theirs; None
+    when it records none (a Megatron-LM corpus, an older dataset of a tokenizer.json) or cannot be read."""
+    if prefix == BUILTIN_DATA:
+        return "byte"
+    try:
+        header = read_index(prefix)[0]
+    except (OSError, ValueError):
+        return None
+    return recorded_tokenizer_file(prefix, header) or ("byte" if header.get("tokenizer") == "byte" else None)
+
+
+def record_run_tokenizer(train_set: IndexedDataset | BlendedSource, run_dir: str | os.PathLike) -> Path | None:
+    """RUN_DIR/tokenizer.json: the tokenizer the run's training data was prepared with (a blend's: its first
+    source's that records one), written atomically, so that `generate` and `export-hf` find it in the run
+    when the data has moved. Rank 0 calls it at the run's start; a dataset recording none leaves the file as
+    it is. Returns the path written, if any."""
+    for dataset in getattr(train_set, "datasets", [train_set]):
+        spec = dataset_tokenizer(dataset.prefix)
+        if spec is not None:
+            path = Path(run_dir) / TOKENIZER_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            replace_file(path, tokenizer_json(spec).encode())
+            return path
+    return None
+
+
 def data_keys(cfg: DataConfig) -> list[tuple[str, str | None]]:
     """(config key, dataset prefix) of every dataset the run reads."""
     train = [(f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.sources)] or [("data.train_path",
@@ -135,10 +187,10 @@ def data_keys(cfg: DataConfig) -> list[tuple[str, str | None]]:
     return [*train, ("data.valid_path", cfg.valid_path), *valid]
 
 
-def check_datasets(cfg: DataConfig, model: ModelConfig) -> None:
+def check_datasets(cfg: DataConfig, model: ModelConfig) -> dict[str, IndexedDataset]:
     """Before any rank starts: every dataset the run reads has a sound index, whole token file and token ids
     inside the model's vocabulary (the embedded corpus is built by this code and skipped); a blend's sources
-    come from one tokenizer."""
+    come from one tokenizer. Returns the datasets checked, by their config key."""
     seen: dict[str, IndexedDataset] = {}
     for key, prefix in data_keys(cfg):
         if prefix in (None, BUILTIN_DATA):
@@ -154,6 +206,24 @@ def check_datasets(cfg: DataConfig, model: ModelConfig) -> None:
             raise ConfigError(f"{key}={prefix!r}: {err}") from None
         seen[key] = dataset
     check_same_tokenizer(seen)
+    return seen
+
+
+def repeats(cfg: DataConfig, datasets: dict[str, IndexedDataset], samples: int, global_batch: int) -> list[str]:
+    """A line for each training dataset a run of `samples` samples reads more than once (a blend's source: its
+    weight's share of them), with the step it starts again at; datasets not checked (the embedded corpus)
+    are left out."""
+    weights = {f"data.sources[{i}].path": s.weight for i, s in enumerate(cfg.sources)} or {"data.train_path": 1.0}
+    lines = []
+    for key, weight in weights.items():
+        if (dataset := datasets.get(key)) is None:
+            continue
+        share = samples * weight / sum(weights.values())
+        if share > len(dataset):
+            again = math.ceil(len(dataset) * sum(weights.values()) / weight / global_batch)
+            lines.append(f"{key}={dataset.prefix}: the run reads {share:,.0f} of its {len(dataset):,} samples "
+                         f"({share / len(dataset):.1f} epochs): they repeat from about step {again}")  # fmt: skip
+    return lines
 
 
 def check_same_tokenizer(datasets: dict[str, IndexedDataset]) -> None:

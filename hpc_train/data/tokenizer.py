@@ -1,21 +1,31 @@
-"""Tokenizers: byte-level by default (no files needed), or a Hugging Face `tokenizer.json`."""
+"""Tokenizers: byte-level by default (no files needed), or a Hugging Face `tokenizer.json`.
+
+The byte-level tokenizer also has a `tokenizer.json` of its own (`BYTE_JSON`: each byte its own token, as
+GPT-2's byte-level alphabet spells it, and `<|endoftext|>` as id 256), written here without the `tokenizers`
+package: a dataset and a run record it like any other, `build_tokenizer` knows it by its text, and an export
+hands it to `transformers`, which then encodes text to the ids training saw."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+TOKENIZER_FILE = "tokenizer.json"  # what a run directory and a Hugging Face folder hold
+BYTE_EOD = "<|endoftext|>"
 
 
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
     eod_id: int | None
+    eod_token: str | None
 
     def encode(self, text: str) -> np.ndarray: ...
 
@@ -31,6 +41,7 @@ class ByteTokenizer:
     name: str = "byte"
     vocab_size: int = 257
     eod_id: int | None = 256
+    eod_token: str | None = BYTE_EOD
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
@@ -51,8 +62,8 @@ class HFTokenizer:
         self._tok = _HF.from_file(path)
         self.name = f"hf:{path}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        ids = (self._tok.token_to_id(t) for t in EOD_CANDIDATES)
-        self.eod_id = next((i for i in ids if i is not None), None)
+        self.eod_token = next((t for t in EOD_CANDIDATES if self._tok.token_to_id(t) is not None), None)
+        self.eod_id = None if self.eod_token is None else self._tok.token_to_id(self.eod_token)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -64,9 +75,58 @@ class HFTokenizer:
         return self._tok.decode(ids)
 
 
+def _byte_json() -> str:
+    """The byte-level tokenizer as a Hugging Face tokenizer.json: byte b is GPT-2's printable stand-in for it
+    (its `bytes_to_unicode`, which the ByteLevel pre-tokenizer and decoder apply), with id b; no merges."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    others = [b for b in range(256) if b not in printable]
+    char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    eod = {"id": 256, "content": BYTE_EOD, "single_word": False, "lstrip": False, "rstrip": False,
+           "normalized": False, "special": True}  # fmt: skip
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [eod],
+                       "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+                       "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                                 "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                                 "vocab": {char[b]: b for b in range(256)}, "merges": []}}, indent=1)  # fmt: skip
+
+
+BYTE_JSON = _byte_json()
+
+
+def is_byte_json(path: str | os.PathLike) -> bool:
+    """The file is `BYTE_JSON` (as recorded beside a dataset or in a run directory)."""
+    path = Path(path)
+    return path.stat().st_size == len(BYTE_JSON.encode()) and path.read_text() == BYTE_JSON
+
+
 def build_tokenizer(spec: str) -> Tokenizer:
-    """`byte` or the path of a Hugging Face tokenizer.json."""
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+    """`byte`, or the path of a Hugging Face tokenizer.json (`BYTE_JSON`'s file: the byte-level tokenizer)."""
+    return ByteTokenizer() if spec == "byte" or is_byte_json(spec) else HFTokenizer(spec)
+
+
+def tokenizer_json(spec: str) -> str:
+    """The text of the tokenizer.json of `build_tokenizer(spec)`."""
+    return BYTE_JSON if spec == "byte" else Path(spec).read_text()
+
+
+def special_tokens(spec: str) -> dict[str, tuple[str, int]]:
+    """`bos` and `eos` of a tokenizer as (token, id), which an export writes: eos is its end-of-document token;
+    bos is the special token its post-processor puts before a text (Llama's `<s>`), else the end-of-document
+    token too (GPT-2's convention), since packed data puts one before every document but the first. ValueError
+    for a tokenizer without an end-of-document token."""
+    tok = build_tokenizer(spec)
+    if tok.eod_id is None:
+        raise ValueError(f"{spec} has no end-of-document token (none of {', '.join(EOD_CANDIDATES)})")
+    eos = (tok.eod_token, tok.eod_id)
+    processors = [json.loads(tokenizer_json(spec)).get("post_processor") or {}]
+    processors += processors[0].get("processors") or []  # a Sequence's (Llama 3: ByteLevel, then the template)
+    for processor in processors:
+        first = (processor.get("single") or [{}])[0] if processor.get("type") == "TemplateProcessing" else {}
+        if "SpecialToken" in first:
+            token = first["SpecialToken"]["id"]
+            return {"bos": (token, processor["special_tokens"][token]["ids"][0]), "eos": eos}
+    return {"bos": eos, "eos": eos}
 
 
 @functools.lru_cache(maxsize=2)

@@ -24,8 +24,9 @@ import submitit
 
 from hpc_train.bootstrap import RankEnv, detect_rank_env
 from hpc_train.config import JobConfig, time_limit_minutes, to_yaml
+from hpc_train.launch.queue import run_comment
 from hpc_train.resilience.bad_nodes import exclusion
-from hpc_train.resilience.restart import run_task
+from hpc_train.resilience.restart import FIRST_FAILURE, run_task
 
 
 def slurm_world_size(cfg: JobConfig) -> int:
@@ -72,6 +73,7 @@ def executor_parameters(cfg: JobConfig) -> dict[str, Any]:
         "signal_delay_s": s.signal_delay_s,
         # one failing rank ends the whole step instead of leaving the others blocked in a collective
         "srun_args": ["--kill-on-bad-exit=1"],
+        "comment": run_comment(cfg.run_dir),  # launch/queue.py: one job a run, stop and status find it
     }
     optional = {
         "gpus_per_node": s.gpus_per_node or None,
@@ -131,13 +133,34 @@ def excluded_nodes(cfg: JobConfig) -> str:
     return f"{line}\n" if line else ""
 
 
-def dry_run(cfg: JobConfig, layout: str) -> str:
-    """The exact job, for a config already checked; `layout` describes the ranks' mesh."""
+def by_hand_script(cfg: JobConfig, train_args: list[str]) -> str:
+    """The job as a script to hand to sbatch yourself: submit's own (its #SBATCH lines, the setup, srun's
+    options), with each task running `hpc-train train TRAIN_ARGS` (the config and its overrides) from this
+    directory instead of unpickling submitit's call; each rank then bootstraps from srun's environment,
+    as submit's do."""
+    lines, command = [], shlex.join([sys.executable, "-u", "-m", "hpc_train.cli", "train", *train_args])
+    for line in sbatch_script(cfg).splitlines():
+        if line == "#SBATCH --wckey=submitit" or line.startswith("export SUBMITIT_"):
+            continue
+        if line.startswith("srun "):
+            line = line.split(f" {shlex.quote(sys.executable)} -u -m submitit.core._submit ")[0] + f" {command}"
+        lines.append(line)
+    lines.insert(lines.index("# Parameters") + 1, f"#SBATCH --chdir={shlex.quote(str(Path.cwd()))}")
+    return "\n".join(lines) + "\n"
+
+
+def dry_run(cfg: JobConfig, layout: str, train_args: list[str]) -> str:
+    """The exact job, for a config already checked; `layout` describes the ranks' mesh; `train_args` (the
+    config and its overrides, as given) make the by-hand script's command."""
     excluded = f"# {excluded}" if (excluded := excluded_nodes(cfg)) else ""
     return (
         f"# hpc_train dry run: nothing submitted. {cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node} task(s) "
         f"= {cfg.slurm.nodes * cfg.slurm.tasks_per_node} ranks as ({layout})\n{excluded}"
-        f"# ---- sbatch script ----\n{sbatch_script(cfg)}\n# ---- resolved config ----\n{to_yaml(cfg)}"
+        f"# ---- sbatch script (submit writes submitit's pickle of the job beside it) ----\n{sbatch_script(cfg)}\n"
+        f"# ---- the same job by hand: `mkdir -p {shlex.quote(str(log_folder(cfg)))}`, save this part as a file "
+        "and `sbatch` it ----\n"
+        f"{by_hand_script(cfg, train_args)}"
+        f"# ---- resolved config ----\n{to_yaml(cfg)}"
     )
 
 
@@ -152,17 +175,43 @@ def task_logs(job, task: int) -> tuple[Path, Path]:
     return paths.stdout, paths.stderr
 
 
+SUPERVISOR_ERROR = "Submitted job triggered an exception"  # submitit's line before a task's traceback
+# srun's line for a task that ended badly, in the batch step's stderr (rank 0's log): `srun: error: n2: task 3:
+# Killed`, `... task 1: Exited with exit code 1`; `tasks 0-1: ...` for several at once
+SRUN_TASK_END = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.+)$", re.MULTILINE)
+
+
+def first_failure(texts: list[str]) -> tuple[int, str, bool] | None:
+    """The first rank to fail, how (a line) and whether it was supervised, from the ranks' stderr: the line
+    every rank's supervisor agreed on where they were supervised (parallel.max_restarts, resilience/
+    restart.py), else srun's first report of a task that ended badly (it reports them as their processes
+    end: a rank killed outright comes before the peers that fail on the connection it closed, which srun
+    then ends). None: no rank failed (a job that failed before its ranks started)."""
+    agreed = re.compile(re.escape(FIRST_FAILURE) + r"rank (\d+) on (.*)")
+    if match := next(filter(None, map(agreed.search, texts)), None):
+        return int(match.group(1)), match.group(0), True
+    if match := SRUN_TASK_END.search(texts[0]):
+        node, rank, how = match.groups()
+        how = "was killed by SIGKILL" if how == "Killed" else how[0].lower() + how[1:]
+        return int(rank), f"{FIRST_FAILURE}rank {rank} on {node} {how}", False
+    return None
+
+
 def failure_report(job, num_tasks: int, lines: int = 12) -> str:
-    """The end of the stderr of the first rank whose log holds a Python error (else of rank 0)."""
-    chosen = 0
-    for task in range(num_tasks):
-        err = task_logs(job, task)[1]
-        if err.is_file() and "Traceback" in err.read_text(errors="replace"):
-            chosen = task
-            break
-    err = task_logs(job, chosen)[1]
-    text = err.read_text(errors="replace").splitlines()[-lines:] if err.is_file() else ["(no stderr log)"]
-    return f"rank {chosen} ({err}):\n" + "\n".join(f"  {line}" for line in text)
+    """Which rank failed first, its node and how it ended (`first_failure`), then the end of that rank's
+    own stderr (before its supervisor's traceback, where it had one): its Python error, or nothing where it
+    was killed outright. Without a failed rank, the first rank whose log holds a Python error, else rank 0."""
+    logs = [task_logs(job, task)[1] for task in range(num_tasks)]
+    texts = [log.read_text(errors="replace") if log.is_file() else "" for log in logs]
+    if (first := first_failure(texts)) is not None:
+        chosen, headline, supervised = first
+        own = (texts[chosen].split(SUPERVISOR_ERROR)[0] if supervised else texts[chosen]).splitlines()
+        own = [line for line in own if not line.startswith(("submitit ", "srun: ", "slurmstepd"))][-lines:]
+        own = own or ["(nothing: the process was killed from outside it)"]
+        return f"{headline}\nrank {chosen}'s stderr ({logs[chosen]}):\n" + "\n".join(f"  {line}" for line in own)
+    chosen = next((task for task, text in enumerate(texts) if "Traceback" in text), 0)
+    tail = texts[chosen].splitlines()[-lines:] if logs[chosen].is_file() else ["(no stderr log)"]
+    return f"rank {chosen} ({logs[chosen]}):\n" + "\n".join(f"  {line}" for line in tail)
 
 
 TERMINAL_STATES = (
@@ -196,6 +245,15 @@ def follow(job, poll_s: float = 1.0, out: TextIO | None = None) -> str:
         if done:
             return done
         time.sleep(poll_s)
+
+
+def stopped_at(job) -> int | None:
+    """The step a job saved and stopped at on a user's stop (train/loop.py's line in rank 0's output), else
+    None (it finished, failed, or was requeued)."""
+    stdout = task_logs(job, 0)[0]
+    text = stdout.read_text(errors="replace") if stdout.is_file() else ""
+    steps = re.findall(r"^stopped at step (\d+): ", text, re.MULTILINE)
+    return int(steps[-1]) if steps else None
 
 
 def submission_summary(cfg: JobConfig, job) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import resource
 import sys
@@ -33,35 +32,21 @@ GPU_PEAK_FP8 = (
 PEAKS = {"bf16": GPU_PEAK_BF16, "fp8": GPU_PEAK_FP8}
 
 
-@functools.lru_cache(maxsize=1)
-def measured_cpu_peak_flops(size: int = 512, repeats: int = 5) -> float:
-    """A CPU has no data-sheet figure here: the best fp32 matmul rate of this process's threads (512: on a
-    2-core VM as high a rate as 1024's, in 0.03 s of CPU instead of 0.25, paid by every rank process)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
-def gpu_peak_flops(name: str, kind: str = "bf16") -> float:
-    """The data-sheet peak of the GPU called `name` (torch.cuda.get_device_name's), dense bf16 or fp8."""
+def gpu_peak_flops(name: str, kind: str = "bf16") -> float | None:
+    """The data-sheet peak of the GPU called `name` (torch.cuda.get_device_name's), dense bf16 or fp8; None
+    for a GPU not in the table (no MFU is reported against a guess)."""
     for key, peak in PEAKS[kind]:
         if key in name:
             return peak
-    if kind == "fp8":
-        return 2 * gpu_peak_flops(name, "bf16")
-    return 312e12  # unknown GPU: an A100's figure, so MFU stays comparable
+    bf16 = gpu_peak_flops(name, "bf16") if kind == "fp8" else None
+    return 2 * bf16 if bf16 else None
 
 
-def device_peak_flops(device: torch.device, kind: str = "bf16") -> float:
-    """MFU's denominator (`kind`: logging.mfu_peak, bf16 or fp8). A CPU's is measured, whatever `kind`."""
-    if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), kind)
-    return measured_cpu_peak_flops()
+def device_peak_flops(device: torch.device, kind: str = "bf16") -> float | None:
+    """MFU's denominator (`kind`: logging.mfu_peak, bf16 or fp8), where the device's peak is known: a GPU of
+    the table. A CPU has no such figure (a matmul benchmark's rate depends on the threads and on the load
+    when it ran, and gave MFUs above 100%): None, and its records carry tokens/s and TFLOP/s alone."""
+    return gpu_peak_flops(torch.cuda.get_device_name(device), kind) if device.type == "cuda" else None
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, int, int]:
@@ -190,7 +175,7 @@ def format_record(r: dict[str, Any]) -> str:
         parts.append(f"eval {r['eval_loss']:.4f}")
     parts += [
         f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}", f"{r['tokens_per_s']:,.0f} tok/s",
-        f"mfu {100 * r['mfu']:.1f}%", f"mem {r['memory_gb']:.2f}GB",
+        *([f"mfu {100 * r['mfu']:.1f}%"] if "mfu" in r else []), f"mem {r['memory_gb']:.2f}GB",
     ]  # fmt: skip
     return " | ".join(parts)
 
@@ -203,7 +188,7 @@ class StepMeter:
     tokens_per_step: int  # global batch x sequence length
     flops_per_token: int
     world_size: int
-    peak_flops: float  # per device
+    peak_flops: float | None  # per device, where known (metrics.device_peak_flops): MFU's denominator
     bubble_fraction: float  # the pipeline's idle share of forward+backward (0 without pipelining)
     predicted: dict[str, int]  # the planner's bytes by category
     first_step: int  # the first step of this run (after a resume)
@@ -220,12 +205,13 @@ class StepMeter:
         out = {
             "tokens_per_s": tokens_per_s,
             "tflops": tokens_per_s * self.flops_per_token / self.world_size / 1e12,
-            "mfu": tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops),
             "memory_gb": peak_memory[0] / 1e9,  # max over ranks
             "memory_reserved_gb": peak_memory[1] / 1e9,
             "host_memory_gb": peak_memory[2] / 1e9,  # max over ranks
             "step_time_s": elapsed,
         }
+        if self.peak_flops:
+            out["mfu"] = tokens_per_s * self.flops_per_token / (self.world_size * self.peak_flops)
         if memory:  # rank 0's, by category: measured on the run's first two steps (and a profiled one)
             out["memory_bytes"] = memory
         if step < self.first_step + 2:

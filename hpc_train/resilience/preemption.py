@@ -1,8 +1,11 @@
-"""Preemption: a signal only sets a flag; the ranks agree on it at the end of a step (one MAX
-all-reduce), save a checkpoint together and stop. Under Slurm the job then requeues itself.
+"""Stopping: a signal only sets a flag; the ranks agree on it at the end of a step (one MAX all-reduce),
+save a checkpoint together and stop. Only Slurm's warning signal requeues the job.
 
-Slurm sends the warning signal (`--signal=USR2@<delay>`, submitit's choice) before the time limit and
-SIGTERM before preempting or cancelling a job.
+Slurm sends the warning signal (`--signal=USR2@<delay>`, submitit's choice) before the time limit, and at a
+preemption where the cluster sets PreemptParameters=send_user_signal: the job requeues itself to go on.
+`scancel` (and `hpc-train stop`, which signals the job's steps) sends SIGTERM: the user's stop, which saves
+and stops without requeueing, as torchtitan and Megatron-LM stop. A preemption that sends SIGTERM is requeued
+by Slurm itself where the partition's PreemptMode is REQUEUE, and is cancelled where it is CANCEL.
 """
 
 from __future__ import annotations
@@ -13,6 +16,15 @@ import subprocess
 
 from hpc_train.bootstrap import STOP_SIGNALS
 from hpc_train.resilience.bad_nodes import exclusion
+
+REQUEUE_SIGNALS = (signal.SIGUSR2,)
+
+
+def describe_stop(signum: int) -> str:
+    """A stop signal's name and who sends it, for the log."""
+    if signum in REQUEUE_SIGNALS:
+        return f"{signal.Signals(signum).name}: Slurm's warning before the time limit or a preemption"
+    return f"{signal.Signals(signum).name}: scancel, `hpc-train stop` or a preemption"
 
 
 class StopRequest:

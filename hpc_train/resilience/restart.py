@@ -31,6 +31,7 @@ from hpc_train.resilience.bad_nodes import blame
 from hpc_train.resilience.watchdog import Heartbeats
 
 KEY = "hpc_train/restart/{}/{}"  # attempt, what
+FIRST_FAILURE = "the first rank to fail: "  # what a failed job's error names, in every rank's log (launch/slurm.py)
 NODE_SIGNALS = (signal.SIGKILL, signal.SIGBUS)  # a rank killed by these blames its node (the OOM killer, hardware)
 
 
@@ -60,7 +61,7 @@ def rank_processes() -> BaseContext:
     starts with the first rank and serves every later one; a fork gets the launcher's environment and
     output streams as they are at its start (`LauncherState`), not the server's."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(RANK_IMPORTS)
+    context.set_forkserver_preload([*RANK_IMPORTS, "hpc_train.resilience.fork_server"])  # it ignores stops
     return context
 
 
@@ -93,6 +94,8 @@ def run_rank(
 ) -> None:
     """The body of a rank process that its launcher may restart: a UserError is printed as a message and
     becomes exit status USER_ERROR_EXIT, which the launcher does not restart."""
+    for stop_signal in STOP_SIGNALS:  # the fork server ignores them (resilience/fork_server.py); a rank does not
+        signal.signal(stop_signal, signal.SIG_DFL)
     launcher.adopt()
     attempt.export()
     # what the process imported (torch's ~300k objects) is never garbage: frozen, the collection each run
@@ -118,8 +121,10 @@ def exit_description(exitcode: int) -> str:
 
 
 def run_task(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any) -> None:
-    """A rank started by srun or torchrun: supervised under Slurm when in-job restarts are allowed (torchrun
-    has its own --max-restarts), else `entry(rank_env, cfg)` in this process."""
+    """A rank started by srun or torchrun: supervised under Slurm when in-job restarts are allowed (and
+    where they are spent, every rank's error names the first rank to fail, its node and how it ended),
+    else `entry(rank_env, cfg)` in this process (srun then reports each task's end, and torchrun has its own
+    --max-restarts)."""
     if rank_env.source == "slurm" and cfg.parallel.max_restarts:
         supervise(entry, rank_env, cfg)
     else:
@@ -136,10 +141,10 @@ def supervise(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any) -> None:
         while (failure := _attempt(entry, rank_env, cfg, attempt, store)) is not None:
             failed_at, user_error, what = failure
             if user_error:
-                raise RankFailed(f"{what} on the error printed in its log")
+                raise RankFailed(f"{FIRST_FAILURE}{what} on the error printed in its log")
             if attempt.number >= cfg.parallel.max_restarts:
-                raise RuntimeError(f"{what}; the parallel.max_restarts={cfg.parallel.max_restarts} in-job restarts "
-                                   f"are spent")  # fmt: skip
+                spent = f"; the parallel.max_restarts={cfg.parallel.max_restarts} in-job restarts are spent"
+                raise RuntimeError(f"{FIRST_FAILURE}{what}{spent if cfg.parallel.max_restarts else ''}")
             attempt = Attempt(attempt.number + 1, failed_at)
             if rank_env.rank == 0:
                 announce_restart(what, attempt, cfg.parallel.max_restarts)
@@ -176,7 +181,8 @@ def _attempt(entry: Callable[..., Any], rank_env: RankEnv, cfg: Any, attempt: At
                 if not store.check([failed]):
                     return None
             elif code is not None:
-                what = f"rank {rank_env.rank} {frozen[rank_env.rank] if frozen else exit_description(code)}"
+                how = frozen[rank_env.rank] if frozen else exit_description(code)
+                what = f"rank {rank_env.rank} on {node_name()} {how}"
                 mine = f"{time.time()!r} {'user' if code == USER_ERROR_EXIT else 'crash'} {what}"
                 if store.compare_set(failed, "", mine).decode() == mine and -code in NODE_SIGNALS and not frozen:
                     blame(cfg.run_dir, node_name(), what)

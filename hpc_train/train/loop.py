@@ -28,7 +28,7 @@ from hpc_train.optim.schedule import lr_at
 from hpc_train.resilience import watchdog
 from hpc_train.resilience.bad_nodes import blame
 from hpc_train.resilience.faults import fault_point
-from hpc_train.resilience.preemption import StopRequest, requeue_slurm_job
+from hpc_train.resilience.preemption import REQUEUE_SIGNALS, StopRequest, describe_stop, requeue_slurm_job
 from hpc_train.resilience.spikes import Rollbacks
 from hpc_train.resilience.stragglers import StragglerMonitor, describe_stragglers
 from hpc_train.resilience.watchdog import HangWatchdog
@@ -167,11 +167,17 @@ def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Ro
     return done
 
 
-def _stop(run: Run, result: TrainResult, step: int) -> TrainResult:
-    """A stop signal, with the state of `step` committed: requeue under Slurm (rank 0), and leave together."""
-    run.report(f"stop signal received: checkpoint of step {step} committed, stopping")
+def _stop(run: Run, result: TrainResult, step: int, signum: int) -> TrainResult:
+    """A stop signal, with the state of `step` committed, and leave together. Only Slurm's warning signal (the
+    time limit near, or a preemption) requeues the job (rank 0): anything else is a user's stop (`scancel`,
+    `hpc-train stop`), which stops."""
+    run.report(f"stop signal received ({describe_stop(signum)}): checkpoint of step {step} committed, stopping")
     if run.metrics:
-        result.requeued = requeue_slurm_job(run.cfg.slurm.max_requeues, run.report, run.cfg.run_dir)
+        if signum in REQUEUE_SIGNALS:
+            result.requeued = requeue_slurm_job(run.cfg.slurm.max_requeues, run.report, run.cfg.run_dir)
+        if not result.requeued:
+            run.report(f"stopped at step {step}: the same command (or `hpc-train submit` of the same config) "
+                       "resumes from it")  # fmt: skip
         run.metrics.close()
     dist.barrier()
     return result
@@ -223,6 +229,7 @@ def _train(
     monitor = StragglerMonitor(cfg.logging, run.device, (run.mesh.rank("pp"), run.mesh.rank("tp")))
     pending: list[Pending] = []
     rollbacks, rolled_back = Rollbacks(t.spike_guard), []  # train.spike_guard's, and those the next record names
+    job_id = {"job_id": os.environ["SLURM_JOB_ID"]} if "SLURM_JOB_ID" in os.environ else {}  # on each record
     interval_start = time.perf_counter()
     step = start_step
     while step < t.steps:
@@ -246,7 +253,9 @@ def _train(
         with hang.paused():
             profile.after_step(step)
         last_memory.update(stats.memory)
-        record = {"step": step, "lr": lr, **run.sampler.progress()}  # samples read (a blend's: tokens per source)
+        # when the step ran (its launch, in Unix seconds) and in which Slurm job; samples read (a blend's: tokens
+        # per source)
+        record = {"step": step, "time": round(time.time(), 3), **job_id, "lr": lr, **run.sampler.progress()}
         first = step == start_step + 1
         if resumed is not None and first:  # where this run picked up, for the record
             record["resumed_from"] = {"step": resumed.step, "layout": resumed.layout, "source": resumed.source,
@@ -275,13 +284,14 @@ def _train(
             with hang.paused():
                 evals = evaluate_all(run)
                 result.eval_losses[step] = evals["eval_loss"]
-        # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank
-        agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum is not None),
+        # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank (SIGTERM's
+        # number is above SIGUSR2's: where ranks saw both, the stop that does not requeue wins)
+        agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum or 0),
                                _first_spike(pending, figures, t.steps)], dtype=torch.float64,
                               device=run.device)  # fmt: skip
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        *peak, stop_flag, spike_at = agreed.tolist()
-        stop_requested = bool(stop_flag)
+        *peak, stop_signal, spike_at = agreed.tolist()
+        stop_requested = int(stop_signal)
         spiked = next((i for i, p in enumerate(pending) if p.record["step"] == -spike_at), None)
         if spiked is not None:
             watchdog.record(step, watchdog.ROLLING_BACK, len(rollbacks.done))
@@ -295,7 +305,7 @@ def _train(
                 result.eval_losses = {s: loss for s, loss in result.eval_losses.items() if s <= step}
                 pending.clear()
                 if stop_requested:  # the checkpoint rolled back to is committed: nothing to save
-                    return _stop(run, result, step)
+                    return _stop(run, result, step, stop_requested)
                 interval_start = time.perf_counter()
                 continue
         records = []
@@ -352,7 +362,7 @@ def _train(
                 run.metrics.write(r, show=r["step"] % cfg.logging.log_interval == 0 or r["step"] == t.steps)
         interval_start = time.perf_counter()
         if stop_requested:  # its save was waited for above
-            return _stop(run, result, step)
+            return _stop(run, result, step, stop_requested)
     fault_point("finished", t.steps, run.rank_env.rank)  # a failure test's late rank, still to record below
     watchdog.record(t.steps, watchdog.CONSOLIDATING, len(rollbacks.done))
     # gathers every shard (collectives) and writes the whole model: the longer allowance

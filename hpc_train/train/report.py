@@ -15,6 +15,7 @@ import torch.distributed as dist
 from hpc_train.bootstrap import describe_rank
 from hpc_train.builder import Run
 from hpc_train.config import to_yaml
+from hpc_train.data.prepare import record_run_tokenizer
 from hpc_train.distributed.parallelize import full_state_dict
 from hpc_train.distributed.pipeline import bubble_fraction
 from hpc_train.models.common.decoder import count_params
@@ -43,6 +44,8 @@ def announce(run: Run, start_step: int) -> StepMeter:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "rank_layout.json").write_text(json.dumps(layout, indent=1))
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        if run.train_set is not None:  # generate and export-hf find it here when the data has moved
+            record_run_tokenizer(run.train_set, run_dir)
         with torch.device("meta"):  # the whole model's size, without allocating it
             n_params = count_params(run.model.spec.build_stage(cfg.model))
         run.metrics.message(

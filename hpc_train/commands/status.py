@@ -1,0 +1,77 @@
+"""`hpc-train status`: for each run, its job (in the queue, else the last one it submitted), the job's state,
+the step reached of train.steps and the newest checkpoint. squeue answers for jobs pending or running
+(launch/queue.py), sacct for the last job that ended."""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import suppress
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from hpc_train.checkpoint.store import CheckpointStore
+from hpc_train.launch.queue import jobs_of, queued_runs, slurm_output
+
+
+def last_job(run_dir: Path, log_dir: Path) -> tuple[str, str] | None:
+    """The newest job submitted for a run (submitit names its script `<job id>_submission.sh` in the log
+    folder) and its state in accounting ('' where sacct does not know it)."""
+    ids = [int(m.group(1)) for p in log_dir.glob("*_submission.sh") if (m := re.match(r"(\d+)_submission", p.name))]
+    if not ids:
+        return None
+    job_id = str(max(ids))
+    out = slurm_output(["sacct", "-j", job_id, "-X", "-n", "-o", "State%40"]) or ""
+    return job_id, (out.split() or [""])[0]
+
+
+def recorded_config(run_dir: Path) -> dict:
+    """The config a run recorded (run_dir/config.yaml), as plain values; {} where there is none."""
+    path = run_dir / "config.yaml"
+    return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The last step metrics.jsonl records (None before the first)."""
+    step = None
+    metrics = run_dir / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        with suppress(json.JSONDecodeError):  # a line being written
+            step = json.loads(line).get("step", step)
+    return step
+
+
+def status_rows(run_dirs: list[str]) -> list[dict[str, str]]:
+    """A row for each run: its job (queued, else the last one), the job's state, the step reached of
+    train.steps and the newest checkpoint. No run dirs: every run with a job in the queue."""
+    queued = queued_runs()
+    if not run_dirs:
+        run_dirs = sorted({job.run_dir for job in queued or []})
+    rows = []
+    for run_dir in run_dirs:
+        path = Path(run_dir)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no run directory {run_dir}")
+        cfg = recorded_config(path)
+        if jobs := jobs_of(run_dir, queued):
+            job_id, state = jobs[0].job_id, jobs[0].state
+        elif last := last_job(path, Path(cfg.get("slurm", {}).get("log_dir") or path / "slurm")):
+            job_id, state = last[0], f"{last[1] or 'unknown'} (not in the queue)"
+        else:
+            job_id, state = "-", "no Slurm job (a local run)"
+        step, total = last_step(path), cfg.get("train", {}).get("steps", "?")
+        store = CheckpointStore(Path(cfg.get("checkpoint", {}).get("dir") or path / "checkpoints"))
+        rows.append({"run": run_dir, "job": job_id, "state": state,
+                     "step": f"{'-' if step is None else step}/{total}",
+                     "checkpoint": store.latest_pointer() or "-"})  # fmt: skip
+    return rows
+
+
+def format_status(rows: list[dict[str, str]]) -> str:
+    if not rows:
+        return "no hpc_train job in the queue (`hpc-train status RUN_DIR` shows a run that has ended)"
+    widths = {key: max(len(key), *(len(row[key]) for row in rows)) for key in rows[0]}
+    lines = ["  ".join(f"{key:<{widths[key]}}" for key in rows[0])]
+    lines += ["  ".join(f"{row[key]:<{widths[key]}}" for key in row) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,99 @@
+"""The cluster's limits, read before a job is submitted: a job that asks a partition for more nodes, time or
+GPUs than it has would sit pending forever (sbatch accepts it, squeue says `PartitionNodeLimit`), and an
+unknown partition or account makes sbatch fail after the script is written. Each problem is one line that
+names the key and the limit. Where Slurm does not answer (a dry run on a laptop) nothing is checked."""
+
+from __future__ import annotations
+
+import getpass
+import re
+import subprocess
+
+from hpc_train.config import ConfigError, JobConfig
+from hpc_train.config.checks import time_limit_seconds
+
+
+def _answer(command: list[str]) -> tuple[int, str] | None:
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.returncode, out.stdout
+
+
+def partitions() -> dict[str, dict[str, str]] | None:
+    """Every partition's fields (`scontrol show partition`), by name; None where Slurm does not answer."""
+    answer = _answer(["scontrol", "show", "partition", "-o"])
+    if answer is None or answer[0]:
+        return None
+    found = {}
+    for line in answer[1].splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        if "PartitionName" in fields:
+            found[fields["PartitionName"]] = fields
+    return found
+
+
+def node_gpus(partition: str) -> list[int] | None:
+    """The GPUs (gres gpu) of each node of a partition; None where sinfo does not answer."""
+    answer = _answer(["sinfo", "-h", "-N", "-p", partition, "-o", "%G"])
+    if answer is None or answer[0]:
+        return None
+    counts = []
+    for gres in answer[1].split():
+        gpus = [int(m.group(1)) for m in re.finditer(r"gpu(?::[^:,()]+)?:(\d+)", gres)]
+        counts.append(sum(gpus))
+    return counts
+
+
+def user_accounts() -> list[str] | None:
+    """The accounts this user may charge (Slurm accounting's associations); None without accounting."""
+    answer = _answer(["sacctmgr", "-n", "-P", "show", "assoc", f"user={getpass.getuser()}", "format=account"])
+    if answer is None or answer[0]:
+        return None
+    return sorted(set(answer[1].split()))
+
+
+def check_partition(cfg: JobConfig, limits: bool = True) -> None:
+    """Raise a ConfigError naming an unknown partition, an account the user cannot charge, and (`limits`)
+    every limit of slurm.partition (or the default partition) the job exceeds."""
+    s = cfg.slurm
+    known = partitions()
+    problems = []
+    if known is not None:
+        name = s.partition or next((n for n, f in known.items() if f.get("Default") == "YES"), None)
+        fields = known.get(name) if name else None
+        if s.partition and fields is None:
+            problems.append(f"slurm.partition={s.partition}: no such partition on this cluster; use one of "
+                            f"{', '.join(sorted(known))} (sinfo lists them)")  # fmt: skip
+        elif fields is not None and limits:
+            problems += _limits(cfg, name, fields)
+    accounts = user_accounts() if s.account else None
+    if accounts and s.account not in accounts:
+        problems.append(f"slurm.account={s.account}: not an account {getpass.getuser()} may charge; use one of "
+                        f"{', '.join(accounts)} (sacctmgr show assoc user=$USER)")  # fmt: skip
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _limits(cfg: JobConfig, name: str, fields: dict[str, str]) -> list[str]:
+    s, problems = cfg.slurm, []
+    nodes = int(fields.get("TotalNodes", "0") or 0)
+    max_nodes = fields.get("MaxNodes", "UNLIMITED")
+    limit = min(nodes, int(max_nodes)) if max_nodes.isdigit() else nodes
+    if nodes and s.nodes > limit:
+        what = f"{nodes} nodes" + (f", at most {max_nodes} a job" if max_nodes.isdigit() else "")
+        problems.append(f"slurm.nodes={s.nodes} but partition {name} has {what}: the job would wait forever; "
+                        f"use slurm.nodes <= {limit} (more slurm.tasks_per_node) or another partition")  # fmt: skip
+    max_time = fields.get("MaxTime", "UNLIMITED")
+    allowed, asked = time_limit_seconds(max_time), time_limit_seconds(s.time)
+    if allowed is not None and asked is not None and asked > allowed:
+        problems.append(f"slurm.time={s.time} exceeds partition {name}'s limit of {max_time}; use slurm.time <= "
+                        f"{max_time} (the job requeues itself at its time limit and resumes)")  # fmt: skip
+    gpus = node_gpus(name) if s.gpus_per_node else None
+    if gpus is not None and s.gpus_per_node > max(gpus, default=0):
+        most = max(gpus, default=0)
+        have, fix = (f"at most {most} GPUs", f"<= {most}") if most else ("no GPUs", "=0 (a CPU job) or a GPU partition")
+        problems.append(f"slurm.gpus_per_node={s.gpus_per_node} but partition {name}'s nodes have {have}; use "
+                        f"slurm.gpus_per_node{fix}")  # fmt: skip
+    return problems

@@ -1,0 +1,78 @@
+"""What Slurm's queue says about runs: a submitted job carries its run directory in its comment
+(`--comment=hpc_train:<run_dir>`), so `submit` finds a job already running a run directory (two jobs would
+write one run's checkpoints), `hpc-train stop` finds the job to stop, and `hpc-train status` shows each run's
+job, its state and its step. squeue answers for jobs pending or running; sacct for the last job that ended."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_train.config import ConfigError
+
+COMMENT_PREFIX = "hpc_train:"
+
+
+def run_comment(run_dir: str) -> str:
+    """The comment `submit` gives a run's job: the run directory, absolute, so any directory finds it."""
+    return COMMENT_PREFIX + str(Path(run_dir).absolute())
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    job_id: str
+    state: str  # squeue's: PENDING, RUNNING, COMPLETING, REQUEUED...
+    run_dir: str
+
+
+def slurm_output(command: list[str]) -> str | None:
+    """A Slurm command's output, or None where it does not answer (no Slurm on this machine)."""
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def queued_runs() -> list[QueuedJob] | None:
+    """Every job in the queue that runs an hpc_train run, whoever submitted it; None without Slurm."""
+    out = slurm_output(["squeue", "-h", "-o", "%i|%T|%k"])
+    if out is None:
+        return None
+    jobs = []
+    for line in out.splitlines():
+        job_id, state, comment = line.split("|", 2)
+        if comment.startswith(COMMENT_PREFIX):
+            jobs.append(QueuedJob(job_id, state, comment.removeprefix(COMMENT_PREFIX)))
+    return jobs
+
+
+def jobs_of(run_dir: str, queued: list[QueuedJob] | None = None) -> list[QueuedJob]:
+    """The queued jobs of a run directory."""
+    path = str(Path(run_dir).absolute())
+    return [job for job in (queued_runs() if queued is None else queued) or [] if job.run_dir == path]
+
+
+def check_no_job_runs(run_dir: str) -> None:
+    """Before a submission: no job in the queue already runs this run directory."""
+    if jobs := jobs_of(run_dir):
+        listed = ", ".join(f"job {job.job_id} ({job.state})" for job in jobs)
+        raise ConfigError(
+            f"{listed} already runs {jobs[0].run_dir}: a second job would write the same run; wait for it to end, "
+            f"stop it with `hpc-train stop {run_dir}` (it saves first), or give this run its own name= or run_dir="
+        )
+
+
+def stop(run_dir: str) -> list[str]:
+    """Stop the run's jobs: a running job's steps get SIGTERM (every rank saves and stops, and the job ends
+    without requeueing); a pending job is cancelled. Returns what was done, a line a job."""
+    done = []
+    for job in jobs_of(run_dir):
+        if job.state == "PENDING":
+            subprocess.run(["scancel", job.job_id], check=True)
+            done.append(f"job {job.job_id} was pending: cancelled")
+        else:
+            subprocess.run(["scancel", "--signal=TERM", job.job_id], check=True)
+            done.append(f"job {job.job_id} ({job.state}): asked its ranks to save and stop")
+    return done
