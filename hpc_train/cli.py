@@ -215,7 +215,10 @@ def world_note(cfg: JobConfig, dims: ParallelDims) -> str:
         return ""
     batch = cfg.train.micro_batch_size * cfg.train.grad_accum  # a data-parallel rank's share of the global batch
     here = f", global batch {nproc // per_dp * batch}" if nproc % per_dp == 0 else ""
-    fix = f"slurm.tasks_per_node={nproc // nodes}" if nproc % nodes == 0 else f"{SLURM_WORLD} = {nproc}"
+    tasks = f"slurm.tasks_per_node={nproc // nodes}" + (
+        f" slurm.gpus_per_node={nproc // nodes}" * bool(cfg.slurm.gpus_per_node)
+    )
+    fix = tasks if nproc % nodes == 0 else f"{SLURM_WORLD} = {nproc}"
     return (f"note: this job runs {dims.world_size} rank(s) ({SLURM_WORLD} = {nodes} x {cfg.slurm.tasks_per_node}), "
             f"global batch {dims.dp * batch}; `hpc-train train` here would run parallel.nproc={nproc}{here} (submit "
             f"does not use parallel.nproc): set {fix} for the same run")  # fmt: skip
@@ -272,9 +275,13 @@ def cmd_stop(args: argparse.Namespace) -> None:
     for run_dir in args.run_dirs:
         done = queue.stop(run_dir)
         print("\n".join(done) if done else f"no job in the queue runs {run_dir}")
+    waited = 0
+    while args.wait and any(queue.jobs_of(run_dir) for run_dir in args.run_dirs):
+        time.sleep(1)
+        waited += 1
+        for run_dir in args.run_dirs if waited % 5 == 0 else []:  # a job requeued or started meanwhile: again
+            queue.stop(run_dir)
     if args.wait:
-        while any(queue.jobs_of(run_dir) for run_dir in args.run_dirs):
-            time.sleep(1)
         print(format_status(status_rows(args.run_dirs)))
 
 

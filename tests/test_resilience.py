@@ -3,7 +3,9 @@ doctor tests an allocation, a rendezvous that cannot complete says why, a loss s
 its data (the in-job restart after a rank dies is in test_checkpoint, next to the other resume tests; under
 Slurm in test_slurm)."""
 
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
 from hpc_train.planner import stage_estimates
 from hpc_train.resilience.faults import fault_point
+from hpc_train.resilience.preemption import REQUEUE, StopRequest
 from hpc_train.resilience.spikes import Rollbacks, SpikeDetector, SpikeStop
 from hpc_train.resilience.stragglers import find_stragglers
 from hpc_train.train.loop import run_training
@@ -359,3 +362,18 @@ def test_local_copies_have_a_partner_on_another_node_and_faults_need_the_test_sw
     assert fault_point("loss", 3, 0) == "nan"
     monkeypatch.delenv("HPC_TRAIN_TESTING")
     assert fault_point("loss", 3, 0) == ""
+
+
+def test_a_users_stop_outweighs_the_time_limit_warning():
+    """Real signals to this process: Slurm's warning alone asks for a requeue; a user's SIGTERM, before or
+    after a warning, is kept as the weightier stop (what the ranks then agree on: stop, no requeue)."""
+    stop = StopRequest().install()
+    try:
+        assert stop.level == 0
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.level == REQUEUE
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGUSR2)  # the warning after the user's stop
+        assert stop.level > REQUEUE
+    finally:
+        stop.uninstall()

@@ -42,29 +42,45 @@ def last_step(run_dir: Path) -> int | None:
     return step
 
 
+def recorded_path(run_dir: Path, cfg: dict, value: str) -> Path:
+    """A path the run's recorded config holds, from here: a relative one was relative to where the run
+    started, which is `run_dir` less the recorded (relative) run_dir."""
+    path, recorded = Path(value), Path(cfg.get("run_dir") or ".")
+    if path.is_absolute() or recorded.is_absolute():
+        return path
+    start = run_dir.resolve()
+    for _ in recorded.parts:
+        start = start.parent
+    return start / path
+
+
 def status_rows(run_dirs: list[str]) -> list[dict[str, str]]:
     """A row for each run: its job (queued, else the last one), the job's state, the step reached of
-    train.steps and the newest checkpoint. No run dirs: every run with a job in the queue."""
+    train.steps and the newest checkpoint. No run dirs: every run of this user's with a job in the queue."""
     queued = queued_runs()
     if not run_dirs:
-        run_dirs = sorted({job.run_dir for job in queued or []})
+        run_dirs = sorted({job.run_dir for job in queued_runs(mine=True) or []})
     rows = []
     for run_dir in run_dirs:
         path = Path(run_dir)
         if not path.is_dir():
-            raise FileNotFoundError(f"no run directory {run_dir}")
+            rows.append({"run": run_dir, "job": "-", "state": "no such run directory", "step": "-", "checkpoint": "-"})
+            continue
         cfg = recorded_config(path)
+        logs, checkpoints = path / "slurm", path / "checkpoints"  # where a run without its config.yaml has them
+        if cfg:
+            logs = recorded_path(path, cfg, cfg["slurm"]["log_dir"] or f"{cfg['run_dir']}/slurm")
+            checkpoints = recorded_path(path, cfg, cfg["checkpoint"]["dir"])
         if jobs := jobs_of(run_dir, queued):
             job_id, state = jobs[0].job_id, jobs[0].state
-        elif last := last_job(path, Path(cfg.get("slurm", {}).get("log_dir") or path / "slurm")):
+        elif last := last_job(path, logs):
             job_id, state = last[0], f"{last[1] or 'unknown'} (not in the queue)"
         else:
             job_id, state = "-", "no Slurm job (a local run)"
         step, total = last_step(path), cfg.get("train", {}).get("steps", "?")
-        store = CheckpointStore(Path(cfg.get("checkpoint", {}).get("dir") or path / "checkpoints"))
         rows.append({"run": run_dir, "job": job_id, "state": state,
                      "step": f"{'-' if step is None else step}/{total}",
-                     "checkpoint": store.latest_pointer() or "-"})  # fmt: skip
+                     "checkpoint": CheckpointStore(checkpoints).latest_pointer() or "-"})  # fmt: skip
     return rows
 
 

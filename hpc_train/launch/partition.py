@@ -7,27 +7,20 @@ from __future__ import annotations
 
 import getpass
 import re
-import subprocess
 
 from hpc_train.config import ConfigError, JobConfig
 from hpc_train.config.checks import time_limit_seconds
-
-
-def _answer(command: list[str]) -> tuple[int, str] | None:
-    try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.returncode, out.stdout
+from hpc_train.launch.queue import slurm_output
 
 
 def partitions() -> dict[str, dict[str, str]] | None:
-    """Every partition's fields (`scontrol show partition`), by name; None where Slurm does not answer."""
-    answer = _answer(["scontrol", "show", "partition", "-o"])
-    if answer is None or answer[0]:
+    """Every partition's fields (`scontrol show partition --all`: hidden ones too), by name; None where Slurm
+    does not answer."""
+    out = slurm_output(["scontrol", "show", "partition", "--all", "-o"])
+    if out is None:
         return None
     found = {}
-    for line in answer[1].splitlines():
+    for line in out.splitlines():
         fields = dict(re.findall(r"(\w+)=(\S*)", line))
         if "PartitionName" in fields:
             found[fields["PartitionName"]] = fields
@@ -36,22 +29,16 @@ def partitions() -> dict[str, dict[str, str]] | None:
 
 def node_gpus(partition: str) -> list[int] | None:
     """The GPUs (gres gpu) of each node of a partition; None where sinfo does not answer."""
-    answer = _answer(["sinfo", "-h", "-N", "-p", partition, "-o", "%G"])
-    if answer is None or answer[0]:
+    out = slurm_output(["sinfo", "-h", "-N", "-p", partition, "-o", "%G"])
+    if out is None:
         return None
-    counts = []
-    for gres in answer[1].split():
-        gpus = [int(m.group(1)) for m in re.finditer(r"gpu(?::[^:,()]+)?:(\d+)", gres)]
-        counts.append(sum(gpus))
-    return counts
+    return [sum(int(m.group(1)) for m in re.finditer(r"gpu(?::[^:,()]+)?:(\d+)", gres)) for gres in out.split()]
 
 
 def user_accounts() -> list[str] | None:
     """The accounts this user may charge (Slurm accounting's associations); None without accounting."""
-    answer = _answer(["sacctmgr", "-n", "-P", "show", "assoc", f"user={getpass.getuser()}", "format=account"])
-    if answer is None or answer[0]:
-        return None
-    return sorted(set(answer[1].split()))
+    out = slurm_output(["sacctmgr", "-n", "-P", "show", "assoc", f"user={getpass.getuser()}", "format=account"])
+    return None if out is None else sorted(set(out.split()))
 
 
 def check_partition(cfg: JobConfig, limits: bool = True) -> None:
@@ -60,16 +47,16 @@ def check_partition(cfg: JobConfig, limits: bool = True) -> None:
     s = cfg.slurm
     known = partitions()
     problems = []
-    if known is not None:
-        name = s.partition or next((n for n, f in known.items() if f.get("Default") == "YES"), None)
-        fields = known.get(name) if name else None
-        if s.partition and fields is None:
-            problems.append(f"slurm.partition={s.partition}: no such partition on this cluster; use one of "
-                            f"{', '.join(sorted(known))} (sinfo lists them)")  # fmt: skip
-        elif fields is not None and limits:
-            problems += _limits(cfg, name, fields)
+    if known is not None:  # sbatch takes a list of partitions (the job runs in the first that can start it)
+        default = [n for n, f in known.items() if f.get("Default") == "YES"]
+        for name in s.partition.split(",") if s.partition else default:
+            if name not in known:
+                problems.append(f"slurm.partition={s.partition}: no partition {name} on this cluster; use one of "
+                                f"{', '.join(sorted(known))} (sinfo lists them)")  # fmt: skip
+            elif limits:
+                problems += _limits(cfg, name, known[name])
     accounts = user_accounts() if s.account else None
-    if accounts and s.account not in accounts:
+    if accounts and s.account.lower() not in accounts:  # Slurm keeps account names in lower case
         problems.append(f"slurm.account={s.account}: not an account {getpass.getuser()} may charge; use one of "
                         f"{', '.join(accounts)} (sacctmgr show assoc user=$USER)")  # fmt: skip
     if problems:

@@ -10,13 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_train.config import ConfigError
+from hpc_train.errors import UserError
 
 COMMENT_PREFIX = "hpc_train:"
 
 
 def run_comment(run_dir: str) -> str:
-    """The comment `submit` gives a run's job: the run directory, absolute, so any directory finds it."""
-    return COMMENT_PREFIX + str(Path(run_dir).absolute())
+    """The comment `submit` gives a run's job: the run directory, resolved (absolute, no `..` or links), so
+    any spelling of it from any directory finds it."""
+    return COMMENT_PREFIX + str(Path(run_dir).resolve())
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,10 @@ def slurm_output(command: list[str]) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def queued_runs() -> list[QueuedJob] | None:
-    """Every job in the queue that runs an hpc_train run, whoever submitted it; None without Slurm."""
-    out = slurm_output(["squeue", "-h", "-o", "%i|%T|%k"])
+def queued_runs(mine: bool = False) -> list[QueuedJob] | None:
+    """Every job in the queue that runs an hpc_train run, whoever submitted it (`mine`: this user's); None
+    without Slurm."""
+    out = slurm_output(["squeue", "-h", "-o", "%i|%T|%k", *(["--me"] if mine else [])])
     if out is None:
         return None
     jobs = []
@@ -50,7 +53,7 @@ def queued_runs() -> list[QueuedJob] | None:
 
 def jobs_of(run_dir: str, queued: list[QueuedJob] | None = None) -> list[QueuedJob]:
     """The queued jobs of a run directory."""
-    path = str(Path(run_dir).absolute())
+    path = str(Path(run_dir).resolve())
     return [job for job in (queued_runs() if queued is None else queued) or [] if job.run_dir == path]
 
 
@@ -64,15 +67,24 @@ def check_no_job_runs(run_dir: str) -> None:
         )
 
 
+# squeue states of a job whose ranks may be training: they get the stop signal; any other queued job (pending,
+# requeued, held, suspended, configuring: no rank has started) is cancelled, and a completing one is ending
+TRAINING = ("RUNNING",)
+
+
 def stop(run_dir: str) -> list[str]:
     """Stop the run's jobs: a running job's steps get SIGTERM (every rank saves and stops, and the job ends
-    without requeueing); a pending job is cancelled. Returns what was done, a line a job."""
+    without requeueing); a job not running yet is cancelled. Returns what was done, a line a job."""
     done = []
     for job in jobs_of(run_dir):
-        if job.state == "PENDING":
-            subprocess.run(["scancel", job.job_id], check=True)
-            done.append(f"job {job.job_id} was pending: cancelled")
-        else:
-            subprocess.run(["scancel", "--signal=TERM", job.job_id], check=True)
-            done.append(f"job {job.job_id} ({job.state}): asked its ranks to save and stop")
+        if job.state == "COMPLETING":
+            done.append(f"job {job.job_id} is already ending (COMPLETING)")
+            continue
+        training = job.state in TRAINING
+        command = ["scancel", *(["--signal=TERM"] if training else []), job.job_id]
+        out = subprocess.run(command, capture_output=True, text=True)
+        if out.returncode:
+            raise UserError(f"`{' '.join(command)}` failed: {out.stderr.strip()}")
+        done.append(f"job {job.job_id} ({job.state}): " + ("asked its ranks to save and stop" if training else
+                                                           "no rank had started: cancelled"))  # fmt: skip
     return done

@@ -177,8 +177,8 @@ def task_logs(job, task: int) -> tuple[Path, Path]:
 
 SUPERVISOR_ERROR = "Submitted job triggered an exception"  # submitit's line before a task's traceback
 # srun's line for a task that ended badly, in the batch step's stderr (rank 0's log): `srun: error: n2: task 3:
-# Killed`, `... task 1: Exited with exit code 1`; `tasks 0-1: ...` for several at once
-SRUN_TASK_END = re.compile(r"^srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.+)$", re.MULTILINE)
+# Killed`, `... task 1: Exited with exit code 1`; `tasks 0-1: ...`, `tasks 0,2: ...` for several at once
+SRUN_TASK_END = re.compile(r"^srun: error: (\S+): tasks? (\d+)[\d,-]*: (.+)$", re.MULTILINE)
 
 
 def first_failure(texts: list[str]) -> tuple[int, str, bool] | None:
@@ -252,7 +252,7 @@ def stopped_at(job) -> int | None:
     None (it finished, failed, or was requeued)."""
     stdout = task_logs(job, 0)[0]
     text = stdout.read_text(errors="replace") if stdout.is_file() else ""
-    steps = re.findall(r"^stopped at step (\d+): ", text, re.MULTILINE)
+    steps = re.findall(r"^stopped on request at step (\d+): ", text, re.MULTILINE)
     return int(steps[-1]) if steps else None
 
 

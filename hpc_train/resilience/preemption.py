@@ -17,19 +17,24 @@ import subprocess
 from hpc_train.bootstrap import STOP_SIGNALS
 from hpc_train.resilience.bad_nodes import exclusion
 
-REQUEUE_SIGNALS = (signal.SIGUSR2,)
+# a stop signal's weight, which the ranks agree on (a MAX): a user's stop outweighs the warning, whichever
+# came first, so a job stopped near its time limit is not requeued
+STOP_LEVELS = {signal.SIGUSR2: 1, signal.SIGTERM: 2}
+REQUEUE = STOP_LEVELS[signal.SIGUSR2]  # the level that requeues the job
 
 
-def describe_stop(signum: int) -> str:
-    """A stop signal's name and who sends it, for the log."""
-    if signum in REQUEUE_SIGNALS:
-        return f"{signal.Signals(signum).name}: Slurm's warning before the time limit or a preemption"
-    return f"{signal.Signals(signum).name}: scancel, `hpc-train stop` or a preemption"
+def describe_stop(level: int) -> str:
+    """A stop level's signal and who sends it, for the log."""
+    if level == REQUEUE:
+        return "SIGUSR2: Slurm's warning before the time limit or a preemption"
+    return "SIGTERM: scancel, `hpc-train stop` or a preemption"
 
 
 class StopRequest:
+    """The stop signals this process received, as the weightiest one's level (0: none)."""
+
     def __init__(self) -> None:
-        self.signum: int | None = None
+        self.level = 0
         self._previous = {}
 
     def install(self) -> StopRequest:
@@ -38,7 +43,7 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
+        self.level = max(self.level, STOP_LEVELS[signal.Signals(signum)])
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():

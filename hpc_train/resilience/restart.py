@@ -61,7 +61,7 @@ def rank_processes() -> BaseContext:
     starts with the first rank and serves every later one; a fork gets the launcher's environment and
     output streams as they are at its start (`LauncherState`), not the server's."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload([*RANK_IMPORTS, "hpc_train.resilience.fork_server"])  # it ignores stops
+    context.set_forkserver_preload(["hpc_train.resilience.fork_server", *RANK_IMPORTS])  # it ignores stops
     return context
 
 

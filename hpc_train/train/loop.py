@@ -28,7 +28,7 @@ from hpc_train.optim.schedule import lr_at
 from hpc_train.resilience import watchdog
 from hpc_train.resilience.bad_nodes import blame
 from hpc_train.resilience.faults import fault_point
-from hpc_train.resilience.preemption import REQUEUE_SIGNALS, StopRequest, describe_stop, requeue_slurm_job
+from hpc_train.resilience.preemption import REQUEUE, StopRequest, describe_stop, requeue_slurm_job
 from hpc_train.resilience.spikes import Rollbacks
 from hpc_train.resilience.stragglers import StragglerMonitor, describe_stragglers
 from hpc_train.resilience.watchdog import HangWatchdog
@@ -167,17 +167,17 @@ def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Ro
     return done
 
 
-def _stop(run: Run, result: TrainResult, step: int, signum: int) -> TrainResult:
-    """A stop signal, with the state of `step` committed, and leave together. Only Slurm's warning signal (the
-    time limit near, or a preemption) requeues the job (rank 0): anything else is a user's stop (`scancel`,
-    `hpc-train stop`), which stops."""
-    run.report(f"stop signal received ({describe_stop(signum)}): checkpoint of step {step} committed, stopping")
+def _stop(run: Run, result: TrainResult, step: int, level: int) -> TrainResult:
+    """A stop signal (its agreed level), with the state of `step` committed, and leave together. Only Slurm's
+    warning signal (the time limit near, or a preemption) requeues the job (rank 0): SIGTERM is a user's stop
+    (`scancel`, `hpc-train stop`), which stops."""
+    run.report(f"stop signal received ({describe_stop(level)}): checkpoint of step {step} committed, stopping")
     if run.metrics:
-        if signum in REQUEUE_SIGNALS:
+        if level == REQUEUE:
             result.requeued = requeue_slurm_job(run.cfg.slurm.max_requeues, run.report, run.cfg.run_dir)
-        if not result.requeued:
-            run.report(f"stopped at step {step}: the same command (or `hpc-train submit` of the same config) "
-                       "resumes from it")  # fmt: skip
+        else:  # launch/slurm.py's `stopped_at` reads this line
+            run.report(f"stopped on request at step {step}: the same command (or `hpc-train submit` of the same "
+                       "config) resumes from it")  # fmt: skip
         run.metrics.close()
     dist.barrier()
     return result
@@ -284,14 +284,14 @@ def _train(
             with hang.paused():
                 evals = evaluate_all(run)
                 result.eval_losses[step] = evals["eval_loss"]
-        # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank (SIGTERM's
-        # number is above SIGUSR2's: where ranks saw both, the stop that does not requeue wins)
-        agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.signum or 0),
+        # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank (the weightiest:
+        # where ranks saw both, the user's stop, which does not requeue, wins)
+        agreed = torch.tensor([*map(float, peak_memory_bytes(run.device)), float(stop.level),
                                _first_spike(pending, figures, t.steps)], dtype=torch.float64,
                               device=run.device)  # fmt: skip
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        *peak, stop_signal, spike_at = agreed.tolist()
-        stop_requested = int(stop_signal)
+        *peak, stop_level, spike_at = agreed.tolist()
+        stop_requested = int(stop_level)
         spiked = next((i for i, p in enumerate(pending) if p.record["step"] == -spike_at), None)
         if spiked is not None:
             watchdog.record(step, watchdog.ROLLING_BACK, len(rollbacks.done))
