@@ -100,6 +100,11 @@ def test_partition_limits_are_read_before_submitting(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["submit", "configs/tiny.yaml", *TWO_BY_TWO, *overrides, "--dry-run"])
         assert exit_info.value.code == 2
+    # the user's accounts (root's is root; a user with none has no account checked)
+    assoc = ["sacctmgr", "-n", "-P", "show", "assoc", f"user={getpass.getuser()}", "format=account"]
+    accounts = subprocess.run(assoc, capture_output=True, text=True, check=True).stdout.split()
+    account = [f"hpc-train: error: slurm.account=nosuch: not an account {getpass.getuser()} may charge; use one of "
+               f"{', '.join(sorted(set(accounts)))} (sacctmgr show assoc user=$USER)"] if accounts else []  # fmt: skip
     assert capsys.readouterr().err.splitlines() == [
         "hpc-train: error: slurm.nodes=2 but partition short has 2 nodes, at most 1 a job: the job would wait "
         "forever; use slurm.nodes <= 1 (more slurm.tasks_per_node) or another partition",
@@ -107,8 +112,7 @@ def test_partition_limits_are_read_before_submitting(capsys):
         "00:10:00 (the job requeues itself at its time limit and resumes)",
         "hpc-train: error: slurm.gpus_per_node=2 but partition short's nodes have no GPUs; use "
         "slurm.gpus_per_node=0 (a CPU job) or a GPU partition",
-        f"hpc-train: error: slurm.account=nosuch: not an account {getpass.getuser()} may charge; use one of root "
-        "(sacctmgr show assoc user=$USER)",
+        *account,
         "hpc-train: error: slurm.partition=gpu: no partition gpu on this cluster; use one of debug, short (sinfo "
         "lists them)",
     ]
