@@ -100,7 +100,7 @@ def save_hf(
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
         if tokenizer:
             transformers.GenerationConfig(**ids).save_pretrained(tmp)
-            save_tokenizer(tmp, tokenizer, cfg.context_len)
+            save_tokenizer(tmp, tokenizer, special, cfg.context_len)
     return Path(out)
 
 
@@ -117,12 +117,13 @@ def check_tokenizer(tokenizer: str, vocab_size: int) -> dict[str, tuple[str, int
         raise ConfigError(f"tokenizer {err}: an export names its end-of-document token as eos") from None
 
 
-def save_tokenizer(folder: str | os.PathLike, tokenizer: str, context: int) -> None:
+def save_tokenizer(
+    folder: str | os.PathLike, tokenizer: str, special: dict[str, tuple[str, int]], context: int
+) -> None:
     """What `transformers.AutoTokenizer.from_pretrained(folder)` loads (tokenizer.json, tokenizer_config.json),
     written by transformers' fast tokenizer over `tokenizer`'s tokenizer.json, with its bos and eos tokens
-    and `context` as its model_max_length."""
+    (`special`, as `check_tokenizer` gives them) and `context` as its model_max_length."""
     transformers, tokenizers = require_module("transformers"), require_module("tokenizers")
-    special = special_tokens(tokenizer)
     backend = tokenizers.Tokenizer.from_str(tokenizer_json(tokenizer))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special["bos"][0],
                                                 eos_token=special["eos"][0], model_max_length=context)  # fmt: skip

@@ -178,11 +178,10 @@ def save_peft_adapters(out: str, cfg: JobConfig, state: dict[str, torch.Tensor],
               "lora_dropout": ft.lora_dropout, "target_modules": sorted(set(theirs.values())), "bias": "none",
               "fan_in_fan_out": fan_in_fan_out, "inference_mode": True,
               "base_model_name_or_path": None}  # fmt: skip
-    if tokenizer:
-        check_tokenizer(tokenizer, cfg.model.vocab_size)
+    special = check_tokenizer(tokenizer, cfg.model.vocab_size) if tokenizer else None
     with written_into(out) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))
-        if tokenizer:
-            save_tokenizer(tmp, tokenizer, cfg.model.context_len)
+        if special:
+            save_tokenizer(tmp, tokenizer, special, cfg.model.context_len)
     return Path(out)

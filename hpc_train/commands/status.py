@@ -57,9 +57,9 @@ def recorded_path(run_dir: Path, cfg: dict, value: str) -> Path:
 def status_rows(run_dirs: list[str]) -> list[dict[str, str]]:
     """A row for each run: its job (queued, else the last one), the job's state, the step reached of
     train.steps and the newest checkpoint. No run dirs: every run of this user's with a job in the queue."""
-    queued = queued_runs()
+    queued = queued_runs(mine=not run_dirs)  # named run directories: anyone's jobs
     if not run_dirs:
-        run_dirs = sorted({job.run_dir for job in queued_runs(mine=True) or []})
+        run_dirs = sorted({job.run_dir for job in queued or []})
     rows = []
     for run_dir in run_dirs:
         path = Path(run_dir)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import submitit
 
 from hpc_train.bootstrap import RankEnv, detect_rank_env
 from hpc_train.config import JobConfig, time_limit_minutes, to_yaml
-from hpc_train.launch.queue import run_comment
+from hpc_train.launch.queue import run_comment, slurm_output
 from hpc_train.resilience.bad_nodes import exclusion
 from hpc_train.resilience.restart import FIRST_FAILURE, run_task
 
@@ -45,16 +44,12 @@ def node_memory_mb(cfg: JobConfig) -> tuple[int, str] | None:
     if mem and int(mem.rstrip("KMGTkmgt")):
         unit = mem[-1].upper() if mem[-1].isalpha() else "M"
         return int(int(mem.rstrip("KMGTkmgt")) * MB_PER_UNIT[unit]), f"slurm.mem={mem}"
-    command = ["sinfo", "-h", "-o", "%P %m", *(["-p", cfg.slurm.partition] if cfg.slurm.partition else [])]
-    try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):  # no sinfo here, or none that runs
-        return None
-    rows = [line.split() for line in out.stdout.splitlines() if len(line.split()) == 2]
+    out = slurm_output(["sinfo", "-h", "-o", "%P %m", *(["-p", cfg.slurm.partition] if cfg.slurm.partition else [])])
+    rows = [line.split() for line in (out or "").splitlines() if len(line.split()) == 2]
     if not cfg.slurm.partition:  # every partition is listed: the job goes to the default one, marked with a '*'
         rows = [row for row in rows if row[0].endswith("*")]
     sizes = [int(m.group()) for _, size in rows if (m := re.match(r"[0-9]+", size))]  # '8000+': nodes differ
-    if out.returncode or not sizes:
+    if not sizes:  # no sinfo here, none that answers, or no such partition
         return None
     return min(sizes), f"sinfo, partition {rows[0][0].rstrip('*')}"
 

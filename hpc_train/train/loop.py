@@ -291,7 +291,7 @@ def _train(
                               device=run.device)  # fmt: skip
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         *peak, stop_level, spike_at = agreed.tolist()
-        stop_requested = int(stop_level)
+        stop_level = int(stop_level)  # 0: no stop
         spiked = next((i for i, p in enumerate(pending) if p.record["step"] == -spike_at), None)
         if spiked is not None:
             watchdog.record(step, watchdog.ROLLING_BACK, len(rollbacks.done))
@@ -304,8 +304,8 @@ def _train(
                 del result.losses[step - start_step :]
                 result.eval_losses = {s: loss for s, loss in result.eval_losses.items() if s <= step}
                 pending.clear()
-                if stop_requested:  # the checkpoint rolled back to is committed: nothing to save
-                    return _stop(run, result, step, stop_requested)
+                if stop_level:  # the checkpoint rolled back to is committed: nothing to save
+                    return _stop(run, result, step, stop_level)
                 interval_start = time.perf_counter()
                 continue
         records = []
@@ -337,7 +337,7 @@ def _train(
             _report_stragglers(run, slow["stragglers"], step)
         watchdog.record(step, 2, len(rollbacks.done))
         hang.disarm()
-        saving = run.checkpointer.should_save(step, stop_requested)
+        saving = run.checkpointer.should_save(step, stop_level)
         saving_locally = not saving and run.checkpointer.should_save_local(step)
         if (saving or saving_locally) and run.metrics:  # the interval's earlier steps on disk, its last with it
             for r in records[:-1]:
@@ -353,7 +353,7 @@ def _train(
             # its collectives hang like a step's; its writes may take long: the longer allowance
             with hang.timed(step, "checkpoint save", watchdog.START_ALLOWANCE):
                 record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
-                if stop_requested or step == t.steps:  # the last save: nothing to overlap; its commit on this record
+                if stop_level or step == t.steps:  # the last save: nothing to overlap; its commit on this record
                     record["checkpoint"].update(run.checkpointer.wait() or {})
         if committed := run.checkpointer.poll():  # an async save committed during this interval
             record["checkpoint_committed"] = committed
@@ -361,8 +361,8 @@ def _train(
             for r in records:
                 run.metrics.write(r, show=r["step"] % cfg.logging.log_interval == 0 or r["step"] == t.steps)
         interval_start = time.perf_counter()
-        if stop_requested:  # its save was waited for above
-            return _stop(run, result, step, stop_requested)
+        if stop_level:  # its save was waited for above
+            return _stop(run, result, step, stop_level)
     fault_point("finished", t.steps, run.rank_env.rank)  # a failure test's late rank, still to record below
     watchdog.record(t.steps, watchdog.CONSOLIDATING, len(rollbacks.done))
     # gathers every shard (collectives) and writes the whole model: the longer allowance
