@@ -12,7 +12,8 @@ every pipeline rank is estimated and the worst reported (`estimate`): the first 
 micro-batches, a middle one two receive buffers per micro-batch, the last the head and the loss. Validated
 against exact CPU measurement in tests/test_planner.py: every category within 5%, and the total within
 5% of the step's measured peak of live tensor bytes. On CUDA the caching allocator adds fragmentation on
-top, which is not modelled, and norms may keep fp32 copies CPU autocast does not.
+top, which is not modelled (the norms run outside autocast, so CUDA's autocast keeps no fp32 copy of their
+input: models/common/norms.py; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class MemoryEstimate:
     stage: int = 0  # the pipeline rank these bytes are of
     stages: int = 1  # pp
     disk: int = 0  # on the node's own disk: the optimizer state under optim.offload=nvme
+    weight_casts: int = 0  # autocast's casts of fp32 weights, through forward and backward (zero_stage 0, bf16/fp16)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -273,6 +275,20 @@ def stage_activation_bytes(cfg: JobConfig, pp_rank: int, parts: StageActivations
     return kept
 
 
+def weight_cast_bytes(cfg: JobConfig, pp_rank: int, parts: StageActivations) -> int:
+    """Autocast's casts of the weights of the stages pipeline rank `pp_rank` holds (zero_stage 0 in
+    bf16/fp16): one per weight, from its first forward to the end of the step's last backward."""
+    m, p = cfg.model, cfg.parallel
+    num_stages = p.pp * p.virtual_stages
+    per_stage = m.n_layers // num_stages
+    total = 0
+    for stage in stage_ids(pp_rank, p.pp, p.virtual_stages, p.schedule):
+        layers = range(stage * per_stage, (stage + 1) * per_stage)
+        total += sum(parts.weight_casts_block + parts.moe_weight_casts * is_moe_layer(m, i) for i in layers)
+        total += parts.weight_casts_last_stage if stage == num_stages - 1 else 0
+    return total
+
+
 def in_flight(cfg: JobConfig, pp_rank: int = 0) -> float:
     """Micro-batches (of all its chunks) pipeline rank `pp_rank` holds at its peak: counted on the schedule's
     own actions where torch lists them (`in_flight_chunks`; a zero-bubble schedule holds a micro-batch until
@@ -437,7 +453,9 @@ def stage_estimate(
         block_trainable = local.largest_block * trainable // local.total  # LoRA: the block's adapters
         fresh = element * (max(local.trainable_sizes) if cls.takes_grads_in_backward else block_trainable)
     optimizer = masters + rule_state_bytes(rule_class(o), owned, local)
-    working = parts.block_backward + added.working
+    recompute = block_policy(cfg)  # a block recomputed whole gathers nothing again
+    regathers = any(recompute(i) != "full" for i in range(cfg.model.n_layers // (p.pp * p.virtual_stages)))
+    working = parts.block_backward + parts.regathered_input * regathers + added.working
     if local.full_size_embedding_grad and not (o.overlap_grad_reduce or cls.takes_grads_in_backward):
         vocab_rows = get_spec(cfg.model.arch).padded_vocab_size(cfg.model, dims.tp)
         grads += vocab_rows * cfg.model.d_model * 4 * (dims.tp - 1) // dims.tp
@@ -482,14 +500,15 @@ def stage_estimate(
     # pipeline's warmup ends with the first backward), or stage 2's owned slices from begin_step
     chunks = flight * p.virtual_stages
     held = cls.grads_before_backward or cfg.train.grad_accum * p.virtual_stages > chunks
-    start = activations + awaiting + (grads if held else 0)
+    casts = weight_cast_bytes(cfg, pp_rank, parts)  # through forward and backward
+    start = casts + activations + awaiting + (grads if held else 0)
     start += max(loss_backward, (0 if held else first) + max(0, block + fresh + working - head))
-    end = grads + parts.layer["none"] + working + at_end
+    end = casts + grads + parts.layer["none"] + working + at_end
     total = param_bytes + optimizer + static + max(start, end, grads + update)
     comm = static + max(block, at_end, update)
     return MemoryEstimate(param_bytes, grads, optimizer, per_micro, math.ceil(flight), activations, comm,
                           loss_backward, fresh + working, host, total, added.host, host_copy, pp_rank,
-                          dims.pp, disk)  # fmt: skip
+                          dims.pp, disk, casts)  # fmt: skip
 
 
 def plans_memory_copy(cfg: JobConfig) -> bool:
@@ -844,6 +863,7 @@ def format_estimate(cfg: JobConfig, dims: ParallelDims, plan: MemoryEstimate, gp
         ("communication buffers (the most at once)", plan.comm_buffers),
         ("loss backward (one chunk, transient)", plan.loss_backward),
         ("a block's backward (transient)", plan.block_backward),
+        *([("weights' casts (autocast's, the step's)", plan.weight_casts)] if plan.weight_casts else []),
         ("total at the peak", plan.total),
     ]  # fmt: skip
     cp = f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""

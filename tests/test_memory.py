@@ -170,3 +170,38 @@ def test_activation_offload_refusals_name_the_fix(make_cfg):
     with pytest.raises(ConfigError, match="moves no block here.*use activation_offload=full or recompute fewer"):
         check_run(make_cfg("model.activation_offload=selective", "model.n_layers=1"), 1, check_paths=False)
     check_run(make_cfg("model.activation_offload=selective"), 1, check_paths=False)
+
+
+def test_a_block_keeps_megatrons_32_bytes_per_sbh_element_over_tp_with_sequence_parallelism(small_corpus, tmp_path):
+    """A GPT-2 block with selective recompute under tensor parallelism t with sequence parallelism keeps
+    32/t bytes per s·b·h element (Korthikanti et al.'s 34/t less the dropout masks): the projections keep
+    their input sharded and gather it again in backward, and at ZeRO-0 (autocast over fp32 weights) the
+    residual stream is bf16 and the weights' casts are the step's, not the micro-batch's. Measured tensor
+    by tensor at tp2 and tp4 (tools/activation_table.py), and the planner's formula says the same; with
+    the gathered inputs kept instead, the same run keeps more, runs as many matmuls and gives the same loss
+    and gradients to the bit."""
+    from hpc_train.job import check_run, load_config
+    from hpc_train.planner import estimate, format_estimate
+    from tools.activation_table import LAYOUTS, MODEL, per_element, tables
+
+    layouts = {f"{name} zero{z}": (w, [*o, f"optim.zero_stage={z}"]) for name, (w, o) in LAYOUTS.items()
+               for z in (0, 1)}  # fmt: skip
+    results = tables([], small_corpus, tmp_path, layouts)
+    for name, table in results.items():
+        assert per_element(table) * table["tp"] == pytest.approx(32, abs=0.1), (name, table["tensors"])
+        assert table["planned"] == pytest.approx(sum(table["tensors"].values()), rel=0.01), name
+        # the same run keeping the gathered inputs keeps 2 bytes more per element of each, whole, and runs
+        # as many matmuls: backward gathers again, it does not multiply again
+        kept = table["kept_gathered"]
+        assert per_element({**kept, "sbh": table["sbh"]}) - per_element(table) == pytest.approx(
+            4 - 4 / table["tp"], abs=0.01
+        )
+        assert kept["matmuls"] == table["matmuls"] > 0
+        assert table["same_gradients"] and kept["loss"] == table["loss"]
+    # ZeRO-0's weight casts are the step's: their own line in the plan (the grid's gpt2_tp2_sp_bf16_autocast
+    # total checks their bytes against the measured peak), none at ZeRO-1
+    for z in (0, 1):
+        cfg = load_config(None, [*MODEL, *LAYOUTS["tp2"][1], f"optim.zero_stage={z}", "parallel.nproc=4"])
+        dims = check_run(cfg, 4, check_paths=False)
+        plan = estimate(cfg, dims)
+        assert (plan.weight_casts > 0) == (z == 0) == ("weights' casts" in format_estimate(cfg, dims, plan, 2**30))

@@ -47,6 +47,9 @@ class ActivationShape:
     # the attention core keeps its output apart from the copy the output projection reads (context
     # parallelism's Ulysses: SDPA's, in head shards)
     core_output_copy: bool = False
+    # tensor parallelism's column-parallel projections keep their sequence-parallel input sharded and gather it
+    # again in backward (models/common/regather.py); not in compiled blocks, nor under LoRA (costs.py `regathered`)
+    regather: bool = False
     # rows of the RoPE tables a stage keeps (0: the whole table, seq_len rows): a cp rank gathers its
     # positions' rows, and with data.reset_position_ids every row of the micro-batch its own
     rope_rows: int = 0
@@ -66,12 +69,21 @@ class StageActivations:
     # alive while a block's backward runs, beyond what it keeps: the gradients of its output (the residual
     # stream) and of its widest activation (the MLP's hidden)
     block_backward: int = 0
+    # ... and, where a block is not recomputed whole, the projections' input gathered again while its backward
+    # runs (sequence parallelism: models/common/regather.py)
+    regathered_input: int = 0
     # what an MoE block keeps beyond a dense one, unless it is recomputed whole
     moe_block: int = 0
     # held between a split backward's input half and its weight half (interleaved_zb, zbv, dualpipev): the
     # gradients reaching the outputs of a block's projections and norms, and of the last stage's head
     weight_grads_block: int = 0
     weight_grads_last_stage: int = 0
+    # autocast's casts of fp32 weights (zero_stage 0 in bf16/fp16): one per weight for the whole step, whatever
+    # the micro-batches in flight or the recompute: a block's linear layers (an MoE block's dense and shared
+    # ones: `moe_weight_casts` more) and the last stage's head
+    weight_casts_block: int = 0
+    moe_weight_casts: int = 0
+    weight_casts_last_stage: int = 0
 
     def block(self, choice: str, moe: bool = False) -> int:
         """What one block keeps, by its recompute choice (and whether it is an MoE block)."""

@@ -1,6 +1,7 @@
 """Exact memory accounting by category on any device: parameters, gradients, optimizer state, and the
 activations autograd saves for backward (counted through `saved_tensors_hooks`: each storage once,
-parameters excluded; a recomputed region contributes only what its checkpoint keeps). And, when asked,
+parameters and autocast's casts of them excluded; a recomputed region contributes only what its checkpoint
+keeps). And, when asked,
 a step's peak of live tensor bytes as a whole (`StepPeak`), what the planner's total is checked against."""
 
 from __future__ import annotations
@@ -43,6 +44,24 @@ def is_parameter(t: torch.Tensor, key: int, parameter_storages: set[int]) -> boo
     return key in parameter_storages or isinstance(t._base if t._base is not None else t, torch.nn.Parameter)
 
 
+_VIEWS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+          "ExpandBackward0"}  # fmt: skip
+
+
+def is_weight_cast(t: torch.Tensor) -> bool:
+    """Whether a saved tensor is autocast's cast of a linear layer's weight (or a view of it): autocast
+    keeps one cast per weight while its context lasts (the whole step, every micro-batch), so it is not a
+    micro-batch's activation. A bf16 or fp16 copy of a 2-D fp32 parameter; the routed experts' stacked
+    weights are cast by their module at each forward, and the router's to fp32: those are activations."""
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEWS:
+        fn = fn.next_functions[0][0]
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or t.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    weight = getattr(fn.next_functions[0][0], "variable", None)  # an AccumulateGrad's leaf
+    return isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and weight.dtype == torch.float32
+
+
 class SavedActivations:
     """Context manager counting the bytes saved for backward inside it: `bytes` in all, and `peak_bytes`,
     the most alive at once. A storage is alive from its first save until backward has used it for the
@@ -57,7 +76,7 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key, nbytes = storage_key_and_bytes(t)
-        if is_parameter(t, key, self.param_storages):
+        if is_parameter(t, key, self.param_storages) or is_weight_cast(t):
             return t
         entry = self.live.setdefault(key, [0, nbytes])
         if entry[0] == 0:

@@ -6,6 +6,7 @@ transfer over PCIe both ways (overlapping compute where it can; the planner coun
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,8 @@ from hpc_train.features.activation_offload.options import ActivationOffloadOptio
 from hpc_train.features.feature import Feature, Links, Memory
 from hpc_train.features.regional_compile import CompileOptions
 from hpc_train.models.common.moe import is_moe_layer
-from hpc_train.models.spec import StageActivations, StageModule
+from hpc_train.models.common.regather import keep_gathered_inputs
+from hpc_train.models.spec import ActivationShape, StageActivations, StageModule
 
 
 def enabled(*, model: ActivationOffloadOptions) -> bool:
@@ -67,6 +69,15 @@ def offload_blocks(stage: StageModule, plan: StagePlan, *, model: ActivationOffl
     blocks = list(stage.layers.values())
     for i in offloaded_blocks(model.activation_offload, [block_policy(i) for i in range(len(blocks))]):
         blocks[i].forward = OffloadedForward(blocks[i].forward, offload)
+    for block in blocks:  # (`activation_shape`)
+        keep_gathered_inputs(block)
+
+
+def activation_shape(shape: ActivationShape) -> ActivationShape:
+    """No block gathers its projections' input again in backward: an offloaded block's region would keep its
+    matmul outputs on the device, while the gathered input goes to the host with the rest (and the stage's
+    other blocks are planned alike)."""
+    return dataclasses.replace(shape, regather=False)
 
 
 class OffloadFigures(StepHooks):
@@ -132,6 +143,7 @@ FEATURE = Feature(
     enabled=enabled,
     check=check,
     transform=offload_blocks,
+    activation_shape=activation_shape,
     hooks=hooks,
     activations=activations,
     memory=memory,

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hpc_train.observe.memory import is_parameter, storage_key_and_bytes
+from hpc_train.observe.memory import is_parameter, is_weight_cast, storage_key_and_bytes
 
 
 @dataclass
@@ -74,7 +74,8 @@ class StageOffload:
     def pack(self, group: Group, t: torch.Tensor) -> torch.Tensor | HostCopy:
         key, nbytes = storage_key_and_bytes(t)
         local = t._local_tensor if isinstance(t, DTensor) else t
-        if is_parameter(t, key, self.kept) or type(local) is not torch.Tensor:  # a weight, a buffer, a subclass
+        # a weight (or autocast's cast of one, kept for the step anyway), a buffer, a subclass
+        if is_parameter(t, key, self.kept) or is_weight_cast(t) or type(local) is not torch.Tensor:
             return t
         if key not in group.originals:
             group.originals[key] = t

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from hpc_train.config import choice, non_negative, positive
 from hpc_train.distributed.transforms import StagePlan
 from hpc_train.features.feature import Feature
+from hpc_train.models.common.regather import keep_gathered_inputs
 from hpc_train.models.spec import ActivationShape, StageModule
 
 
@@ -37,11 +38,15 @@ def enabled(*, model: RecomputeOptions) -> bool:
 
 
 def apply_recompute(stage: StageModule, plan: StagePlan, *, model: RecomputeOptions) -> None:
-    """The transform: each block's switches, by its place in the stage."""
+    """The transform: each block's switches, by its place in the stage. A block recomputed whole keeps
+    nothing inside it, so its projections do not gather their input again in backward as well (tensor
+    parallelism, an earlier transform, set `regather`: models/common/regather.py)."""
     for i, block in enumerate(stage.layers.values()):
         choice_ = recompute_choice(model, i)
         block.recompute_all = choice_ == "full"
         block.attn.recompute_core = choice_ == "selective"
+        if block.recompute_all:
+            keep_gathered_inputs(block)
 
 
 def block_policy(*, model: RecomputeOptions) -> Callable[[int], str]:

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from hpc_train.config import ParallelConfig
+from hpc_train.config.schema import SPLIT_BACKWARD
 from hpc_train.distributed.transforms import StagePlan
 from hpc_train.features.float8.linears import float8_tp_plan
 from hpc_train.models.spec import ModelSpec, StageModule
@@ -37,8 +38,20 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
 
 
 def shard(stage: StageModule, plan: StagePlan, *, parallel: ParallelConfig) -> None:
-    """The transform: `stage` sharded over the mesh's tp dimension (with sequence parallelism if asked)."""
+    """The transform: `stage` sharded over the mesh's tp dimension (with sequence parallelism if asked, the
+    projections reading an all-gathered input keep this rank's slice for backward and gather it again there:
+    models/common/regather.py; not under a schedule that splits backward in two, which a checkpointed
+    region does not allow)."""
     apply_tensor_parallel(stage, plan.spec, plan.mesh.sub("tp"), parallel.sequence_parallel)
+    if regathers_input(parallel):
+        for module in stage.modules():
+            if hasattr(module, "sequence_gather"):
+                module.regather = True
+
+
+def regathers_input(parallel: ParallelConfig) -> bool:
+    """Whether the column-parallel projections gather their input again in backward."""
+    return parallel.sequence_parallel and parallel.tp > 1 and parallel.schedule not in SPLIT_BACKWARD
 
 
 def sharded_parameter_names(model: nn.Module, plan: dict[str, ParallelStyle]) -> set[str]:

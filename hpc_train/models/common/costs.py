@@ -55,6 +55,20 @@ def frozen_mlp_keeps(mlp: type, targets: set[str]) -> tuple[bool, int]:
     return input_kept, mlp.saved_widths - down_input_dropped
 
 
+def regathered(shape: ActivationShape) -> bool:
+    """Whether the column-parallel projections keep the rank's slice of their input and gather it again in
+    backward (models/common/regather.py `regathers`): where tensor parallelism has them do it, in full
+    training, not compiled."""
+    return shape.regather and not shape.compiled and not shape.lora_targets
+
+
+def projection_input_bytes(shape: ActivationShape, d: int, kept: bool) -> int:
+    """What the column-parallel projections reading one norm's output keep of it for backward (nothing when
+    `kept` is False: all frozen, no adapter reads it): the input whole, in the compute dtype the norm
+    returns (autocast's cast of it is the input itself); the rank's slice where `regathered`."""
+    return kept * (shape.tokens // shape.tp if regathered(shape) else shape.tokens) * d * shape.element_bytes
+
+
 def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape, casts: bool) -> int:
     """What an MoE block keeps for backward beyond a dense block (its saved-tensor trace on CPU, torch 2.13),
     with T tokens, A = T x top_k assignments (fewer under a capacity), E experts, h the expert width:
@@ -88,9 +102,8 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     assigned = routed_tokens * m.top_k
     if m.capacity_factor:
         assigned = min(assigned, m.num_experts * math.ceil(m.capacity_factor * assigned / m.num_experts))
-    # the block's MLP input: one cast per projection under autocast, else the input itself
-    mlp_input = tokens * d * e * (len(mlp.column_parallel) if casts else 1)
-    dense = mlp_input * input_kept + widths * tokens * f * e // tp + (matrices * d * f * e // tp if casts else 0)
+    mlp_input = tokens * d * e  # the block's MLP input, in the compute dtype (autocast's cast of it is itself)
+    dense = mlp_input * input_kept + widths * tokens * f * e // tp
     copies = e != 4 and not casts  # bf16 weights: the router reads an fp32 copy of its input and weight
     router = routed_tokens * (d * 4 * (not lora) + m.num_experts * 4 + 12 * m.top_k + 4)
     router += copies * d * m.num_experts * 4
@@ -104,10 +117,9 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     routed += assigned * 8 if m.grouped_mm else 0
     routed += assigned * d * 4 + (matrices * m.num_experts * d * hidden * e if casts else 0)
     moe = router + routed
-    if shared:  # its input: the fp32 router input itself, or (bf16 weights, LoRA) the input, or its own casts
+    if shared:  # its input: the fp32 router input itself, or (bf16, LoRA, sequence parallelism) the input
         own_input = e != 4 or casts or bool(lora) or shape.sequence_parallel
         moe += mlp_input * own_input * input_kept + widths * tokens * shared * e // tp
-        moe += matrices * d * shared * e // tp if casts else 0
     return moe - dense
 
 
@@ -116,7 +128,8 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     model width, a heads, f the MLP width) per block:
 
       two norms       arch.norm_saved_bytes each (the family's module says what its norm keeps)
-      matmul inputs   2 (the normed input of attention and of the MLP, in the activation dtype)
+      matmul inputs   2 (the normed input of attention and of the MLP, in the activation dtype); under
+                      sequence parallelism the rank's slice of each, 2/tp (`projection_input_bytes`)
       q, k, v         1 + 2 kv/a (after RoPE where rotary), kept by SDPA
       attention out   1 (shared with wo's input; 2 with `shape.core_output_copy`), plus SDPA's fp32
                       logsumexp of T x a
@@ -128,8 +141,9 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     Biases keep nothing; learned positions are a slice of a parameter. Fused SDPA never keeps the s x s
     attention matrix, so Korthikanti et al.'s 5as/h term does not exist here, and `selective` recompute
     saves only the logsumexp; `full` keeps only the block's input. Under tp everything after the
-    column-parallel matmuls is divided by tp; with sequence parallelism the norm regions are too (the
-    gathered matmul inputs are not).
+    column-parallel matmuls is divided by tp; with sequence parallelism everything is (Megatron's 32/tp
+    without dropout for GPT-2 with selective recompute): the gathered matmul inputs are gathered again in
+    backward, which holds one of them, whole, while a block's backward runs.
 
     With LoRA (`shape.lora_targets`) a frozen projection keeps no input and a frozen norm no output: only
     the inputs of adapted projections are kept (once per input, however many adapters read it), plus
@@ -140,29 +154,27 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     backward rather than keeping them; the family's norm and MLP say which (calibrated against CPU
     inductor, torch 2.13), and selective recompute's attention output is recomputed with its core.
 
-    Autocast over fp32 weights (`shape.autocast_casts`): each projection keeps its own cast of its input
-    (wq, wk and wv one each) and of its weight (measured on CPU; autocast caches only the weights' casts),
-    and the residual stream (the norms' and a full-recompute block's input) is fp32. Float8 projections
-    (`shape.float8`) keep the parameter itself, no cast of the weight."""
+    Autocast over fp32 weights (`shape.autocast_casts`): the residual stream is in the compute dtype all the
+    same (the embeddings' output is cast, the norms return their input's dtype), so each projection's cast
+    of its input is the input itself; autocast's cast of each weight is kept once for the whole step
+    (`weight_casts_block`, not an activation: autocast caches it for every micro-batch). Float8
+    projections (`shape.float8`) keep the parameter itself, no cast of the weight."""
     tokens, tp, e = shape.tokens, shape.tp, shape.element_bytes
     d, a, kv, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, arch.ffn_size(cfg)
     mlp, targets = arch.mlp, set(shape.lora_targets)
     norm_tokens = tokens // tp if shape.sequence_parallel else tokens
     casts = shape.autocast_casts and not targets
-    residual_bytes = 4 if casts else e  # the norms' inputs
-    norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, shape.compiled)
-    final_norm = arch.norm_saved_bytes(norm_tokens, d, residual_bytes, not targets, False)  # outside compiled blocks
+    norm = arch.norm_saved_bytes(norm_tokens, d, e, not targets, shape.compiled)
+    final_norm = arch.norm_saved_bytes(norm_tokens, d, e, not targets, False)  # outside compiled blocks
     # with LoRA a frozen projection keeps no input: only an adapter's matmul does (and its rank-wide output)
     mlp_input_kept, mlp_widths = frozen_mlp_keeps(mlp, targets)
-    inputs_kept = 2 if not targets else bool(targets & {"wq", "wk", "wv"}) + mlp_input_kept
-    if casts:  # one input cast per projection reading a norm's output, and every weight's cast
-        inputs_kept = 3 + len(mlp.column_parallel)
-    weight_casts = block_matmul_weights(cfg, arch) * e // tp if casts and not shape.float8 else 0
+    attention_input_kept = not targets or bool(targets & {"wq", "wk", "wv"})
+    inputs = projection_input_bytes(shape, d, attention_input_kept) + projection_input_bytes(shape, d, mlp_input_kept)
     mlp_widths -= mlp.recomputed_when_compiled * shape.compiled
     attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)
     selective = (
         2 * norm
-        + inputs_kept * tokens * d * e
+        + inputs
         + tokens * d * e * (1 + 2 * kv / a) // tp
         + mlp_widths * tokens * f * e // tp
         + len(targets) * tokens * shape.lora_rank * e
@@ -185,24 +197,19 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     moe_block = moe_extra_bytes(cfg, arch, shape, casts) if arch.moe and cfg.moe.num_experts else 0
     return StageActivations(
         layer={
-            "none": int(selective + attention_out * (1 + shape.core_output_copy) + tokens * a * 4 // tp + weight_casts),
+            "none": int(selective + attention_out * (1 + shape.core_output_copy) + tokens * a * 4 // tp),
             # compiled, the selective region's output is recomputed with it rather than kept for wo
-            "selective": int(
-                selective + attention_out * (not targets or "wo" in targets) * (not shape.compiled) + weight_casts
-            ),
-            "full": norm_tokens * d * residual_bytes,
+            "selective": int(selective + attention_out * (not targets or "wo" in targets) * (not shape.compiled)),
+            "full": norm_tokens * d * e,
         },
         every_stage=2 * (shape.rope_rows or cfg.seq_len) * (d // a) * 4 if arch.rotary else 0,  # fp32 cos, sin
         first_stage=first,
         # the head's input (not for a frozen head), the loss's (none when chunked: each chunk is recomputed in
         # backward) and the targets
-        last_stage=final_norm
-        + tokens * d * e * (not targets)
-        + logits_kept
-        + tokens * 8
-        + (vocab * d * e // tp if casts else 0),  # the head weight's cast
+        last_stage=final_norm + tokens * d * e * (not targets) + logits_kept + tokens * 8,
         loss_backward=loss_backward,
-        block_backward=tokens * f * e // tp + norm_tokens * d * residual_bytes + shape.document_tile * (e + 2),
+        block_backward=tokens * f * e // tp + norm_tokens * d * e + shape.document_tile * (e + 2),
+        regathered_input=regathered(shape) * tokens * d * e,
         moe_block=moe_block,
         # wq, wk, wv; wo and the MLP's row-parallel output whole; its column-parallel outputs; the two norms
         weight_grads_block=(
@@ -214,4 +221,18 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         * e,
         # the logits' gradient, chunked too (each chunk's stays for the head's weight half), and the final norm's
         weight_grads_last_stage=(tokens * vocab // tp + norm_tokens * d) * e,
+        weight_casts_block=block_matmul_weights(cfg, arch) * e // tp * (casts and not shape.float8),
+        moe_weight_casts=moe_weight_cast_bytes(cfg, arch, shape) * casts,
+        weight_casts_last_stage=vocab * d * e // tp * casts,
     )
+
+
+def moe_weight_cast_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape) -> int:
+    """What autocast's casts of an MoE block's linear weights take beyond a dense block's: its shared
+    experts' instead of the dense MLP (the routed experts cast their own weights at each forward, kept as
+    activations: `moe_extra_bytes`)."""
+    if not (arch.moe and cfg.moe.num_experts):
+        return 0
+    f, matrices = arch.ffn_size(cfg), len(arch.mlp.column_parallel) + 1
+    shared = expert_hidden(cfg, f) * cfg.moe.num_shared_experts
+    return matrices * cfg.d_model * (shared - f) * shape.element_bytes // shape.tp

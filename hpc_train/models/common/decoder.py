@@ -26,6 +26,7 @@ from hpc_train.config import ConfigError, ModelConfig
 from hpc_train.data.batch import SequenceShard
 from hpc_train.models.common.document_attention import flex_document_attention, tiled_document_attention
 from hpc_train.models.common.moe import MoE, is_moe_layer
+from hpc_train.models.common.regather import gathered_projections
 from hpc_train.models.spec import param_generator
 from hpc_train.placement import distribute_like
 
@@ -114,6 +115,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=bias)
+        # where the input enters wq, wk and wv: tensor parallelism's all-gather of a sequence-sharded input
+        self.sequence_gather = nn.Identity()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, documents: torch.Tensor | None = None
@@ -121,10 +124,9 @@ class Attention(nn.Module):
         """`cos`, `sin`: the RoPE tables (or each row's, (batch, 1, seq, head_dim)), or None with learned
         positions. `documents`: each token's document, (batch, seq) of the whole sample (under context
         parallelism too: the core masks the keys it gets from other ranks); None: causal over the sample."""
-        batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k, v = gathered_projections(self, x, ("wq", "wk", "wv"))
+        batch, seq, _ = q.shape  # (the whole sequence: `x` may be this rank's slice of it)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if cos is not None:
             if cos.dim() == 2:  # one table for every row
                 cos, sin = cos[:seq], sin[:seq]
@@ -242,6 +244,8 @@ class Decoder(nn.Module):
                 else:
                     at = slice(None, x.shape[1]) if self.shard is None else self.shard.positions(x.shape[1], x.device)
                     x = self.sequence_scatter(x + learned.weight[at])
+            if torch.is_autocast_enabled(x.device.type):  # the residual stream in the compute dtype (fp32 weights)
+                x = x.to(torch.get_autocast_dtype(x.device.type))
         cos, sin = (self.rope_cos, self.rope_sin) if self.arch.rotary else (None, None)
         if cos is not None and positions is not None:  # each row's tables, broadcast over the heads
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

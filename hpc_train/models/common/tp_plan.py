@@ -23,6 +23,9 @@ def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, Parall
     stay sharded for `loss_parallel`. Between blocks the residual stream is a plain local tensor: full
     (replicated) without sequence parallelism, this rank's slice of the sequence with it."""
     stream = Shard(1) if sequence_parallel else Replicate()
+    # the column-parallel projections read the stream whole: all-gathered where they read it with sequence
+    # parallelism (models/common/regather.py)
+    gather = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
     plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         if model.pos_embeddings is None:
@@ -40,26 +43,33 @@ def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, Parall
     mlp = model.arch.mlp
     for name in model.layers:
         block = {
-            "attn": PrepareModuleInput(
-                input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
+            "attn": entering(stream, others=2),  # (x, cos, sin)
+            "attn.sequence_gather": gather,
             "attn.wq": ColwiseParallel(),
             "attn.wk": ColwiseParallel(),
             "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=stream),
-            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "mlp": entering(stream),
+            "mlp.sequence_gather": gather,
             **{f"mlp.{layer}": ColwiseParallel() for layer in mlp.column_parallel},
             f"mlp.{mlp.row_parallel}": RowwiseParallel(output_layouts=stream),
         }
         if isinstance(model.layers[name].mlp, MoE):
             block.update(moe_tp_plan(model.layers[name].mlp, mlp, stream))
-            del block[f"mlp.{mlp.row_parallel}"]
+            del block[f"mlp.{mlp.row_parallel}"], block["mlp.sequence_gather"]
             for layer in mlp.column_parallel:
                 del block[f"mlp.{layer}"]
         if sequence_parallel:
             block.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
         plan.update({f"layers.{name}.{key}": style for key, style in block.items()})
     return plan
+
+
+def entering(stream: Replicate | Shard, others: int = 0) -> PrepareModuleInput:
+    """A module taking the residual stream (and `others` arguments left alone) as it is, as a DTensor: where
+    float8's styles cast it, once for the module's projections and before any gather."""
+    layouts = (stream, *[None] * others)
+    return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts)
 
 
 def moe_tp_plan(moe: MoE, mlp: type, stream: Replicate | Shard) -> dict[str, ParallelStyle]:
@@ -72,7 +82,9 @@ def moe_tp_plan(moe: MoE, mlp: type, stream: Replicate | Shard) -> dict[str, Par
         "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(stream,), use_local_output=True)
     }
     if moe.shared is not None:
-        plan["mlp.shared"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+        plan["mlp.shared"] = entering(stream)
+        plan["mlp.shared.sequence_gather"] = PrepareModuleInput(input_layouts=(stream,),
+                                                                desired_input_layouts=(Replicate(),))  # fmt: skip
         plan.update({f"mlp.shared.{layer}": ColwiseParallel() for layer in mlp.column_parallel})
         plan[f"mlp.shared.{mlp.row_parallel}"] = RowwiseParallel(output_layouts=stream)
     return plan

@@ -8,6 +8,8 @@ from torch import nn
 
 from hpc_train.config import ModelConfig
 from hpc_train.models.common.decoder import Architecture
+from hpc_train.models.common.norms import LayerNorm
+from hpc_train.models.common.regather import gathered_projections
 from hpc_train.models.gpt2.costs import layer_norm_saved_bytes
 
 
@@ -20,9 +22,11 @@ class GeluMLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(d_model, hidden, bias=bias)
         self.proj = nn.Linear(hidden, d_model, bias=bias)  # residual projection
+        self.sequence_gather = nn.Identity()  # where tensor parallelism all-gathers a sequence-sharded input
 
     def forward(self, x):
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        (hidden,) = gathered_projections(self, x, self.column_parallel)
+        return self.proj(F.gelu(hidden, approximate="tanh"))
 
 
 def ffn_size(cfg: ModelConfig) -> int:
@@ -30,7 +34,7 @@ def ffn_size(cfg: ModelConfig) -> int:
 
 
 ARCH = Architecture(
-    norm=lambda width, eps: nn.LayerNorm(width, eps=eps),
+    norm=lambda width, eps: LayerNorm(width, eps=eps),
     mlp=GeluMLP,
     ffn_size=ffn_size,
     linear_bias=True,

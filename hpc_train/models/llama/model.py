@@ -10,6 +10,8 @@ from torch import nn
 
 from hpc_train.config import ModelConfig
 from hpc_train.models.common.decoder import Architecture
+from hpc_train.models.common.norms import RMSNorm
+from hpc_train.models.common.regather import gathered_projections
 from hpc_train.models.llama.costs import rms_norm_saved_bytes
 
 
@@ -23,9 +25,11 @@ class SwiGLU(nn.Module):
         self.w1 = nn.Linear(d_model, hidden, bias=bias)  # gate
         self.w3 = nn.Linear(d_model, hidden, bias=bias)  # up
         self.w2 = nn.Linear(hidden, d_model, bias=bias)  # down (residual projection)
+        self.sequence_gather = nn.Identity()  # where tensor parallelism all-gathers a sequence-sharded input
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = gathered_projections(self, x, self.column_parallel)
+        return self.w2(F.silu(gate) * up)
 
 
 def ffn_size(cfg: ModelConfig) -> int:
@@ -36,7 +40,7 @@ def ffn_size(cfg: ModelConfig) -> int:
 
 
 ARCH = Architecture(
-    norm=lambda width, eps: nn.RMSNorm(width, eps=eps),
+    norm=lambda width, eps: RMSNorm(width, eps=eps),
     mlp=SwiGLU,
     ffn_size=ffn_size,
     linear_bias=False,
