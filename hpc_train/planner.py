@@ -503,7 +503,8 @@ def stage_estimate(
     casts = weight_cast_bytes(cfg, pp_rank, parts)  # through forward and backward
     start = casts + activations + awaiting + (grads if held else 0)
     start += max(loss_backward, (0 if held else first) + max(0, block + fresh + working - head))
-    end = casts + grads + parts.layer["none"] + working + at_end
+    # the first block's backward: what it keeps (recomputed whole, its projections' inputs gathered)
+    end = casts + grads + parts.layer["none"] + parts.regather_saving * (recompute(0) == "full") + working + at_end
     total = param_bytes + optimizer + static + max(start, end, grads + update)
     comm = static + max(block, at_end, update)
     return MemoryEstimate(param_bytes, grads, optimizer, per_micro, math.ceil(flight), activations, comm,

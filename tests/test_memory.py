@@ -188,7 +188,9 @@ def test_a_block_keeps_megatrons_32_bytes_per_sbh_element_over_tp_with_sequence_
                for z in (0, 1)}  # fmt: skip
     results = tables([], small_corpus, tmp_path, layouts)
     for name, table in results.items():
-        assert per_element(table) * table["tp"] == pytest.approx(32, abs=0.1), (name, table["tensors"])
+        # (at ZeRO-0 the norms keep their fp32 weight and bias cast to bf16 each forward: 0.16 of the 32 at
+        # this tiny width and sequence, nothing at scale)
+        assert per_element(table) * table["tp"] == pytest.approx(32, abs=0.2), (name, table["tensors"])
         assert table["planned"] == pytest.approx(sum(table["tensors"].values()), rel=0.01), name
         # the same run keeping the gathered inputs keeps 2 bytes more per element of each, whole, and runs
         # as many matmuls: backward gathers again, it does not multiply again

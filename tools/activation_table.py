@@ -5,7 +5,8 @@ dropout masks). One real forward and backward per layout on the ranks of one loc
 saved tensors are counted as observe/memory.py counts them (each storage once, parameters and autocast's
 casts of them left out: those are the step's, not a micro-batch's), and
 named by the module that saved them and the operation that made them. The planner's figure for the same
-block is printed beside the measured total.
+block is printed beside the measured total (a rotary model's tables, which the planner counts once per
+stage, show in the block's table: 0.5 of its bytes per element here).
 
     python tools/activation_table.py                      # GPT-2, bf16, ZeRO-1, selective recompute
     python tools/activation_table.py optim.zero_stage=0 model.arch=llama
@@ -31,7 +32,8 @@ from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.distributed.parallelize import forward_backward
 from hpc_train.job import JobConfig, load_config
 from hpc_train.launch.local import launch_sequence
-from hpc_train.models.common.regather import MATMULS, keep_gathered_inputs
+from hpc_train.models.common.moe import is_moe_layer
+from hpc_train.models.common.regather import keep_gathered_inputs
 from hpc_train.observe.memory import is_parameter, is_weight_cast, storage_key_and_bytes
 from hpc_train.placement import local
 from hpc_train.planner import activation_parts
@@ -65,6 +67,11 @@ class BlockSaves:
             module = self.where[-1].removeprefix(BLOCK).lstrip(".") or "block"
             self.by_tensor[f"{module:<18} {made_by:<22} {str(t.dtype).removeprefix('torch.'):<9} {layout}"] += nbytes
         return t
+
+
+# plain, biased, batched and float8's scaled
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten._scaled_mm.default}  # fmt: skip
 
 
 class CountMatmuls(TorchDispatchMode):
@@ -113,7 +120,7 @@ def tables(overrides: list[str], corpus: str, base: Path, layouts: dict = LAYOUT
     out = {}
     for name, cfg in cfgs.items():
         m = cfg.model
-        planned = activation_parts(cfg).block(m.recompute)
+        planned = activation_parts(cfg).block(m.recompute, is_moe_layer(m, int(BLOCK.split(".")[1])))
         built, kept = json.loads((base / f"{name}.json").read_text())
         out[name] = {**built, "kept_gathered": kept, "tp": cfg.parallel.tp, "planned": planned,
                      "sbh": cfg.train.micro_batch_size * m.seq_len * m.d_model}  # fmt: skip

@@ -124,11 +124,10 @@ LAYOUTS = {  # name -> (world size, overrides)
     ),  # fmt: skip
     "qlora_zero1_full": (1, [*QLORA, "optim.zero_stage=1", "model.recompute=full"]),
     "qlora_fp32_pp2": (2, [*QLORA, "train.precision=fp32", "parallel.pp=2", "train.grad_accum=4"]),
-    # autocast over fp32 weights (zero_stage 0): each projection keeps its own casts of input and weight
+    # autocast over fp32 weights (zero_stage 0): the residual stream in the compute dtype, and autocast's cast of
+    # each weight kept for the step; under sequence parallelism too, the projections' inputs gathered again
     "bf16_autocast": (1, ["train.precision=bf16"]),
     "gpt2_fp16_autocast_selective": (1, ["model.arch=gpt2", "train.precision=fp16", "model.recompute=selective"]),
-    # ... and under sequence parallelism only the row-parallel ones' weight casts (the column-parallel ones'
-    # are made again in backward with their gathered input)
     "gpt2_tp2_sp_bf16_autocast": (2, ["model.arch=gpt2", "parallel.tp=2", SP, "train.precision=bf16"]),
     "bf16_autocast_full": (1, ["train.precision=bf16", "model.recompute=full"]),
     # compiled blocks keep fewer tensors (inductor recomputes cheap ones); the loss in chunks keeps no logits

@@ -34,8 +34,8 @@ class ActivationShape:
     lora_targets: tuple[str, ...] = ()  # LoRA's adapted projections (everything else frozen); () = full training
     lora_rank: int = 0
     compiled: bool = False  # train.compile: inductor recomputes some cheap tensors rather than keeping them
-    # autocast over fp32 weights (zero_stage 0 in bf16/fp16): `element_bytes` is the autocast dtype's, the
-    # residual stream stays fp32, and every matmul keeps its own low-precision copy of its input and weight
+    # autocast over fp32 weights (zero_stage 0 in bf16/fp16): `element_bytes` is the autocast dtype's (the
+    # residual stream's too), and autocast keeps a cast of each weight for the step
     autocast_casts: bool = False
     # train.fp8: the projections are float8 linears, which keep their input and their weight itself (a view
     # of the parameter) for backward, never a cast of the weight
@@ -72,6 +72,9 @@ class StageActivations:
     # ... and, where a block is not recomputed whole, the projections' input gathered again while its backward
     # runs (sequence parallelism: models/common/regather.py)
     regathered_input: int = 0
+    # what regathering saves a block: a block recomputed whole (which does not regather) keeps that much more
+    # than `layer["none"]` while its backward runs
+    regather_saving: int = 0
     # what an MoE block keeps beyond a dense one, unless it is recomputed whole
     moe_block: int = 0
     # held between a split backward's input half and its weight half (interleaved_zb, zbv, dualpipev): the

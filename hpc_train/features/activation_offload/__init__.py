@@ -74,9 +74,8 @@ def offload_blocks(stage: StageModule, plan: StagePlan, *, model: ActivationOffl
 
 
 def activation_shape(shape: ActivationShape) -> ActivationShape:
-    """No block gathers its projections' input again in backward: an offloaded block's region would keep its
-    matmul outputs on the device, while the gathered input goes to the host with the rest (and the stage's
-    other blocks are planned alike)."""
+    """No block gathers its projections' input again in backward: an offloaded block sends the gathered input
+    to the host with the rest (and the stage's other blocks are planned alike)."""
     return dataclasses.replace(shape, regather=False)
 
 

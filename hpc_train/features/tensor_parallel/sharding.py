@@ -40,8 +40,8 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
 def shard(stage: StageModule, plan: StagePlan, *, parallel: ParallelConfig) -> None:
     """The transform: `stage` sharded over the mesh's tp dimension (with sequence parallelism if asked, the
     projections reading an all-gathered input keep this rank's slice for backward and gather it again there:
-    models/common/regather.py; not under a schedule that splits backward in two, which a checkpointed
-    region does not allow)."""
+    models/common/regather.py; not under a schedule that splits backward in two, where the gathered input
+    would stay from one half to the other)."""
     apply_tensor_parallel(stage, plan.spec, plan.mesh.sub("tp"), parallel.sequence_parallel)
     if regathers_input(parallel):
         for module in stage.modules():
@@ -51,7 +51,8 @@ def shard(stage: StageModule, plan: StagePlan, *, parallel: ParallelConfig) -> N
 
 def regathers_input(parallel: ParallelConfig) -> bool:
     """Whether the column-parallel projections gather their input again in backward."""
-    return parallel.sequence_parallel and parallel.tp > 1 and parallel.schedule not in SPLIT_BACKWARD
+    split_backward = parallel.pp > 1 and parallel.schedule in SPLIT_BACKWARD
+    return parallel.sequence_parallel and parallel.tp > 1 and not split_backward
 
 
 def sharded_parameter_names(model: nn.Module, plan: dict[str, ParallelStyle]) -> set[str]:

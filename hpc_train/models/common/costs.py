@@ -86,7 +86,8 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
 
     The routed experts are replicated over tp, so only the shared experts' part is divided by it; under
     sequence parallelism the router and routed experts see the rank's T / tp tokens, and the shared experts
-    read their own gathered input (the router reads the rank's slice). With LoRA
+    gather their own input (the router reads the rank's slice), which they keep as `projection_input_bytes`
+    says. With LoRA
     (`shape.lora_targets`; the router and routed experts frozen) neither the router's input nor the routed
     rows and their down projection's input are kept, and the dense and shared MLPs keep what
     `decoder_activations` says a frozen MLP keeps. Returned as the difference to the dense MLP
@@ -102,8 +103,8 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     assigned = routed_tokens * m.top_k
     if m.capacity_factor:
         assigned = min(assigned, m.num_experts * math.ceil(m.capacity_factor * assigned / m.num_experts))
-    mlp_input = tokens * d * e  # the block's MLP input, in the compute dtype (autocast's cast of it is itself)
-    dense = mlp_input * input_kept + widths * tokens * f * e // tp
+    mlp_input = projection_input_bytes(shape, d, input_kept)  # what the dense MLP keeps of its input
+    dense = mlp_input + widths * tokens * f * e // tp
     copies = e != 4 and not casts  # bf16 weights: the router reads an fp32 copy of its input and weight
     router = routed_tokens * (d * 4 * (not lora) + m.num_experts * 4 + 12 * m.top_k + 4)
     router += copies * d * m.num_experts * 4
@@ -117,9 +118,10 @@ def moe_extra_bytes(cfg: ModelConfig, arch: Architecture, shape: ActivationShape
     routed += assigned * 8 if m.grouped_mm else 0
     routed += assigned * d * 4 + (matrices * m.num_experts * d * hidden * e if casts else 0)
     moe = router + routed
-    if shared:  # its input: the fp32 router input itself, or (bf16, LoRA, sequence parallelism) the input
-        own_input = e != 4 or casts or bool(lora) or shape.sequence_parallel
-        moe += mlp_input * own_input * input_kept + widths * tokens * shared * e // tp
+    if shared:  # its input: the fp32 router input itself (the rank's slice under sequence parallelism, where
+        # it is gathered again in backward), or its own (bf16, LoRA, sequence parallelism keeping the gathered input)
+        own_input = e != 4 or casts or bool(lora) or (shape.sequence_parallel and not regathered(shape))
+        moe += mlp_input * own_input + widths * tokens * shared * e // tp
     return moe - dense
 
 
@@ -141,9 +143,11 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     Biases keep nothing; learned positions are a slice of a parameter. Fused SDPA never keeps the s x s
     attention matrix, so Korthikanti et al.'s 5as/h term does not exist here, and `selective` recompute
     saves only the logsumexp; `full` keeps only the block's input. Under tp everything after the
-    column-parallel matmuls is divided by tp; with sequence parallelism everything is (Megatron's 32/tp
-    without dropout for GPT-2 with selective recompute): the gathered matmul inputs are gathered again in
-    backward, which holds one of them, whole, while a block's backward runs.
+    column-parallel matmuls is divided by tp; with sequence parallelism the norm regions are too, and where
+    `regathered` the matmul inputs as well (Megatron's 32/tp without dropout for GPT-2 with selective
+    recompute): they are gathered again in backward, which holds one of them, whole, while a block's
+    backward runs (`regathered_input`), and a block recomputed whole keeps them whole while its backward
+    runs (`regather_saving`).
 
     With LoRA (`shape.lora_targets`) a frozen projection keeps no input and a frozen norm no output: only
     the inputs of adapted projections are kept (once per input, however many adapters read it), plus
@@ -170,6 +174,7 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
     mlp_input_kept, mlp_widths = frozen_mlp_keeps(mlp, targets)
     attention_input_kept = not targets or bool(targets & {"wq", "wk", "wv"})
     inputs = projection_input_bytes(shape, d, attention_input_kept) + projection_input_bytes(shape, d, mlp_input_kept)
+    inputs_whole = (attention_input_kept + mlp_input_kept) * tokens * d * e  # kept by a block recomputed whole
     mlp_widths -= mlp.recomputed_when_compiled * shape.compiled
     attention_out = tokens * d * e // tp  # kept by SDPA, or else for wo (not for a frozen wo without adapter)
     selective = (
@@ -210,6 +215,7 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         loss_backward=loss_backward,
         block_backward=tokens * f * e // tp + norm_tokens * d * e + shape.document_tile * (e + 2),
         regathered_input=regathered(shape) * tokens * d * e,
+        regather_saving=inputs_whole - inputs,
         moe_block=moe_block,
         # wq, wk, wv; wo and the MLP's row-parallel output whole; its column-parallel outputs; the two norms
         weight_grads_block=(
@@ -222,7 +228,7 @@ def decoder_activations(cfg: ModelConfig, shape: ActivationShape, *, arch: Archi
         # the logits' gradient, chunked too (each chunk's stays for the head's weight half), and the final norm's
         weight_grads_last_stage=(tokens * vocab // tp + norm_tokens * d) * e,
         weight_casts_block=block_matmul_weights(cfg, arch) * e // tp * (casts and not shape.float8),
-        moe_weight_casts=moe_weight_cast_bytes(cfg, arch, shape) * casts,
+        moe_weight_casts=moe_weight_cast_bytes(cfg, arch, shape) * (casts and not shape.float8),
         weight_casts_last_stage=vocab * d * e // tp * casts,
     )
 

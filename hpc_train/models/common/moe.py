@@ -184,7 +184,7 @@ def dispatch_to_experts(experts: Experts, rows: torch.Tensor, counts: torch.Tens
     back in the rows' order. The counts are exchanged first (equal splits), so every rank knows its splits:
     read to the host once (both directions' split sizes at once), the only read of an MoE layer."""
     ep, device = dist.get_world_size(group), rows.device.type
-    if torch.is_autocast_enabled(device):  # sent in the compute dtype (the residual stream may be fp32)
+    if torch.is_autocast_enabled(device):  # sent in the compute dtype
         rows = rows.to(torch.get_autocast_dtype(device))
     held = counts.numel() // ep
     received = torch.empty_like(counts)
