@@ -260,32 +260,34 @@ def activation_bytes(cfg: JobConfig, pp_rank: int = 0, parts: StageActivations |
     return sum(stage_activation_bytes(cfg, pp_rank, parts).values()) + moved
 
 
+def stage_layers(cfg: JobConfig, pp_rank: int) -> list[tuple[int, range, bool]]:
+    """The stages pipeline rank `pp_rank` holds: (stage, its layers' global indices, whether it is the last)."""
+    p = cfg.parallel
+    num_stages = p.pp * p.virtual_stages
+    per_stage = cfg.model.n_layers // num_stages
+    return [(stage, range(stage * per_stage, (stage + 1) * per_stage), stage == num_stages - 1)
+            for stage in stage_ids(pp_rank, p.pp, p.virtual_stages, p.schedule)]  # fmt: skip
+
+
 def stage_activation_bytes(cfg: JobConfig, pp_rank: int, parts: StageActivations) -> dict[int, int]:
     """What the family's formula says one micro-batch keeps on each stage pipeline rank `pp_rank` holds."""
-    m, p = cfg.model, cfg.parallel
     policy = block_policy(cfg)
-    num_stages = p.pp * p.virtual_stages
-    per_stage = m.n_layers // num_stages
     kept = {}
-    for stage in stage_ids(pp_rank, p.pp, p.virtual_stages, p.schedule):
-        kept[stage] = sum(parts.block(policy(i), is_moe_layer(m, stage * per_stage + i)) for i in range(per_stage))
+    for stage, layers, last in stage_layers(cfg, pp_rank):
+        kept[stage] = sum(parts.block(policy(i), is_moe_layer(cfg.model, layer)) for i, layer in enumerate(layers))
         kept[stage] += parts.every_stage
         kept[stage] += parts.first_stage if stage == 0 else 0
-        kept[stage] += parts.last_stage if stage == num_stages - 1 else 0
+        kept[stage] += parts.last_stage if last else 0
     return kept
 
 
 def weight_cast_bytes(cfg: JobConfig, pp_rank: int, parts: StageActivations) -> int:
     """Autocast's casts of the weights of the stages pipeline rank `pp_rank` holds (zero_stage 0 in
     bf16/fp16): one per weight, from its first forward to the end of the step's last backward."""
-    m, p = cfg.model, cfg.parallel
-    num_stages = p.pp * p.virtual_stages
-    per_stage = m.n_layers // num_stages
     total = 0
-    for stage in stage_ids(pp_rank, p.pp, p.virtual_stages, p.schedule):
-        layers = range(stage * per_stage, (stage + 1) * per_stage)
-        total += sum(parts.weight_casts_block + parts.moe_weight_casts * is_moe_layer(m, i) for i in layers)
-        total += parts.weight_casts_last_stage if stage == num_stages - 1 else 0
+    for _, layers, last in stage_layers(cfg, pp_rank):
+        total += sum(parts.weight_casts_block + parts.moe_weight_casts * is_moe_layer(cfg.model, i) for i in layers)
+        total += parts.weight_casts_last_stage * last
     return total
 
 

@@ -80,12 +80,12 @@ class _SavedSlice:
             return ("as is", self._pass(t))
         local = t.to_local()
         view = (local.shape, local.stride(), local.storage_offset())
-        return ("slice", self, view, (t.device_mesh, t.placements, t.shape, t.stride()))
+        return ("slice", view, (t.device_mesh, t.placements, t.shape, t.stride()))
 
     def unpack(self, packed: tuple) -> torch.Tensor:
         if packed[0] == "as is":
             return packed[1] if self.outer_unpack is None else self.outer_unpack(packed[1])
-        _, _, (shape, stride, offset), (mesh, placements, global_shape, global_stride) = packed
+        _, (shape, stride, offset), (mesh, placements, global_shape, global_stride) = packed
         local = self._whole().as_strided(shape, stride, offset)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=global_shape, stride=global_stride)
 

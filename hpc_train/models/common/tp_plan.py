@@ -23,9 +23,6 @@ def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, Parall
     stay sharded for `loss_parallel`. Between blocks the residual stream is a plain local tensor: full
     (replicated) without sequence parallelism, this rank's slice of the sequence with it."""
     stream = Shard(1) if sequence_parallel else Replicate()
-    # the column-parallel projections read the stream whole: all-gathered where they read it with sequence
-    # parallelism (models/common/regather.py)
-    gather = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
     plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         if model.pos_embeddings is None:
@@ -44,13 +41,13 @@ def decoder_tp_plan(model: Decoder, sequence_parallel: bool) -> dict[str, Parall
     for name in model.layers:
         block = {
             "attn": entering(stream, others=2),  # (x, cos, sin)
-            "attn.sequence_gather": gather,
+            "attn.sequence_gather": gathering(stream),
             "attn.wq": ColwiseParallel(),
             "attn.wk": ColwiseParallel(),
             "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=stream),
             "mlp": entering(stream),
-            "mlp.sequence_gather": gather,
+            "mlp.sequence_gather": gathering(stream),
             **{f"mlp.{layer}": ColwiseParallel() for layer in mlp.column_parallel},
             f"mlp.{mlp.row_parallel}": RowwiseParallel(output_layouts=stream),
         }
@@ -72,6 +69,12 @@ def entering(stream: Replicate | Shard, others: int = 0) -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts)
 
 
+def gathering(stream: Replicate | Shard) -> PrepareModuleInput:
+    """Where the column-parallel projections read the stream: whole, all-gathered there under sequence
+    parallelism (models/common/regather.py)."""
+    return PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+
+
 def moe_tp_plan(moe: MoE, mlp: type, stream: Replicate | Shard) -> dict[str, ParallelStyle]:
     """An MoE feed-forward under tp: its input as a local tensor, the whole sequence without sequence
     parallelism (every tp rank routes and computes all tokens alike), this rank's slice of it with (each
@@ -83,8 +86,7 @@ def moe_tp_plan(moe: MoE, mlp: type, stream: Replicate | Shard) -> dict[str, Par
     }
     if moe.shared is not None:
         plan["mlp.shared"] = entering(stream)
-        plan["mlp.shared.sequence_gather"] = PrepareModuleInput(input_layouts=(stream,),
-                                                                desired_input_layouts=(Replicate(),))  # fmt: skip
+        plan["mlp.shared.sequence_gather"] = gathering(stream)
         plan.update({f"mlp.shared.{layer}": ColwiseParallel() for layer in mlp.column_parallel})
         plan[f"mlp.shared.{mlp.row_parallel}"] = RowwiseParallel(output_layouts=stream)
     return plan
