@@ -4,12 +4,25 @@ categories and its total must be within 5%."""
 
 import pytest
 
+from hpc_train.job import check_run, load_config
+from hpc_train.planner import estimate, format_estimate
+from tools.activation_table import LAYOUTS as BLOCK_LAYOUTS
+from tools.activation_table import MODEL as BLOCK_MODEL
+from tools.activation_table import block_runs, per_element, read_tables
 from tools.validate_planner import CATEGORIES, LAYOUTS, PEAK, TOTAL_LEFT_OUT, measure, planned_peak
+
+BLOCKS = "activation_table"  # `measured`'s key of tools/activation_table.py's tables (not a grid layout)
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, small_corpus):
-    return measure(small_corpus, tmp_path_factory.mktemp("planner"))
+    """The grid's measurements, and in the same launch of 4 ranks the activation table's layouts at ZeRO-0
+    and ZeRO-1."""
+    base = tmp_path_factory.mktemp("planner")
+    blocks = {f"{name} zero{z}": (w, [*o, f"optim.zero_stage={z}"]) for name, (w, o) in BLOCK_LAYOUTS.items()
+              for z in (0, 1)}  # fmt: skip
+    cfgs, runs = block_runs([], small_corpus, base, blocks)
+    return {**measure(small_corpus, base, also=runs), BLOCKS: read_tables(cfgs, base)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -231,3 +244,33 @@ def test_plan_search_keeps_the_update_rule_and_a_plan_that_does_not_fit_exits_1_
     plan = json.loads(capsys.readouterr().out)
     cfg = load_config("configs/tiny.yaml", plan["fix"]["overrides"])
     assert not plan["fits"] and estimate(cfg, check_run(cfg, 2, check_paths=False)).total <= 0.03 * GiB
+
+
+def test_a_block_keeps_megatrons_32_bytes_per_sbh_element_over_tp_with_sequence_parallelism(measured):
+    """A GPT-2 block with selective recompute under tensor parallelism t with sequence parallelism keeps
+    32/t bytes per s·b·h element (Korthikanti et al.'s 34/t less the dropout masks): the projections keep
+    their input sharded and gather it again in backward, and at ZeRO-0 (autocast over fp32 weights) the
+    residual stream is bf16 and the weights' casts are the step's, not the micro-batch's. Measured tensor
+    by tensor at tp2 and tp4 (tools/activation_table.py), and the planner's formula says the same; with
+    the gathered inputs kept instead, the same run keeps more, runs as many matmuls and gives the same loss
+    and gradients to the bit. (Run in the grid's 4-rank launch: `measured`.)"""
+    for name, table in measured[BLOCKS].items():
+        # (at ZeRO-0 the norms keep their fp32 weight and bias cast to bf16 each forward: 0.16 of the 32 at
+        # this tiny width and sequence, nothing at scale)
+        assert per_element(table) * table["tp"] == pytest.approx(32, abs=0.2), (name, table["tensors"])
+        assert table["planned"] == pytest.approx(sum(table["tensors"].values()), rel=0.01), name
+        # the same run keeping the gathered inputs keeps 2 bytes more per element of each, whole, and runs
+        # as many matmuls: backward gathers again, it does not multiply again
+        kept = table["kept_gathered"]
+        assert per_element({**kept, "sbh": table["sbh"]}) - per_element(table) == pytest.approx(
+            4 - 4 / table["tp"], abs=0.01
+        )
+        assert kept["matmuls"] == table["matmuls"] > 0
+        assert table["same_gradients"] and kept["loss"] == table["loss"]
+    # ZeRO-0's weight casts are the step's: their own line in the plan (the grid's gpt2_tp2_sp_bf16_autocast
+    # total checks their bytes against the measured peak), none at ZeRO-1
+    for z in (0, 1):
+        cfg = load_config(None, [*BLOCK_MODEL, *BLOCK_LAYOUTS["tp2"][1], f"optim.zero_stage={z}", "parallel.nproc=4"])
+        dims = check_run(cfg, 4, check_paths=False)
+        plan = estimate(cfg, dims)
+        assert (plan.weight_casts > 0) == (z == 0) == ("weights' casts" in format_estimate(cfg, dims, plan, 2**30))

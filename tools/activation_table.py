@@ -31,7 +31,7 @@ from hpc_train.data.indexed import IndexedDataset
 from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.distributed.parallelize import forward_backward
 from hpc_train.job import JobConfig, load_config
-from hpc_train.launch.local import launch_sequence
+from hpc_train.launch.local import launch_runs
 from hpc_train.models.common.moe import is_moe_layer
 from hpc_train.models.common.regather import keep_gathered_inputs
 from hpc_train.observe.memory import is_parameter, is_weight_cast, storage_key_and_bytes
@@ -113,10 +113,21 @@ def measure_block(rank_env: RankEnv, cfg: JobConfig, corpus: str, out: str) -> N
 def tables(overrides: list[str], corpus: str, base: Path, layouts: dict = LAYOUTS) -> dict[str, dict]:
     """Layout name -> {"tensors": bytes by tensor, "sbh": the block's s·b·h elements, "planned": the
     planner's bytes for the block, "tp": t}: every layout run on the ranks of one launch (4)."""
+    cfgs, runs = block_runs(overrides, corpus, base, layouts)
+    launch_runs(max(w for w, _ in layouts.values()), runs)
+    return read_tables(cfgs, base)
+
+
+def block_runs(overrides: list[str], corpus: str, base: Path, layouts: dict = LAYOUTS) -> tuple[dict, list]:
+    """The layouts' configs, and their runs of `measure_block` for a launch of as many ranks as the widest
+    needs (writing into `base`; `read_tables` reads them): a caller's launch may run them among its own."""
     cfgs = {name: load_config(None, [*MODEL, *o, *overrides, f"data.train_path={corpus}", f"parallel.nproc={w}"])
             for name, (w, o) in layouts.items()}  # fmt: skip
-    world = max(w for w, _ in layouts.values())
-    launch_sequence(measure_block, world, [(cfg, corpus, str(base / f"{name}.json")) for name, cfg in cfgs.items()])
+    return cfgs, [(measure_block, (cfg, corpus, str(base / f"{name}.json"))) for name, cfg in cfgs.items()]
+
+
+def read_tables(cfgs: dict[str, JobConfig], base: Path) -> dict[str, dict]:
+    """`tables`' answer from the files the runs of `block_runs` wrote."""
     out = {}
     for name, cfg in cfgs.items():
         m = cfg.model

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hpc_train.data.prepare import prepare_data, stdlib_sources
 from hpc_train.job import JobConfig, check_run, load_config
-from hpc_train.launch.local import launch_sequence
+from hpc_train.launch.local import launch_runs
 from hpc_train.planner import activation_bytes, stage_estimate
 from hpc_train.train.loop import run_training
 
@@ -184,16 +184,20 @@ def measure(
     extra: list[str] = (),
     layouts: dict[str, tuple[int, list[str]]] | None = None,
     model: list[str] = MODEL,
+    also: list[tuple] = (),
 ) -> dict[str, tuple[JobConfig, dict, dict]]:
     """name -> (config, measured bytes, predicted bytes) for every layout of the grid (or of `layouts`,
-    e.g. tools/gpu_check.py's on one GPU, with its own `model` keys)."""
+    e.g. tools/gpu_check.py's on one GPU, with its own `model` keys). `also`: (entry, args) runs for the
+    launch of the most ranks to run after the grid's (a test's own, sharing the launch)."""
     import json
 
     layouts = LAYOUTS if layouts is None else layouts
     cfgs = {n: load_config(None, [*model, *RUN, f"data.train_path={corpus}", f"run_dir={base / n}",
                                   f"parallel.nproc={w}", *o, *extra]) for n, (w, o) in layouts.items()}  # fmt: skip
-    for world in sorted({w for w, _ in layouts.values()}):
-        launch_sequence(run_training, world, [(cfgs[n],) for n, (w, _) in layouts.items() if w == world])
+    worlds = sorted({w for w, _ in layouts.values()})
+    for world in worlds:
+        runs = [(run_training, (cfgs[n],)) for n, (w, _) in layouts.items() if w == world]
+        launch_runs(world, [*runs, *(also if world == worlds[-1] else ())])
     out = {}
     for name, cfg in cfgs.items():
         record = json.loads((base / name / "metrics.jsonl").read_text().splitlines()[1])

@@ -61,7 +61,13 @@ def _sequence(rank_env: RankEnv, runs: list[tuple]) -> None:
 def launch_sequence(entry: Callable[..., Any], nproc: int, arg_lists: list[tuple]) -> None:
     """`entry(rank_env, *args)` for each args in turn, in the same `nproc` worker processes (each run under
     a store prefix of its own): what benchmarks and tests use to try many layouts cheaply."""
-    launch_local(_sequence, nproc, [(entry, tuple(args)) for args in arg_lists])
+    launch_runs(nproc, [(entry, tuple(args)) for args in arg_lists])
+
+
+def launch_runs(nproc: int, runs: list[tuple[Callable[..., Any], tuple]]) -> None:
+    """`entry(rank_env, *args)` for each (entry, args) of `runs` in turn, in the same `nproc` worker
+    processes: `launch_sequence` with an entry of each run's own."""
+    launch_local(_sequence, nproc, runs)
 
 
 def launch_local(entry: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0) -> Any:
