@@ -182,6 +182,8 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         run_name=cfg.name,
         ranks_per_node=rank_env.local_world_size,
         hooks=model.hooks,
+        # at ZeRO-0 a dp group's ranks hold the same tensors (with experts, each ep rank its own)
+        replicas=mesh.group_of("dp") if cfg.optim.zero_stage == 0 and cfg.parallel.ep == 1 else None,
     )
     return Run(cfg, rank_env, device, mesh, policy, model, optimizer, scaler, train_set, valid_set,
                sampler, metrics, checkpointer, report, valid_sources, spikes)  # fmt: skip

@@ -311,10 +311,15 @@ def cmd_doctor(args: argparse.Namespace) -> None:
 
 
 def cmd_ckpt(args: argparse.Namespace) -> None:
-    """list / verify / inspect the checkpoints of a run directory (or a checkpoints directory)."""
+    """list / verify / inspect / convert the checkpoints of a run directory (or a checkpoints directory)."""
     from hpc_train.checkpoint.init_from import checkpoint_store
     from hpc_train.checkpoint.safe_load import read_dcp_metadata
 
+    if args.ckpt_command == "convert":
+        cmd_ckpt_convert(args)
+        return
+    if args.out is not None or args.to is not None:
+        raise UserError(f"ckpt {args.ckpt_command} takes a directory alone; OUT and --to are for ckpt convert")
     store = checkpoint_store(args.run_dir)
     infos = [store.verify(info, full=args.ckpt_command == "verify") for info in store.scan()]
     if not infos:
@@ -341,6 +346,19 @@ def cmd_ckpt(args: argparse.Namespace) -> None:
         print(f"{info.path.name:<22} {info.step:>8} {size:>9.1f}  {short:<40} {status}{mark}")
     if args.ckpt_command == "verify" and any(i.problem for i in infos):
         sys.exit(1)
+
+
+def cmd_ckpt_convert(args: argparse.Namespace) -> None:
+    """A checkpoint as one file (torch, safetensors) or a stock DCP directory, for tools without hpc_train."""
+    from hpc_train.checkpoint.export import chosen_checkpoint, convert, refuse_existing
+
+    if args.out is None or args.to is None:
+        raise UserError("ckpt convert needs OUT and --to: hpc-train ckpt convert CKPT OUT --to torch|safetensors|dcp")
+    refuse_existing(args.out)  # before the checkpoint's checksums are read
+    info = chosen_checkpoint(args.run_dir, args.step)
+    done = convert(info, args.out, args.to)
+    print(f"wrote {done.path} ({args.to}, step {info.step} of {info.path}): {done.tensors} tensors, "
+          f"{done.bytes:,} bytes")  # fmt: skip
 
 
 def cmd_import_hf(args: argparse.Namespace) -> None:
@@ -421,10 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     low_bit = "--search: also layouts that fit only with 8-bit or 4-bit AdamW moments (which change the numerics)"
     plan.add_argument("--allow-rule-change", action="store_true", help=low_bit)
     plan.add_argument("--json", action="store_true")
-    ckpt = sub.add_parser("ckpt", help="list, verify (checksums) or inspect a run's checkpoints")
-    ckpt.add_argument("ckpt_command", choices=["list", "verify", "inspect"])
+    ckpt = sub.add_parser("ckpt", help="list, verify (checksums), inspect or convert a run's checkpoints")
+    ckpt.add_argument("ckpt_command", choices=["list", "verify", "inspect", "convert"])
     ckpt.add_argument("run_dir", help="a run directory or its checkpoints directory")
-    ckpt.add_argument("--step", type=int, help="inspect: this step (default: the newest usable)")
+    ckpt.add_argument("out", nargs="?", help="convert: the new file (torch, safetensors) or directory (dcp)")
+    ckpt.add_argument("--to", choices=["torch", "safetensors", "dcp"], help="convert: the format to write")
+    ckpt.add_argument("--step", type=int, help="inspect, convert: this step (default: the newest usable)")
     cfg_cmd = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
     with_config(cfg_cmd.add_parser("show", help="print the resolved config and check it"))
     imp = sub.add_parser("import-hf", help="a Hugging Face model folder -> a sharded checkpoint of any layout")

@@ -307,6 +307,18 @@ def in_flight(cfg: JobConfig, pp_rank: int = 0) -> float:
     return chunks / p.virtual_stages  # activation_bytes sums all local chunks
 
 
+def local_copies(cfg: JobConfig, dims: ParallelDims) -> int:
+    """How many copies of a rank's state node-local checkpoints hold in host memory. On disk: the copy they
+    are written from, and across nodes the partner's a save receives (sized as this rank's: the same local
+    rank on the next node, of the same stage where pp stays in a node), unless a twin on another node (a dp
+    replica at ZeRO-0, dp spanning nodes) holds its tensors, when only the small parts come. In memory (a
+    tmpfs's pages are the job's memory): the two steps kept of this rank's own, the newer one the copy, and
+    of the partner's, received straight into its file."""
+    twin = cfg.optim.zero_stage == 0 and cfg.parallel.ep == 1 and dims.world_size // dims.pp > cfg.slurm.tasks_per_node
+    partner = cfg.slurm.nodes > 1 and not (twin and dims.dp > 1)
+    return (1 + partner) * (2 if cfg.checkpoint.memory_interval else 1)
+
+
 def rule_state_bytes(rule: type[UpdateRule], owned: int, local: LocalParams) -> int:
     """The update rule's state for `owned` of a rank's trainable elements, tensor by tensor (a low-bit rule
     quantizes by a tensor's size, and keeps a code book per tensor it holds a part of); a ZeRO or FSDP share
@@ -464,9 +476,7 @@ def stage_estimate(
     host = added.host
     # QLoRA's NF4 weights are not copied: they never change
     host_copy = param_bytes - (0 if cls.shards_params else local.quantized_bytes) + optimizer
-    # local checkpoints are written from the same copy; a local save across nodes also receives its partner's
-    # (sized as this rank's: the same local rank on the next node, of the same stage where pp stays in a node)
-    host_copy *= (2 if cfg.slurm.nodes > 1 else 1) if cfg.checkpoint.saves_locally else int(plans_memory_copy(cfg))
+    host_copy *= local_copies(cfg, dims) if cfg.checkpoint.saves_locally else int(plans_memory_copy(cfg))
     disk = 0
     if o.offload == "nvme" and cls.shards_params:  # FSDP2's shards and gradients in host memory (the shards are
         # the masters); the moments in files, streamed through a ring of two buffers a slot

@@ -3,6 +3,7 @@ point of the commit protocol, corrupted checkpoints, and resharding to another l
 
 import dataclasses
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -18,12 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessException
 
-from hpc_train.bootstrap import distributed, node_cores
+from hpc_train.bootstrap import distributed, node_cores, node_name
 from hpc_train.builder import build_run
-from hpc_train.checkpoint.checkpointer import async_save_note, host_stager, open_stager
+from hpc_train.checkpoint.checkpointer import choose_async, host_stager, open_stager
+from hpc_train.checkpoint.local import local_run_root
 from hpc_train.checkpoint.safe_load import read_dcp_metadata
 from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.cli import main
+from hpc_train.config import MEMORY_DIR
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, launch_sequence
 from hpc_train.placement import local
@@ -68,10 +71,20 @@ def reference(cfg_for):
     return cfg.run_dir
 
 
-def test_single_process_resume_is_bit_exact(cfg_for, reference):
-    launch_local(run_training, 1, cfg_for("resumed", "train.steps=2", "train.micro_batch_size=8"))
+def test_single_process_resume_is_bit_exact(cfg_for, reference, capsys):
+    """With step 1's checkpoint there to fall back on, step 2's is read in one pass: each byte of its files
+    once, the shards hashed as they are read, the small files (.metadata, the rank's) checksummed alone."""
+    launch_local(run_training, 1, cfg_for("resumed", "train.steps=2", "train.micro_batch_size=8",
+                                          "checkpoint.interval=1"))  # fmt: skip
     run = cfg_for("resumed", "train.steps=4", "train.micro_batch_size=8")
+    capsys.readouterr()
     assert len(launch_local(run_training, 1, run).losses) == 2  # this run trained steps 3 and 4 only
+    (resumed,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resumed from")]
+    found = re.search(r"its files' (\d+) bytes read in one pass, checksums checked as read: (\d+) bytes over "
+                      r"the ranks, (\d+) of them for checksums alone", resumed)  # fmt: skip
+    files = json.loads((Path(run.checkpoint.dir) / "step_0000002/manifest.json").read_text())["files"]
+    small = sum(record["size"] for name, record in files.items() if not name.endswith(".distcp"))
+    assert found and [int(n) for n in found.groups()] == [sum(r["size"] for r in files.values())] * 2 + [small]
     assert [r["step"] for r in resumed_from(run.run_dir)] == [2]
     assert losses(run.run_dir) == losses(reference)
     assert max_param_diff(read_final_model(run.run_dir), read_final_model(reference)) == 0.0
@@ -274,6 +287,26 @@ def test_killed_rank_restarts_in_the_job_on_the_same_loss_curve(tmp_path, uninte
     assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 7))
 
 
+def test_memory_checkpoints_lose_at_most_the_step_a_rank_dies_in(tmp_path, uninterrupted, small_corpus):
+    """checkpoint.memory_interval=1, saved in the background: rank 1 is killed with SIGKILL in step 4, after
+    its copy of step 3 is kept; the in-job restart resumes both ranks from step 3 in memory (newer than the
+    shared step 2) and ends on the uninterrupted run's losses. Every save blocked training for its small parts
+    only, the update waited for the rest, and the run's copies are gone from host memory at its end."""
+    memory = ["checkpoint.memory_interval=1", "parallel.max_restarts=1", *ASYNC]
+    out = hpc_train_train(tmp_path, small_corpus, 6, "local_saved@3@1", memory)
+    assert out.returncode == 0 and "resumed from the node-local checkpoints of step 3" in out.stdout, out.stderr
+    assert [(r["step"], r["source"]) for r in resumed_from(tmp_path)] == [(3, "local")]
+    assert losses(tmp_path) == losses(uninterrupted)
+    records = read_metrics(tmp_path)
+    assert [m["step"] for m in records] == list(range(1, 7))
+    saves = [r["local_checkpoint"] for r in records]  # every step's, in the background; the one before's figures
+    assert all(0 < save["blocked_s"] < save["local_s"] + 1e-3 for save in saves)
+    done = [save["saved"] for save in saves if "saved" in save]
+    assert [d["step"] for d in done] == [1, 2, 4, 5] and all(d["local_bytes"] > 0 and d["wait_s"] >= 0 for d in done)
+    cfg = load_config(None, train_args(tmp_path, small_corpus, 6, memory))
+    assert not local_run_root(f"{MEMORY_DIR}/{node_name()}", cfg.name, cfg.checkpoint.dir).exists()
+
+
 def test_a_restart_before_the_first_commit_and_a_kill_inside_a_prune_leave_one_clean_run(
     tmp_path, uninterrupted, small_corpus
 ):
@@ -343,9 +376,13 @@ def test_corrupted_checkpoint_is_named_and_skipped(saved_run, tmp_path, small_co
     with pytest.raises(SystemExit) as verify:  # `hpc-train ckpt verify`, in this process
         main(["ckpt", "verify", str(run)])
     assert verify.value.code == 1 and named in capsys.readouterr().out
+    with pytest.raises(SystemExit) as convert:  # `hpc-train ckpt convert --step 4`: refused, nothing written
+        main(["ckpt", "convert", str(run), str(tmp_path / "out.pt"), "--to", "torch", "--step", "4"])
+    assert convert.value.code == 2 and named in capsys.readouterr().err and not (tmp_path / "out.pt").exists()
     if how == "flipped bytes":  # and training really continues from step 2, as if nothing happened
         resumed = hpc_train_train(run, small_corpus, 4)
         assert "step_0000004 skipped: __0_" in resumed.stdout and "fails its xxh3_128" in resumed.stdout
+        assert "(corrupted; found as it was read)" in resumed.stdout  # in the load's own pass, read whole
         assert [r["step"] for r in resumed_from(run)] == [2]
         assert losses(run) == losses(saved_run)
 
@@ -401,7 +438,9 @@ def test_older_checkpoints_are_pruned_off_the_training_thread(tmp_path, monkeypa
         return prune(store, *args)
 
     monkeypatch.setattr(CheckpointStore, "prune", held)
-    cfg = load_config(None, [*TINY_MODEL, f"run_dir={tmp_path}", "checkpoint.keep_last=1"])
+    cfg = load_config(
+        None, [*TINY_MODEL, f"run_dir={tmp_path}", "checkpoint.keep_last=1", "checkpoint.async_save=false"]
+    )
     first = Path(cfg.checkpoint.dir) / "step_0000001"
     with single_process_group():
         checkpointer = Checkpointer(cfg.checkpoint, 2, RunIdentity(cfg), {}, {"weights": _Weights()}, {}, {},
@@ -650,6 +689,24 @@ def test_a_flat_range_of_a_stored_tensor_is_read_alone(tmp_path, monkeypatch, re
         load({}, {"w": columns})
         assert torch.equal(columns.values.view(6, 2, 4), stored[:, 1:3])
 
+        def checked(state, slices):  # a resume's read: every file's checksum checked once, in the same pass
+            reader = dcp_io.ParallelReader(tmp_path, 2, writer.records)
+            dcp.load(state, storage_reader=reader, planner=SliceLoadPlanner(slices), no_dist=True)
+            return reader.checks
+
+        whole = checked({"w": torch.empty(6, 5, 4), "b": torch.empty(3, dtype=torch.bfloat16)}, {})
+        assert whole.verified == set(writer.records) and whole.loaded == sum(shards.values())
+        assert whole.checked == writer.records[".metadata"]["size"]  # the shards hashed as read
+        part = checked({}, {"w": flat_slice(stored.shape, 13, 70, (0, 0, 0), None)})
+        assert part.verified == set(writer.records) and part.loaded == 70 * 4  # a range: every file checked alone
+        assert part.checked == sum(record["size"] for record in writer.records.values())
+        name = next(n for n, size in shards.items() if size > 6)
+        flipped = bytearray((tmp_path / name).read_bytes())
+        flipped[100] ^= 1
+        (tmp_path / name).write_bytes(flipped)
+        assert "fails its xxh3_128 checksum (corrupted; found as it was read)" in checked({"w": torch.empty(6, 5, 4)},
+                                                                                        {}).problem  # fmt: skip
+
 
 def test_zero_async_save_sends_each_state_to_one_writer_and_overlaps_its_copy(cfg_for):
     cfg = cfg_for("zero_async", "optim.zero_stage=1", "parallel.nproc=2", "train.micro_batch_size=2",
@@ -770,6 +827,75 @@ def test_step_entries_that_are_not_directories_are_skipped(saved_run, tmp_path, 
     assert entry.is_symlink() or entry.is_file()  # never deleted through
 
 
+def test_convert_writes_files_that_stock_torch_dcp_and_safetensors_read(saved_run, tmp_path, capsys):
+    """`hpc-train ckpt convert` of a dp2 run's newest checkpoint, read back with stock functions alone: a
+    torch.save file (`torch.load(weights_only=True)`), a safetensors file (`load_file`, the step and version
+    in its metadata) and a DCP directory (stock `dcp.load`, `dcp_to_torch_save`), every tensor equal, in
+    dtype too, to what our reader loads from the checkpoint, the model's to the run's final weights. Stock
+    `dcp.load` still refuses the checkpoint itself (its RAW records): the outputs are rewritten, not copied.
+    `--step` picks another; an existing OUT is refused by name and left as it was."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata as TensorMeta
+
+    import hpc_train
+    from hpc_train.checkpoint.dcp_io import ParallelReader
+    from hpc_train.checkpoint.export import chosen_checkpoint, convert
+
+    def empty_like_stored(metadata):  # DCP's entries of tensors (not the step, a bytes entry of the stock one)
+        stored = metadata.state_dict_metadata.items()
+        return {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored if isinstance(m, TensorMeta)}
+
+    original = saved_run / "checkpoints/step_0000004"
+    with pytest.raises(dcp.api.CheckpointException, match="Unknown extension name='hpc_train.raw'"):
+        dcp.load(empty_like_stored(read_dcp_metadata(original)), checkpoint_id=original, no_dist=True)
+    with pytest.raises(dcp.api.CheckpointException, match="Unknown extension name='hpc_train.raw'"):
+        dcp_to_torch_save(original, tmp_path / "refused.pt")  # so the docs say: convert first
+    ours = empty_like_stored(read_dcp_metadata(original))
+    dcp.load(ours, storage_reader=ParallelReader(original, 2), no_dist=True)
+    final = read_final_model(saved_run)
+    assert {f"model.{k}" for k in final} <= ours.keys() and any(k.startswith("optim.") for k in ours)
+    for key, t in final.items():  # the vocabulary's tensors are stored without their padding rows
+        assert torch.equal(ours[f"model.{key}"], t[: len(ours[f"model.{key}"])] if t.dim() else t), key
+
+    def assert_as_ours(loaded):
+        assert loaded.keys() == ours.keys()
+        for key, t in ours.items():
+            assert loaded[key].dtype == t.dtype and torch.equal(loaded[key], t), key
+
+    info = chosen_checkpoint(saved_run)  # the newest, verified
+    assert convert(info, tmp_path / "state.pt", "torch").tensors == len(ours)
+    whole = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert whole.pop("step") == 4
+    assert_as_ours(whole)
+    convert(info, tmp_path / "state.safetensors", "safetensors")
+    assert_as_ours(load_file(tmp_path / "state.safetensors"))
+    with safe_open(tmp_path / "state.safetensors", "pt") as f:
+        assert f.metadata()["step"] == "4" and f.metadata()["hpc_train_version"] == hpc_train.__version__
+    main(["ckpt", "convert", str(saved_run), str(tmp_path / "dcp"), "--to", "dcp"])
+    assert f"wrote {tmp_path / 'dcp'} (dcp, step 4 of {original}): {len(ours)} tensors" in capsys.readouterr().out
+    stock = {**empty_like_stored(dcp.FileSystemReader(tmp_path / "dcp").read_metadata()), "step": 0}
+    dcp.load(stock, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert stock.pop("step") == 4
+    assert_as_ours(stock)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "from_dcp.pt")
+    from_dcp = torch.load(tmp_path / "from_dcp.pt", weights_only=True)
+    assert from_dcp.pop("step") == 4
+    assert_as_ours(from_dcp)
+
+    convert(chosen_checkpoint(saved_run, step=2), tmp_path / "step2.pt", "torch")
+    assert torch.load(tmp_path / "step2.pt", weights_only=True)["step"] == 2
+    before = (tmp_path / "state.pt").read_bytes()
+    with pytest.raises(SystemExit) as refused:
+        main(["ckpt", "convert", str(saved_run), str(tmp_path / "state.pt"), "--to", "torch"])
+    assert refused.value.code == 2 and f"{tmp_path / 'state.pt'} already exists" in capsys.readouterr().err
+    assert (tmp_path / "state.pt").read_bytes() == before
+    written = ["dcp", "from_dcp.pt", "state.pt", "state.safetensors", "step2.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == written  # no temporary file left
+
+
 def test_payload_in_a_shard_is_refused_on_resume(saved_run, tmp_path, small_corpus):
     """A shard's bytes replaced by a pickle payload, its records marked torch.save records as before RAW (those
     are read with weights_only=True): resume stops with a message naming the checkpoint, and nothing runs."""
@@ -837,10 +963,9 @@ def async_runs(tmp_path_factory, small_corpus):
                     for name, zero in ZERO.items()))  # fmt: skip
     for name in ZERO:
         shutil.copytree(base / name / "run/checkpoints/step_0000002", base / name / "resumed/checkpoints/step_0000002")
-    launch(
-        2,
-        *(load_config(None, train_args(base / name / "resumed", small_corpus, 4, zero)) for name, zero in ZERO.items()),
-    )
+    with stdout_into(base / "resumed.out"):  # checkpoint.async_save=auto
+        launch(2, *(load_config(None, train_args(base / name / "resumed", small_corpus, 4, zero))
+                    for name, zero in ZERO.items()))  # fmt: skip
     return base
 
 
@@ -864,11 +989,17 @@ def test_async_save_in_flight_resumes_bit_exact(async_runs, zero):
     assert last["step"] == 4 and last["blocked_s"] > 0 and last["write_s"] > 0 and last["commit_s"] > 0
     sync = read_metrics(tmp_path / "resumed")[-1]["checkpoint"]
     assert sync["write_s"] > 0 and sync["gb_per_s"] > 0
-    # the start-up log warns where the background work finds no idle core (2 ranks x (1 + 1 thread) on CI's 2)
-    warning = async_save_note(2, 1, 1, node_cores())
-    out = (async_runs / "async.out").read_text()
-    assert (warning in out) if warning else "checkpoint.async_save:" not in out
-    assert async_save_note(1, 1, 1, 2) is None and "= 4 threads on 2 cores" in async_save_note(2, 1, 1, 2)
+    # the start-up log warns where the background work finds no idle core (2 ranks x (1 + 1 thread) on CI's 2);
+    # auto saves in the background where each rank has a core free for it, or a GPU computes, and says so
+    forced, out = choose_async(True, 2, 1, node_cores(), False), (async_runs / "async.out").read_text()
+    assert forced[0] and ((forced[1] in out) if forced[1] else "checkpoint.async_save:" not in out)
+    assert choose_async(True, 1, 1, 2, False) == (True, None)
+    assert "= 4 threads on 2 cores" in choose_async(True, 2, 1, 2, False)[1]
+    background, note = choose_async(None, 2, 1, node_cores(), False)
+    assert note.startswith("checkpoint.async_save=auto: saving ") and note in (async_runs / "resumed.out").read_text()
+    assert background == (node_cores() >= 4)
+    assert [choose_async(None, *layout)[0] for layout in ((1, 1, 2, False), (2, 1, 2, False), (8, 1, 2, True))] == [
+        True, False, True]  # fmt: skip
     # where the save's time went: DCP's planning and data write within the write, the writer threads' time
     # in writes, hashing and fsync (thread-seconds), gathering the state within what training waited
     assert min(sync[k] for k in ("plan_s", "data_s", "io_s", "hash_s", "fsync_s", "state_s")) > 0

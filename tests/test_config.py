@@ -68,6 +68,15 @@ def check(overrides: list[str], world_size: int = 1, path: str | None = None) ->
         ),
         (["train.spike_guard.window=0"], 1, ["train.spike_guard.window=0 must be > 0"]),  # a section's section
         (["checkpoint.local_dir=/tmp/x"], 1, ["checkpoint.local_interval=0: node-local checkpoints need both"]),
+        (
+            ["checkpoint.memory_interval=1", "checkpoint.local_dir=/tmp/x", "checkpoint.local_interval=1"],
+            1,
+            [
+                "checkpoint.memory_interval=1 with checkpoint.local_dir/local_interval: both are node-local",
+                "memory checkpoints are read by an in-job restart: set parallel.max_restarts",
+            ],
+        ),  # fmt: skip
+        (["checkpoint.async_save=maybe"], 1, ["checkpoint.async_save='maybe' is not one of auto, true, false"]),
         (["name=.."], 1, ["name='..' may hold only letters, digits", "not only dots (it names directories)"]),
         (["train.spike_guard.skip=all"], 1, ["train.spike_guard.skip='all' is not one of step, since_checkpoint"]),
         (

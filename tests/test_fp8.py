@@ -170,10 +170,12 @@ def test_float8_all_gather_scales_follow_a_spike_rollback(cfg_for, monkeypatch):
     each run rolled back past its poisoned batch matches, loss for loss and weight for weight, a run that
     skipped that batch from the start. One ZeRO-3 process (its shards on the host, as ZeRO-3 at dp 1 asks):
     FSDP2 casts with the scales, gloo sends nothing. With the scales of the weights rolled away from, the
-    first step trained again casts differently."""
+    first step trained again casts differently. Saves go to the background: their host copy of the float8
+    weights (wrappers of the fp32 shards) was zeros."""
     monkeypatch.setenv("HPC_TRAIN_FAULT", "batch@5@0@spike")  # the 5th global batch: loss and gradients x 1000
     base = [FP8, "train.fp8_all_gather=true", "optim.zero_stage=3", "optim.offload=cpu", "train.steps=6",
-            "train.micro_batch_size=2", "checkpoint.interval=2", "logging.log_interval=2"]  # fmt: skip
+            "train.micro_batch_size=2", "checkpoint.interval=2", "logging.log_interval=2",
+            "checkpoint.async_save=true"]  # fmt: skip
     guard = ["train.spike_guard.enabled=true", "train.spike_guard.window=2", "train.spike_guard.skip=step"]
     guarded = {source: cfg_for(f"rolled_back_{source}", *base, *guard, f"train.spike_guard.memory_copy={copy}")
                for source, copy in (("memory", "true"), ("disk", "false"))}  # fmt: skip

@@ -142,7 +142,7 @@ SHOW_BAD = [
     ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be >= 0"),
     ("checkpoint.keep_every=-1", "checkpoint.keep_every=-1 must be >= 0"),
     ("checkpoint.verify=none", "checkpoint.verify='none' is not one of"),
-    ("checkpoint.async_save=sometimes", "config key 'checkpoint.async_save'"),
+    ("checkpoint.async_save=sometimes", "checkpoint.async_save='sometimes' is not one of auto, true, false"),
     ("logging.log_interval=0", "logging.log_interval=0 must be > 0"),
     ("logging.progress=fancy", "logging.progress='fancy' is not one of"),
     (

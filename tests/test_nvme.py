@@ -184,7 +184,7 @@ def test_nvme_offload_refuses_what_it_does_not_support(overrides, refusal):
         ),
         (
             LOCAL,
-            "leave checkpoint.local_dir and checkpoint.local_interval out",
+            "leave checkpoint.local_dir, checkpoint.local_interval and checkpoint.memory_interval out",
             ["checkpoint.local_dir=null", "checkpoint.local_interval=0"],
         ),
     ],
@@ -407,7 +407,7 @@ def big_runs(tmp_path_factory, small_corpus):
     cpu offload."""
     base = tmp_path_factory.mktemp("nvme_rss")
     common = [*TINY_MODEL, *BIG, f"data.train_path={small_corpus}", "train.steps=2", "parallel.nproc=1",
-              "optim.zero_stage=1", "train.save_final_model=false"]  # fmt: skip
+              "optim.zero_stage=1", "train.save_final_model=false", "checkpoint.async_save=false"]  # fmt: skip
     runs = {  # the weights' run and nvme's saved at each step (cpu offload exceeds the bound without a save)
         "weights": [FROZEN, "checkpoint.interval=1"],
         "nvme": [

@@ -274,3 +274,29 @@ def test_a_block_keeps_megatrons_32_bytes_per_sbh_element_over_tp_with_sequence_
         dims = check_run(cfg, 4, check_paths=False)
         plan = estimate(cfg, dims)
         assert (plan.weight_casts > 0) == (z == 0) == ("weights' casts" in format_estimate(cfg, dims, plan, 2**30))
+
+
+@pytest.mark.parametrize(
+    "overrides, dims, copies",
+    [
+        (["slurm.nodes=2", "checkpoint.memory_interval=1", "optim.zero_stage=1"], {"dp": 2}, 4),
+        (["slurm.nodes=2", "checkpoint.memory_interval=1"], {"dp": 2}, 2),  # its twin keeps the tensors
+        (["slurm.nodes=2", "checkpoint.memory_interval=1", "parallel.tp=2", "slurm.tasks_per_node=2"], {"tp": 2}, 4),
+        (["checkpoint.memory_interval=1"], {"dp": 2}, 2),  # one node: no partner
+        (["slurm.nodes=2", "checkpoint.local_dir=/tmp/x", "checkpoint.local_interval=1"], {"dp": 2, "tp": 1}, 1),
+        (["slurm.nodes=2", "checkpoint.local_dir=/tmp/x", "checkpoint.local_interval=1", "optim.zero_stage=1"],
+         {"dp": 2}, 2),
+    ],
+    ids=["memory_zero1", "memory_twin", "memory_tp_across_nodes", "memory_one_node", "disk_twin", "disk_zero1"],
+)  # fmt: skip
+def test_node_local_checkpoints_count_their_copies_in_host_memory(overrides, dims, copies):
+    """On disk, the state copy they are written from and the partner's copy a save receives (none where a dp
+    twin on another node holds the tensors, at ZeRO-0); in memory, the two steps kept of each in a tmpfs."""
+    from hpc_train.distributed.mesh import ParallelDims
+    from hpc_train.planner import local_copies, stage_estimates
+    from tests.conftest import TINY_MODEL
+
+    cfg = load_config(None, [*TINY_MODEL, "parallel.max_restarts=1", "checkpoint.interval=2", *overrides])
+    assert local_copies(cfg, ParallelDims(**dims)) == copies
+    plan = stage_estimates(cfg, ParallelDims(**dims))[0]
+    assert plan.host_copy == copies * (plan.params + plan.optimizer)

@@ -90,7 +90,8 @@ def test_frozen_rank_without_peers_is_found_by_its_launcher(tmp_path, small_corp
     run = tmp_path / "run"
     out = run_cli("train", *TINY_MODEL, f"data.train_path={small_corpus}", f"run_dir={run}", "parallel.nproc=1",
                   "train.steps=4", "checkpoint.interval=2", "parallel.hang_timeout_s=3", "parallel.max_restarts=1",
-                  env={"HPC_TRAIN_FAULT": "mid_step@3@0@stop"}, timeout_s=60)  # fmt: skip
+                  "checkpoint.async_save=false", env={"HPC_TRAIN_FAULT": "mid_step@3@0@stop"},
+                  timeout_s=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     frozen = r"rank 0 froze \(pid \d+, stopped\): no sign of life for [3-6]s \(parallel.hang_timeout_s=3s\)"
     assert re.search(frozen + r".*\(in-job restart 1 of parallel.max_restarts=1\)", out.stderr), out.stderr

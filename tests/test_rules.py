@@ -17,7 +17,7 @@ import hpc_train
 from hpc_train.bootstrap import distributed
 from hpc_train.builder import build_run
 from hpc_train.checkpoint.ownership import check_checkpoint_dir
-from hpc_train.checkpoint.safe_load import CheckpointError
+from hpc_train.checkpoint.safe_load import CheckpointError, read_dcp_metadata
 from hpc_train.config import ConfigError
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.job import check_run, load_config
@@ -474,15 +474,29 @@ def test_low_bit_rules_across_layouts_resume_exactly_and_are_planned(make_cfg, c
         assert diff <= LOW_BIT_BOUNDS[(layout[:3], name)], (layout, name, diff)
         if layout.startswith("dp2"):  # the same blocks: fp32 moments are much further
             assert max_param_diff(read_final_model(one["adamw"].run_dir), ref) > 10 * diff, (layout, name)
-        measured = [m for m in read_metrics(cfg.run_dir) if "memory_bytes" in m][-1]["memory_bytes"]["optimizer"]
+        measured = _measured_optimizer(cfg.run_dir)
         planned = estimate(cfg, check_run(cfg, 2, check_paths=False)).optimizer
         assert measured == planned if layout == "tp2" else measured == pytest.approx(planned, rel=0.05), layout
+    for name in LOW_BIT:  # the moments stored as they live (codes and block scales): within 1% of the state
+        stored, held = _stored_optimizer_bytes(one[name]), _measured_optimizer(one[name].run_dir)
+        assert stored <= 1.01 * held, (name, stored, held)
     uninterrupted = layouts[("dp2_zero1", "adamw8bit")].run_dir
     assert [m["loss"] for m in read_metrics(split[1].run_dir)] == [m["loss"] for m in read_metrics(uninterrupted)]
     assert max_param_diff(read_final_model(split[1].run_dir), read_final_model(uninterrupted)) == 0.0
     assert [m["resumed_from"]["step"] for m in read_metrics(target_cfg.run_dir) if "resumed_from" in m] == [3]
     resharded = max_param_diff(read_final_model(target_cfg.run_dir), read_final_model(one["adamw8bit"].run_dir))
     assert resharded <= LOW_BIT_BOUNDS[("dp2", "adamw8bit")]
+
+
+def _measured_optimizer(run_dir) -> int:
+    return [m for m in read_metrics(run_dir) if "memory_bytes" in m][-1]["memory_bytes"]["optimizer"]
+
+
+def _stored_optimizer_bytes(cfg) -> int:
+    """The bytes of the optimizer state a run's last checkpoint stores (DCP's metadata: every key's shape)."""
+    last = sorted(Path(cfg.checkpoint.dir).glob("step_*"))[-1]
+    stored = read_dcp_metadata(last, {p.name for p in last.iterdir()}).state_dict_metadata
+    return sum(md.size.numel() * md.properties.dtype.itemsize for key, md in stored.items() if key.startswith("optim."))
 
 
 def test_plan_search_tries_low_bit_moments_where_adamws_do_not_fit():

@@ -1,8 +1,9 @@
 """Checkpoint speed against the disk, for a GPT with AdamW state in one process (CPU or CUDA): the raw
 sequential write (+ fsync) and cold read of the same number of bytes on the same disk, measured in the
 same run, then hpc_train's sync save, the blocking part and the total of an async save, a cold verify
-(checksums), a cold load and a cold resume (verify + load) into a new run (as a restarted job: its
-optimizer state allocated by the load), each with its ratio to the raw figure. An async save's copy
+(checksums), a cold load and a cold resume (checksums checked as the files are read for the load, an older
+checkpoint there to fall back on) into a new run (as a restarted job: its optimizer state allocated by the
+load), each with its ratio to the raw figure. An async save's copy
 overlaps the next training step: "blocking" is the time training waited (at the save and before the
 next update), "time lost" that plus how much longer the steps trained meanwhile took than the fastest
 step alone; "total" is from the save to its commit, with training going on.
@@ -40,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hpc_train.builder import build_run
-from hpc_train.checkpoint.checkpointer import host_stager
+from hpc_train.checkpoint.checkpointer import choose_async, host_stager
 from hpc_train.data.batch import Batch
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local, single_process_group
@@ -182,10 +183,11 @@ def async_times(fresh, batch: list[Batch]) -> dict[str, float]:
 
 def measure(root: Path, rank_env, model: list[str], device: torch.device, threads: int) -> None:
     cfg, run, batch, nbytes, n_params = training_state(root, rank_env, model, device, threads)
+    run.checkpointer.save(0)  # an older checkpoint: a resume reads the newest in one pass only with one to fall back on
     writes, figures = write_times(root, run, nbytes)
     del run
     gc.collect()
-    cfg.checkpoint.async_save = True
+    cfg.checkpoint.async_save = "true"
     fresh = build_run(cfg, rank_env, device, with_data=False)  # as a restarted job: no optimizer state yet
     fresh.checkpointer.report = lambda message: None
     reads = read_times(root, fresh, threads)
@@ -226,7 +228,7 @@ def measure(root: Path, rank_env, model: list[str], device: torch.device, thread
 
 
 def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int, seq_len: int,
-             every_layout: bool = True) -> None:  # fmt: skip
+             layout_numbers: tuple[int, ...] = (0, 1, 2)) -> None:  # fmt: skip
     """What saves cost a run (ZeRO-1): the extra wall time and CPU seconds of a run saving every step
     (keep_last=2) over the same run without saves, per save, for a sync and an async save, with one rank's
     compute threads on every core, on all but one (OMP_NUM_THREADS), and with one single-threaded rank per
@@ -237,7 +239,7 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
     interleaved `rounds` times and the least disturbed of each kept: the disk's speed drifts, and writing a GB
     each step makes it slower than one write alone. The raw write is timed twice: one block written over
     and over (from the CPU's cache) and the same number of bytes from distinct memory, as a save reads its
-    tensors. Without `every_layout`, only the first layout."""
+    tensors. `layout_numbers`: which of the three layouts, in that order."""
     cores = len(os.sched_getaffinity(0))
     common = [*model, f"model.seq_len={seq_len}", "train.micro_batch_size=1", "train.eval_interval=0",
               "logging.progress=none", "train.save_final_model=false", "checkpoint.keep_last=2", "optim.warmup_steps=2",
@@ -248,7 +250,7 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
     layouts = {f"1 rank, compute on {cores} of {cores} cores": (1, cores),
                f"1 rank, compute on {max(1, cores - 1)} of {cores} cores": (1, max(1, cores - 1)),
                f"{cores} ranks (dp{cores}), 1 core each": (cores, 1)}  # fmt: skip
-    layouts = layouts if every_layout else dict(list(layouts.items())[:1])
+    layouts = {name: layout for i, (name, layout) in enumerate(layouts.items()) if i in layout_numbers}
     walls: dict[tuple[str, str], list[float]] = {(c, s): [] for c in layouts for s in saves}
     cpus: dict[tuple[str, str], list[float]] = {key: [] for key in walls}
     raw: dict[str, list[float]] = {"cache": [], "memory": []}
@@ -288,6 +290,8 @@ def run_cost(root: Path, model: list[str], threads: int, steps: int, rounds: int
                      if extra > 0 else "no wall time lost")  # fmt: skip
             cpu_s = f", {cpu:.2f} CPU s ({cpu / (nbytes / 1e9):.2f} per GB)" if layouts[layout][0] == 1 else ""
             print(f"    {save:>5} save: {extra:+.2f} s wall ({speed}){cpu_s}")
+        background, why = choose_async(None, *layouts[layout], cores, False)
+        print(f"    checkpoint.async_save=auto saves {'async' if background else 'sync'} here ({why.split(': ')[-1]})")
 
 
 def children_cpu_s() -> float:
@@ -351,6 +355,7 @@ def main() -> None:
         action="store_true",
         help="only the run comparison, one rank on every core (no single-save figures, no ZeRO part)",
     )
+    parser.add_argument("--layouts", default=None, help="--run-only: which layouts, e.g. 0,1,2 (default 0)")
     args = parser.parse_args()
     model = [f"model.n_layers={args.layers}", f"model.d_model={args.d_model}",
              f"model.n_heads={max(1, args.d_model // 128)}", "model.seq_len=32"]  # fmt: skip
@@ -360,7 +365,8 @@ def main() -> None:
             with single_process_group() as rank_env:
                 measure(root, rank_env, model, torch.device(args.device), args.threads)
         if args.device == "cpu":
-            run_cost(root, model, args.threads, args.run_steps, args.rounds, args.run_seq_len, not args.run_only)
+            numbers = tuple(map(int, (args.layouts or ("0" if args.run_only else "0,1,2")).split(",")))
+            run_cost(root, model, args.threads, args.run_steps, args.rounds, args.run_seq_len, numbers)
             if not (args.no_zero or args.run_only):
                 launch_local(zero_stage_blocking, 2, root, model, args.threads)
     finally:

@@ -3,17 +3,17 @@ steps, at the end, on a stop signal) and the registered parts it saves (checkpoi
 parts through DCP, every rank writing its own shards, and small per-rank parts in each rank's own file.
 Each rank writes `checkpoint.io_threads` files in parallel, checksummed as they are written
 (checkpoint/dcp_io.py); the store commits them (manifest, atomic rename, `latest`). On start the newest
-checkpoint that verifies (every rank checksumming its share of the files) is loaded, in parallel, in
-whatever layout this run uses.
+checkpoint that verifies is loaded, in parallel, in whatever layout this run uses, its checksums checked
+as its files are read (where an older one remains to fall back on; the oldest is checksummed first).
 
-With `checkpoint.async_save`, the state is copied into host buffers that are allocated once and reused
-(DCP's DefaultStager; pinned memory on a GPU) while the next step's forward and backward run; training
-waits for the copy, if at all, only before its optimizer update (`staged`), whatever the ZeRO stage.
-(ZeRO-1/2's state, sent for the save to the dp rank that writes each parameter's, about a rank's own
-share, and vocabulary rows, gathered whole, are new tensors that stay alive until the copy is done.)
-A background thread then
-writes the copy and commits it as soon as every rank's files are durable, over a gloo group of its own;
-a crash before that leaves only a `.tmp` directory.
+Saves go to the background where each of a node's ranks has a core free for that work, or a GPU computes
+(`checkpoint.async_save=auto`, `choose_async`): the state is copied into host buffers that are allocated
+once and reused (DCP's DefaultStager; pinned memory on a GPU) while the next step's forward and backward
+run; training waits for the copy, if at all, only before its optimizer update (`staged`), whatever the
+ZeRO stage. (ZeRO-1/2's state, sent for the save to the dp rank that writes each parameter's, about a
+rank's own share, and vocabulary rows, gathered whole, are new tensors that stay alive until the copy is
+done.) A background thread then writes the copy and commits it as soon as every rank's files are durable,
+over a gloo group of its own; a crash before that leaves only a `.tmp` directory.
 
 Before the first save or load the run claims the directory (checkpoint/ownership.py): a lock no second
 live run can take, and a check that the checkpoints there are this run's. Nothing is unpickled from
@@ -24,7 +24,9 @@ With `memory_copy` (train.spike_guard's), each save also copies this rank's stat
 node-local checkpoints are written from the same copy, so with them it is always kept, and a rollback
 goes back to the newest save, local or shared.
 With `checkpoint.local_dir`, every `local_interval` steps each rank's state also goes to node-local disk and
-its partner node (checkpoint/local.py), which an in-job restart reads when newer than the shared checkpoint.
+its partner node (checkpoint/local.py), which an in-job restart reads when newer than the shared checkpoint;
+with `checkpoint.memory_interval`, to host memory and its partner's, in the background where saves go there,
+its update waiting (`staged`) until every rank's copies are kept.
 """
 
 from __future__ import annotations
@@ -49,17 +51,24 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 import hpc_train
-from hpc_train.bootstrap import node_cores
-from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader, RegionSavePlanner
+from hpc_train.bootstrap import node_cores, node_name
+from hpc_train.checkpoint.dcp_io import ChecksummedWriter, ParallelReader, RegionSavePlanner, agree_on_checks
 from hpc_train.checkpoint.integrity import file_record, first_mismatch, new_digest
-from hpc_train.checkpoint.local import LocalCheckpoints
+from hpc_train.checkpoint.local import LocalCheckpoints, restarted
 from hpc_train.checkpoint.memory_copy import MemoryCopy
 from hpc_train.checkpoint.ownership import DirectoryLock, RunIdentity, batch_change
 from hpc_train.checkpoint.safe_load import load_rank_file, read_dcp_metadata
 from hpc_train.checkpoint.slices import FlatSlice, SliceLoadPlanner
 from hpc_train.checkpoint.state import ShardedPart, Stateful
-from hpc_train.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore, empty_trash
-from hpc_train.config import CheckpointConfig
+from hpc_train.checkpoint.store import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointStore,
+    ChecksumMismatch,
+    empty_trash,
+    in_background,
+)
+from hpc_train.config import MEMORY_DIR, CheckpointConfig
 from hpc_train.distributed.agree import raise_together
 from hpc_train.distributed.hooks import StepHooks
 from hpc_train.optim.nvme import FileRegion, snapshot
@@ -111,12 +120,15 @@ class Checkpointer:
         run_name: str = "run",
         ranks_per_node: int = 1,
         hooks: Sequence[StepHooks] = (),
+        replicas: list[int] | None = None,
     ):
         """`checkpoint`: the section; `steps`: the run's last step (always saved); `identity`: what makes the
         checkpoints this run's (recorded in each manifest, checked before resuming or writing beside one);
         `memory_copy`: also keep each save's state in host memory, for `roll_back`; `run_name`: where local
-        checkpoints go; `ranks_per_node`: the ranks that share a node's cores (an async save's note); `hooks`:
-        the model's step hooks, whose `after_restore` follows every restore."""
+        checkpoints go; `ranks_per_node`: the ranks that share a node's cores (whether saves go to the
+        background); `hooks`: the model's step hooks, whose `after_restore` follows every restore; `replicas`:
+        the ranks holding this rank's tensors (its dp group at ZeRO-0), whose local copies stand for each
+        other's."""
         self.options, self.steps, self.identity = checkpoint, steps, identity
         self.layout, self.report = layout, report
         self.sharded, self.shared, self.per_rank = sharded, shared, per_rank
@@ -126,12 +138,14 @@ class Checkpointer:
         # async saves: host buffers reused across saves, and a group of their own for the background
         # writes and commits, created collectively up front
         self.stager, self.async_group = None, None
-        if checkpoint.async_save:
+        compute = 1 if torch.cuda.is_available() else torch.get_num_threads()  # a GPU rank's host thread
+        self.background, note = choose_async(checkpoint.asynchronous, ranks_per_node, compute, node_cores(),
+                                             torch.cuda.is_available())  # fmt: skip
+        if note and (checkpoint.interval or checkpoint.memory_interval):
+            report(note)
+        if self.background:
             self.stager = host_stager()
             self.async_group = dist.new_group(backend="gloo")
-            compute = 1 if torch.cuda.is_available() else torch.get_num_threads()  # a GPU rank's host thread
-            if note := async_save_note(ranks_per_node, compute, checkpoint.io_threads, node_cores()):
-                report(note)
         self.staging: Future | None = None  # an async save's copy to host memory, until it is done
         self.staging_wait_s = 0.0  # how long the training waited for it
         self.pending: tuple[int, Future] | None = None  # an async save in flight: its step, its end
@@ -146,9 +160,10 @@ class Checkpointer:
         if memory_copy or checkpoint.saves_locally:
             self.memory_copy = MemoryCopy(sharded["model"], sharded["optim"], {**shared, **per_rank})
         self.local = None
-        if checkpoint.saves_locally:
-            self.local = LocalCheckpoints(checkpoint.local_dir, run_name, checkpoint.dir, identity.digest(),
-                                          self.memory_copy, layout, report)  # fmt: skip
+        if checkpoint.saves_locally:  # in memory: each node's own directory (emulated nodes share a machine's)
+            root = f"{MEMORY_DIR}/{node_name()}" if checkpoint.memory_interval else checkpoint.local_dir
+            self.local = LocalCheckpoints(root, run_name, checkpoint.dir, identity.digest(), self.memory_copy,
+                                          layout, report, replicas, bool(checkpoint.memory_interval))  # fmt: skip
 
     # ---- ownership --------------------------------------------------------------------------------
     def claim(self) -> None:
@@ -194,13 +209,18 @@ class Checkpointer:
         interval = self.options.interval
         return stop_requested or bool(interval and (step % interval == 0 or step == self.steps))
 
-    def should_save_local(self, step: int) -> bool:
-        return self.local is not None and step % self.options.local_interval == 0
+    def should_save_local(self, step: int, saving: bool = False) -> bool:
+        """A node-local save at `step`: on disk where no shared save is `saving` (that one is newer), in
+        memory at every interval's step (a shared save may not be committed when a rank dies)."""
+        due = self.local is not None and step % self.options.local_every == 0
+        return due and (not saving or bool(self.options.memory_interval))
 
     def save_local(self, step: int) -> dict[str, Any]:
-        """This rank's state of `step` on node-local disk and its partner's: what it cost (`local_s`, bytes)."""
+        """This rank's state of `step` on node-local disk or in memory, and its partner's: what it cost
+        (`local_s`; LocalCheckpoints.save's figures). Memory checkpoints save in the background where saves
+        do (checkpoint.async_save)."""
         start = time.perf_counter()
-        saved = self.local.save(step)
+        saved = self.local.save(step, background=self.background and bool(self.options.memory_interval))
         self.own_step = step  # the newest checkpoint, in the memory copy: a rollback's
         return {**saved, "local_s": time.perf_counter() - start}
 
@@ -248,7 +268,7 @@ class Checkpointer:
     def _copy_to_memory(self, step: int) -> dict[str, Any]:
         """With a memory copy: the state as saved, copied into host memory; its figures (`memory_copy_s`,
         `memory_copy_bytes`, this rank's)."""
-        if self.memory_copy is None:
+        if self.memory_copy is None or self.memory_copy.step == step:  # a memory checkpoint's, of this step
             return {}
         start = time.perf_counter()
         self.memory_copy.take(step)
@@ -260,6 +280,8 @@ class Checkpointer:
         failed one raises), else read from disk as a resume reads it (that step only, not a newer one an
         earlier run left in the directory); None when there is none yet."""
         self.finished = self.wait() or self.finished
+        if self.local is not None:
+            self.local.settle()  # a local save in the background: its copy whole
         copy = self.memory_copy
         if self.own_step is None:
             return None
@@ -271,6 +293,8 @@ class Checkpointer:
     def staged(self) -> None:
         """Wait until an async save's copy is in host memory: before the weights or the optimizer state
         change (the optimizer update). The time waited is in the save's figures (`staging_wait_s`)."""
+        if self.local is not None:
+            self.local.stored()
         if self.staging is None:
             return
         start = time.perf_counter()
@@ -372,71 +396,96 @@ class Checkpointer:
         return None if pruning is None else pruning.result()
 
     # ---- resume -----------------------------------------------------------------------------------
-    def _choose(self, step: int | None = None) -> tuple[str | None, dict | None, str | None]:
-        """The newest checkpoint that verifies (of `step`, if given: its path and manifest), agreed by every
-        rank, and the note of a change of update rule it allows (`RunIdentity.rule_change`). Rank 0 checks
-        manifests, file lists and sizes; with `checkpoint.verify=full` every rank then checksums its share of
-        the files, `io_threads` at a time, and a checkpoint that fails anywhere is skipped."""
+    def _choose(self, step: int | None = None) -> Iterator[tuple[str, dict, str | None, bool]]:
+        """The checkpoints to load, newest first (of `step`, if given), agreed by every rank: each one's path,
+        manifest, the note of a change of update rule it allows (`RunIdentity.rule_change`) and whether its
+        checksums are checked as it is read for the load (`read_parts`). Rank 0 checks manifests, file lists
+        and sizes. With `checkpoint.verify=full` a checkpoint is checked as it is read while an older one
+        remains to fall back on: the model loads in place, so a load that fails leaves part of it there for
+        the next checkpoint's load to overwrite. The oldest is checksummed first instead (every rank its share
+        of the files, `io_threads` at a time), and skipped if that fails anywhere."""
         candidates = self.store.candidates(self.report) if self.rank == 0 else iter(())
         if step is not None:
             candidates = (info for info in candidates if info.step == step)
-        threads = self.options.io_threads
+        full, threads = self.options.verify == "full", self.options.io_threads
+        upcoming = next(candidates, None)
         while True:
-            choice: list[Any] = [None, None, None, None]
-            if self.rank == 0 and (info := next(candidates, None)) is not None:
-                choice = [str(info.path), info.manifest, None, None]
+            choice: list[Any] = [None, None, None, None, False]
+            if self.rank == 0 and (info := upcoming) is not None:
+                upcoming = next(candidates, None)
+                choice = [str(info.path), info.manifest, None, None, upcoming is not None]
                 try:
                     self.identity.refuse_foreign(info.path, info.manifest)
                     choice[3] = self.identity.rule_change(info.path, info.manifest)
                 except CheckpointError as err:
                     choice[2] = str(err)
             dist.broadcast_object_list(choice, src=0)
-            path, manifest, refused, reset = choice
+            path, manifest, refused, reset, older = choice
             if refused:
                 raise CheckpointError(refused)
-            if path is None or self.options.verify != "full":
-                return path, manifest, reset
+            if path is None:
+                return
+            if not full or older:
+                yield path, manifest, reset, full
+                continue
             files = manifest["files"]
             mine = sorted(files, key=lambda name: (-files[name]["size"], name))[self.rank :: self.world]
             problems = [None] * self.world
             dist.all_gather_object(problems, first_mismatch(Path(path), files, mine, threads))
             if not any(problems):
-                return path, manifest, reset
-            if self.rank == 0:
+                yield path, manifest, reset, False
+            elif self.rank == 0:
                 self.report(f"checkpoint {path} skipped: {next(p for p in problems if p)}")
 
     def resume(self, step: int | None = None) -> Resumed | None:
         """Load the newest checkpoint that verifies (of `step`, if given) into every registered part; None when
         there is none. Under a change of update rule (optim.reset_state=true) the rule's saved state is not
-        loaded; a change of the global batch is reported (`batch_change`)."""
+        loaded; a change of the global batch is reported (`batch_change`). A checkpoint whose checksums fail
+        as it is read is skipped for the next; where none loads after it, part of it is in the model already,
+        so that is raised rather than training from there."""
         if step is None and (resumed := self._resume_locally()):
             return self._restored(resumed)
-        path, manifest, reset = self._choose(step)
-        if path is None:
-            return None
-        fault_point("resume", 0, self.rank)
-        if reset:
-            self.report(reset)
-        templates = read_parts(path, manifest, self.sharded, self.options.io_threads, rule_state=not reset)
-        with load_errors_named(path):
-            shared = upgrade_rank_state(load_rank_file(Path(path) / rank_file(0)))
-        step = shared["step"]
-        for name, part in self.sharded.items():  # in registration order: the model before the optimizer
-            part.load(templates[name], step)
-        for name, part in self.shared.items():
-            if shared.get(name) is not None:
-                part.load_state_dict(shared[name])
-        same_layout = {"cp": 1, "ep": 1, **manifest["layout"]} == self.layout  # older checkpoints: no cp, ep
-        if same_layout:
-            own = upgrade_rank_state(load_rank_file(Path(path) / rank_file(self.rank)))
-            for name, part in self.per_rank.items():
-                part.load_state_dict(own[name])
-        self.own_step = step
-        change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
-        self.report(f"resumed from {path} (step {step}{change})")
-        if self.rank == 0 and (note := batch_change(Path(path), manifest, self.identity.cfg, self.layout["dp"])):
-            self.report(note)
-        return self._restored(Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime))
+        failed = None  # a checkpoint that failed its checksums after part of it was read into the model
+        for path, manifest, reset, verify in self._choose(step):
+            fault_point("resume", 0, self.rank)
+            if reset:
+                self.report(reset)
+            read: dict[str, int] = {}
+            try:
+                templates = read_parts(path, manifest, self.sharded, self.options.io_threads, rule_state=not reset,
+                                       verify=verify, figures=read)  # fmt: skip
+            except ChecksumMismatch as err:
+                if self.rank == 0:
+                    self.report(f"checkpoint {path} skipped: {err}")
+                failed = f"{path} ({err})"
+                continue
+            with load_errors_named(path):
+                shared = upgrade_rank_state(load_rank_file(Path(path) / rank_file(0)))
+            step = shared["step"]
+            for name, part in self.sharded.items():  # in registration order: the model before the optimizer
+                part.load(templates[name], step)
+            for name, part in self.shared.items():
+                if shared.get(name) is not None:
+                    part.load_state_dict(shared[name])
+            same_layout = {"cp": 1, "ep": 1, **manifest["layout"]} == self.layout  # older checkpoints: no cp, ep
+            if same_layout:
+                own = upgrade_rank_state(load_rank_file(Path(path) / rank_file(self.rank)))
+                for name, part in self.per_rank.items():
+                    part.load_state_dict(own[name])
+            self.own_step = step
+            change = "" if same_layout else f", resharded from {manifest['layout']} to {self.layout}"
+            how = (f"; its files' {read['total_bytes']} bytes read in one pass, checksums checked as read: "
+                   f"{read['loaded_bytes'] + read['checked_bytes']} bytes over the ranks, "
+                   f"{read['checked_bytes']} of them for checksums alone") if read else ""  # fmt: skip
+            self.report(f"resumed from {path} (step {step}{change}){how}")
+            if self.rank == 0 and (note := batch_change(Path(path), manifest, self.identity.cfg, self.layout["dp"])):
+                self.report(note)
+            return self._restored(Resumed(step, manifest["layout"], (Path(path) / MANIFEST).stat().st_mtime))
+        if failed:
+            raise CheckpointError(f"no checkpoint in {self.store.root} loads: {failed} was read into the model "
+                                  f"before its checksums failed, and none older verifies; move the damaged "
+                                  f"checkpoints out of {self.store.root} to train from scratch")  # fmt: skip
+        return None
 
     def _restored(self, resumed: Resumed) -> Resumed:
         """Every part is back in place (from disk, node-local copies or the host copy): the step hooks' state
@@ -448,7 +497,7 @@ class Checkpointer:
     def _resume_locally(self) -> Resumed | None:
         """After an in-job restart, the node-local checkpoints when every rank has one newer than the newest
         shared checkpoint (by its manifest: the files of one that is older are not read, nor checksummed)."""
-        if self.local is None or os.environ.get("HPC_TRAIN_RESTART", "0") == "0":
+        if self.local is None or not restarted():
             return None
         newest: list[Any] = [0]
         if self.rank == 0 and (info := next(self.store.candidates(lambda message: None), None)) is not None:
@@ -464,24 +513,49 @@ class Checkpointer:
 
 
 def read_parts(
-    path: str, manifest: dict, parts: dict[str, ShardedPart], io_threads: int, rule_state: bool = True
+    path: str,
+    manifest: dict,
+    parts: dict[str, ShardedPart],
+    io_threads: int,
+    rule_state: bool = True,
+    verify: bool = False,
+    figures: dict[str, int] | None = None,
 ) -> dict[str, dict]:
     """DCP-load every part's tensors that the checkpoint at `path` holds into its templates (a `strict` part's
     must all be there, in their shapes), collectively; returns the templates, by part. Without `rule_state`,
-    a part that holds an update rule's state (`without_rule_state`) loads everything else."""
-    with load_errors_named(path):
-        metadata = read_dcp_metadata(Path(path), set(manifest["files"])).state_dict_metadata
-        check_shapes(path, parts, {key: tuple(md.size) for key, md in metadata.items()})
-        templates = {}
-        for name, part in parts.items():
-            stored = {k.removeprefix(f"{name}.") for k in metadata if k.startswith(f"{name}.")}
-            if not rule_state and hasattr(part, "without_rule_state"):
-                stored = part.without_rule_state(stored)
-            templates[name] = part.template(stored)
-        state = {f"{name}.{k}": t for name, ts in templates.items() for k, t in ts.items()}
-        slices = {key: t for key, t in state.items() if isinstance(t, FlatSlice)}  # a range of the stored tensor
-        tensors = {key: t for key, t in state.items() if key not in slices}
-        dcp.load(tensors, storage_reader=ParallelReader(path, io_threads), planner=SliceLoadPlanner(slices))
+    a part that holds an update rule's state (`without_rule_state`) loads everything else. With `verify`, every
+    file's checksum is checked in the same pass, each file once over the ranks (dcp_io.ParallelReader), and
+    agreed by every rank before anything is returned: ChecksumMismatch on every rank where a file fails, also
+    where the read itself failed on a damaged file (the templates loaded in place then hold part of it); the
+    bytes read go into `figures` (dcp_io.agree_on_checks)."""
+    reader = ParallelReader(path, io_threads, manifest["files"] if verify else None)
+    failure = None
+    try:
+        with load_errors_named(path):
+            metadata = read_dcp_metadata(Path(path), set(manifest["files"])).state_dict_metadata
+            check_shapes(path, parts, {key: tuple(md.size) for key, md in metadata.items()})
+            templates = {}
+            for name, part in parts.items():
+                stored = {k.removeprefix(f"{name}.") for k in metadata if k.startswith(f"{name}.")}
+                if not rule_state and hasattr(part, "without_rule_state"):
+                    stored = part.without_rule_state(stored)
+                templates[name] = part.template(stored)
+            state = {f"{name}.{k}": t for name, ts in templates.items() for k, t in ts.items()}
+            slices = {key: t for key, t in state.items() if isinstance(t, FlatSlice)}  # a range of the stored tensor
+            tensors = {key: t for key, t in state.items() if key not in slices}
+            dcp.load(tensors, storage_reader=reader, planner=SliceLoadPlanner(slices))
+    except CheckpointError as err:
+        if not verify:
+            raise
+        failure = err  # a damaged file's, or the checkpoint's own: the checksums tell
+    if verify:
+        problem, read = agree_on_checks(Path(path), reader.checks, io_threads)
+        if figures is not None:
+            figures.update(read)
+        if problem:
+            raise ChecksumMismatch(problem)
+    if failure is not None:
+        raise failure
     return templates
 
 
@@ -539,7 +613,18 @@ def unplaced(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, DTensorSp
     views of one flat buffer) has a non-null pointer into an empty storage, and the copy fails ("copy_() on
     an invalid python storage"). Local tensors it copies right, a storage they share once."""
     layouts = {k: v._spec for k, v in state.items() if isinstance(v, DTensor)}
-    return {k: v._local_tensor if k in layouts else v for k, v in state.items()}, layouts
+    return {k: unwrapped(v._local_tensor if k in layouts else v) for k, v in state.items()}, layouts
+
+
+def unwrapped(t: Any) -> Any:
+    """A tensor subclass that wraps one tensor (torchao's float8 training weights, under train.fp8_all_gather)
+    as that tensor: the stager's copy of the wrapper itself was zeros."""
+    while isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        if len(names) != 1:
+            break
+        t = getattr(t, names[0])
+    return t
 
 
 def placed(staged: dict[str, Any], layouts: dict[str, DTensorSpec]) -> dict[str, Any]:
@@ -548,32 +633,25 @@ def placed(staged: dict[str, Any], layouts: dict[str, DTensorSpec]) -> dict[str,
     return {k: DTensor(v, layouts[k], requires_grad=False) if k in layouts else v for k, v in staged.items()}
 
 
-def async_save_note(ranks: int, compute_threads: int, io_threads: int, cores: int) -> str | None:
-    """A warning where an async save's background copy and writes find no idle core: the node's `ranks` x
-    (their `compute_threads`: 1 on a GPU, torch's intra-op threads on a CPU, + `io_threads`) exceed its
-    `cores`. There the background work takes cores from training, and may cost it more than a sync save."""
-    need = ranks * (compute_threads + io_threads)
-    if need <= cores:
-        return None
-    return (f"checkpoint.async_save: {ranks} ranks x ({compute_threads} compute + {io_threads} checkpoint.io_threads) "
-            f"= {need} threads on {cores} cores here: the background copy and writes take cores from training, so an "
-            f"async save may gain little over a sync one or cost more (tools/bench_checkpoint.py times both); "
-            f"checkpoint.async_save=false saves synchronously")  # fmt: skip
-
-
-def in_background(fn: Callable[..., Any], *args: Any) -> Future:
-    """`fn(*args)` on a daemon thread (a process that is failing is not held at exit by a save whose peers
-    are gone); its result or exception in the future."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # DCP's CheckpointException derives from BaseException
-            future.set_exception(err)
-
-    threading.Thread(target=run, name="checkpoint-save", daemon=True).start()
-    return future
+def choose_async(
+    asked: bool | None, ranks: int, compute_threads: int, cores: int, gpu: bool
+) -> tuple[bool, str | None]:
+    """Whether saves go to the background (checkpoint.async_save: `asked`, None for auto), and the start-up
+    line that says why. Background work pays where it finds an idle core: each of a node's `ranks` needs
+    one beside its `compute_threads` (1 on a GPU, torch's intra-op threads on a CPU); otherwise the copy,
+    hashing and writes take cores from training, and a save costs more than a synchronous one."""
+    need = ranks * (compute_threads + 1)
+    free = gpu or need <= cores
+    why = (f"{ranks} ranks x ({compute_threads} compute + 1 for the save) = {need} threads on {cores} cores here"
+           + (" (a GPU computes)" if gpu else ""))  # fmt: skip
+    if asked is None:
+        how = "in the background" if free else "synchronously (checkpoint.async_save=true to force)"
+        return free, f"checkpoint.async_save=auto: saving {how}: {why}"
+    if asked and not free:
+        return True, (f"checkpoint.async_save: {why}: the background copy and writes take cores from training, "
+                      f"so an async save may gain little over a sync one or cost more (tools/bench_checkpoint.py "
+                      f"times both); checkpoint.async_save=auto saves synchronously here")  # fmt: skip
+    return asked, None
 
 
 @contextmanager

@@ -8,10 +8,16 @@ DCP's metadata; the manifest's xxh3 digest of the whole file is the integrity ch
 before (torch.save records, one zip per tensor) still load. A record whose tensor lies in a file
 (optim.offload=nvme's `FileRegion`) is copied from there a piece at a time (`RegionSavePlanner` hands it
 to the writer as it is).
+
+A resume checks the files' checksums in the same pass as it reads them (`ParallelReader` given the manifest's
+records): a file that some rank reads whole, in order, is hashed by one of those ranks as its bytes arrive,
+and every other file is checksummed alone by one rank, chosen when DCP plans the reads (the coordinator sees
+every rank's reads); the ranks then agree on the outcome (`agree_on_checks`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
@@ -36,7 +43,14 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from hpc_train.checkpoint.integrity import file_record, new_digest
+from hpc_train.checkpoint.integrity import (
+    digest_for,
+    digest_problem,
+    file_problem,
+    file_record,
+    first_mismatch,
+    new_digest,
+)
 from hpc_train.checkpoint.safe_load import RAW, SafeFileSystemReader
 from hpc_train.optim.nvme import FileRegion
 from hpc_train.resilience.faults import fault_point
@@ -203,44 +217,120 @@ class ParallelReader(SafeFileSystemReader):
     file, only those bytes, into the tensor it loads into (or, where that is not contiguous host memory,
     a buffer of their size). From a RAW record anything else (a box across rows) reads the whole record and
     cuts it, and a dtype change is made by the copy; from a torch.save record of an earlier version it goes
-    through torch.load of the stored tensor, as in DCP's own reader."""
+    through torch.load of the stored tensor, as in DCP's own reader.
 
-    def __init__(self, path: str | os.PathLike, threads: int):
+    Given `records` (a manifest's files), it checks every one of them once over all ranks in the same pass
+    (`checks`): the global plan (`prepare_global_plan`) gives each file that a rank reads whole and in order
+    to one such rank, which hashes it as it reads it, and each other file to the rank with the fewest bytes
+    to read, which checksums it alone beside its reads."""
+
+    def __init__(self, path: str | os.PathLike, threads: int, records: dict[str, dict] | None = None):
         super().__init__(path)
         self.threads = threads
+        self.checks = ReadChecks(records)
+        self.metadata: Any = None
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.metadata = metadata
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        """Each rank's plan with the files it checks (`storage_data`: those it hashes as it reads them, and
+        those it checksums alone), every file of `records` given to one rank."""
+        if self.checks.records is None:
+            return plans
+        reads = [self._read_ranges(plan) for plan in plans]
+        tasks = assign_checks(self.checks.records, reads)
+        return [dataclasses.replace(plan, storage_data=task) for plan, task in zip(plans, tasks, strict=True)]
+
+    def _read_ranges(self, plan: Any) -> dict[str, list[tuple[int, int] | None]]:
+        """{file: the byte ranges the plan's items read of it}; None for an item whose bytes are not known
+        before it is read (a torch.save record's: through its zip)."""
+        ranges: dict[str, list[tuple[int, int] | None]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            ranges.setdefault(info.relative_path, []).append(self._byte_range(item))
+        return ranges
+
+    def _byte_range(self, item: Any) -> tuple[int, int] | None:
+        """The bytes `_read_raw` reads of the file for `item` (None: not a RAW record, or not one it can read)."""
+        info = self.storage_data[item.storage_index]
+        if not info.transform_descriptors:
+            return None
+        stored = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        at = tuple(item.storage_index.offset)
+        shape = next((tuple(c.sizes) for c in stored.chunks if tuple(c.offsets) == at), None)
+        if shape is None:
+            return None
+        start = _contiguous_start(shape, item.storage_offsets, item.lengths)
+        if start is None:  # the whole record, cut afterwards
+            return info.offset, info.offset + info.length
+        size = torch.empty((), dtype=stored.properties.dtype).element_size()
+        return info.offset + start * size, info.offset + (start + math.prod(item.lengths)) * size
 
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
         per_file: dict[str, list] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        hashed, alone = plan.storage_data if self.checks.records is not None and plan.storage_data else ((), ())
 
         def read_file(relative_path: str) -> None:
-            items = sorted(per_file[relative_path], key=lambda i: self.storage_data[i.storage_index].offset)
-            with open(Path(self.path) / relative_path, "rb", buffering=0) as f:
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)  # the whole file read ahead, in order
-                for item in items:
-                    target = planner.resolve_tensor(item).detach()
-                    stored = planner.metadata.state_dict_metadata[item.storage_index.fqn]
-                    info = self.storage_data[item.storage_index]
-                    if info.transform_descriptors:  # RAW: safe_load admits no other
-                        _read_raw(f, info, item, stored, target)
-                        planner.commit_tensor(item, target)
-                        continue
-                    stored_dtype = stored.properties.dtype
-                    direct = target.device.type == "cpu" and target.is_contiguous()
-                    staged = target if direct else torch.empty(target.shape, dtype=target.dtype)
-                    if _read_in_place(f, self.storage_data[item.storage_index], item, staged, stored_dtype):
-                        if not direct:
-                            target.copy_(staged)
-                    else:
-                        target.copy_(self._load_slice(f, relative_path, item, target))
-                    planner.commit_tensor(item, target)
+            def starts(item: Any) -> tuple[int, int]:  # in file order: the order a hash as read needs
+                info = self.storage_data[item.storage_index]
+                return info.offset, (self._byte_range(item) or (info.offset,))[0]
 
-        with ThreadPoolExecutor(max(1, min(self.threads, len(per_file)))) as pool:
-            list(pool.map(read_file, per_file))
+            items = sorted(per_file[relative_path], key=starts)
+            record = self.checks.records.get(relative_path) if relative_path in hashed else None
+            with open(Path(self.path) / relative_path, "rb", buffering=0) as raw:
+                os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)  # the whole file read ahead, in order
+                f = _ReadThrough(raw, None if record is None else digest_for(record))
+                try:
+                    for item in items:
+                        self._read_item(f, relative_path, item, planner)
+                finally:
+                    self.checks.add(loaded=f.bytes_read)
+            if record is not None:
+                self._verdict(relative_path, record, f)
+
+        def check_alone(name: str) -> None:
+            self.checks.add(name, file_problem(Path(self.path), name, self.checks.records[name]),
+                            checked=self.checks.records[name]["size"])  # fmt: skip
+
+        tasks = [(sum(self.storage_data[i.storage_index].length for i in items), read_file, name)
+                 for name, items in per_file.items()]  # fmt: skip
+        tasks += [(self.checks.records[name]["size"], check_alone, name) for name in alone]
+        tasks.sort(key=lambda task: -task[0])  # the largest first: the threads finish together
+        with ThreadPoolExecutor(max(1, min(self.threads, len(tasks)))) as pool:
+            list(pool.map(lambda task: task[1](task[2]), tasks))
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
+
+    def _read_item(self, f: Any, relative_path: str, item: Any, planner: Any) -> None:
+        target = planner.resolve_tensor(item).detach()
+        stored = planner.metadata.state_dict_metadata[item.storage_index.fqn]
+        info = self.storage_data[item.storage_index]
+        if info.transform_descriptors:  # RAW: safe_load admits no other
+            _read_raw(f, info, item, stored, target)
+            planner.commit_tensor(item, target)
+            return
+        stored_dtype = stored.properties.dtype
+        direct = target.device.type == "cpu" and target.is_contiguous()
+        staged = target if direct else torch.empty(target.shape, dtype=target.dtype)
+        if _read_in_place(f, info, item, staged, stored_dtype):
+            if not direct:
+                target.copy_(staged)
+        else:
+            target.copy_(self._load_slice(f, relative_path, item, target))
+        planner.commit_tensor(item, target)
+
+    def _verdict(self, name: str, record: dict, f: _ReadThrough) -> None:
+        """The checksum of a file this rank was to hash as it read it: from that hash where the reads ran
+        through the whole file in order, else (a plan not read as foreseen) the file checksummed again."""
+        if f.in_order and f.hashed == record["size"]:
+            self.checks.add(name, digest_problem(name, record, f.digest.hexdigest(), "; found as it was read"))
+        else:
+            self.checks.add(name, file_problem(Path(self.path), name, record), checked=record["size"])
 
     def _load_slice(self, f: Any, relative_path: str, item: Any, target: torch.Tensor) -> torch.Tensor:
         info = self.storage_data[item.storage_index]
@@ -254,6 +344,124 @@ class ParallelReader(SafeFileSystemReader):
             raise ValueError(f"{relative_path}: {item.storage_index.fqn} has shape {tuple(stored.shape)}, "
                              f"{tuple(target.shape)} expected")  # fmt: skip
         return stored
+
+
+class ReadChecks:
+    """What a read checked of a checkpoint's files (`records`, the manifest's; None: no checks): the files
+    whose checksums it verified, the first problem it found, and the bytes it read for the load (`loaded`)
+    and for checksums alone (`checked`). Added to by the reader's threads."""
+
+    def __init__(self, records: dict[str, dict] | None):
+        self.records = records
+        self.verified: set[str] = set()
+        self.problem: str | None = None
+        self.loaded = self.checked = 0
+        self.lock = threading.Lock()
+
+    def add(self, name: str | None = None, problem: str | None = None, loaded: int = 0, checked: int = 0) -> None:
+        with self.lock:
+            self.loaded, self.checked = self.loaded + loaded, self.checked + checked
+            if problem is not None:
+                self.problem = self.problem or problem
+            elif name is not None:
+                self.verified.add(name)
+
+
+class _ReadThrough:
+    """A file read for a load: counts the bytes read (`bytes_read`) and, given a `digest`, feeds it every byte
+    while the reads run on from byte 0 with no gap and no step back (`in_order`; `hashed` bytes so far)."""
+
+    def __init__(self, f: Any, digest: Any):
+        self.f, self.digest = f, digest
+        self.bytes_read = self.hashed = 0
+        self.in_order = digest is not None
+
+    def seek(self, position: int, whence: int = 0) -> int:
+        return self.f.seek(position, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        at = self.f.tell() if self.in_order else -1
+        n = self.f.readinto(buffer) or 0
+        self.bytes_read += n
+        if self.in_order and at != self.hashed:
+            self.in_order = False
+        elif self.in_order:
+            self.digest.update(memoryview(buffer).cast("B")[:n])
+            self.hashed += n
+        return n
+
+    def read(self, size: int) -> bytes:
+        buffer = bytearray(size)
+        return bytes(buffer[: self.readinto(buffer)])
+
+
+def covers(ranges: list[tuple[int, int] | None] | None, size: int) -> bool:
+    """Whether byte ranges read one after another in file order run through a file of `size` bytes, each
+    from where the one before ended."""
+    if not ranges or None in ranges:
+        return False
+    end = 0
+    for first, last in sorted(ranges):
+        if first != end:
+            return False
+        end = last
+    return end == size
+
+
+def assign_checks(records: dict[str, dict], reads: list[dict[str, list]]) -> list[tuple[list[str], list[str]]]:
+    """Per rank, (the files it hashes as it reads them, the files it checksums alone): each file of `records`
+    once. A file some rank reads whole and in order (`reads`: each rank's byte ranges per file) goes to the one
+    of those with the fewest bytes to hash so far; every other file (read in part, in pieces, or by no rank)
+    to the rank with the fewest bytes to read, the largest file first."""
+    world = len(reads)
+    hashed: list[list[str]] = [[] for _ in range(world)]
+    alone: list[list[str]] = [[] for _ in range(world)]
+    hashing = [0] * world
+    load = [sum(b - a for ranges in r.values() for a, b in filter(None, ranges)) for r in reads]
+    rest = []
+    for name in sorted(records, key=lambda n: (-records[n]["size"], n)):
+        size = records[name]["size"]
+        whole = [rank for rank in range(world) if covers(reads[rank].get(name), size)]
+        if whole:
+            rank = min(whole, key=lambda r: (hashing[r], r))
+            hashed[rank].append(name)
+            hashing[rank] += size
+        else:
+            rest.append(name)
+    for name in rest:
+        rank = min(range(world), key=lambda r: (load[r], r))
+        alone[rank].append(name)
+        load[rank] += records[name]["size"]
+    return list(zip(hashed, alone, strict=True))
+
+
+def agree_on_checks(directory: Path, checks: ReadChecks, threads: int) -> tuple[str | None, dict[str, int]]:
+    """After a read with checks (whether it finished or raised), on every rank: the first problem any rank
+    found (None: every file verifies), and the bytes read over all ranks (`loaded_bytes`, `checked_bytes`
+    for checksums alone, `total_bytes` in the checkpoint's files). The files no rank checked (a read that
+    failed before it reached them) are split over the ranks and checksummed first, and agreed on too."""
+    records = checks.records
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    every = [(sorted(checks.verified), checks.problem, checks.loaded, checks.checked)]
+    if world > 1:
+        mine, every = every[0], [None] * world
+        dist.all_gather_object(every, mine)
+    problem = next((problem for _, problem, _, _ in every if problem), None)
+    figures = {"loaded_bytes": sum(e[2] for e in every), "checked_bytes": sum(e[3] for e in every),
+               "total_bytes": sum(r["size"] for r in records.values())}  # fmt: skip
+    rest = set(records) - {name for verified, *_ in every for name in verified}
+    if problem is None and rest:
+        mine = sorted(rest, key=lambda n: (-records[n]["size"], n))[rank::world]
+        problems = [first_mismatch(directory, records, mine, threads)]
+        if world > 1:
+            found, problems = problems[0], [None] * world
+            dist.all_gather_object(problems, found)
+        problem = next((p for p in problems if p), None)
+        figures["checked_bytes"] += sum(records[n]["size"] for n in rest)
+    return problem, figures
 
 
 def _read_raw(f: Any, info: Any, item: Any, stored: Any, target: torch.Tensor) -> None:

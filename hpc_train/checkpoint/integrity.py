@@ -1,7 +1,8 @@
 """Checksums of checkpoint files. New files are checksummed with xxh3-128 (xxhash, ~10 GB/s per core) as
 their bytes are written, so a save never reads its files back; the manifest records each file's digest
 under the algorithm's name, and checkpoints from before (sha256) still verify. Checking reads the files
-in parallel threads (the hashing releases the GIL)."""
+in parallel threads (the hashing releases the GIL); a resume checks them as it reads them for its load
+(checkpoint/dcp_io.py's ParallelReader)."""
 
 from __future__ import annotations
 
@@ -49,18 +50,29 @@ def file_digest(path: Path, algorithm: str) -> str:
     return digest.hexdigest()
 
 
+def digest_for(record: dict) -> Any:
+    """A new digest of the algorithm `record` (a manifest's record of a file) names."""
+    return ALGORITHMS[record_algorithm(record)][0]()
+
+
+def digest_problem(name: str, record: dict, hexdigest: str, found: str = "") -> str | None:
+    """What is wrong with file `name` whose content hashes to `hexdigest`, against its `record`; None if
+    nothing. `found`: how the mismatch was found, for the message."""
+    algorithm = record_algorithm(record)
+    return None if hexdigest == record[algorithm] else f"{name} fails its {algorithm} checksum (corrupted{found})"
+
+
+def file_problem(directory: Path, name: str, record: dict) -> str | None:
+    """What is wrong with the content of file `name` against its record's digest (the whole file read), or None."""
+    try:
+        return digest_problem(name, record, file_digest(directory / name, record_algorithm(record)))
+    except OSError as err:
+        return f"{name} cannot be read ({err.strerror or err})"
+
+
 def first_mismatch(directory: Path, records: dict[str, dict], names: Iterable[str], threads: int) -> str | None:
     """The first of `names` whose content does not match its record's digest (checked `threads` at a time)."""
-
-    def mismatch(name: str) -> str | None:
-        algorithm = record_algorithm(records[name])
-        try:
-            if file_digest(directory / name, algorithm) == records[name][algorithm]:
-                return None
-        except OSError as err:
-            return f"{name} cannot be read ({err.strerror or err})"
-        return f"{name} fails its {algorithm} checksum (corrupted)"
-
     names = sorted(names, key=lambda n: -records[n]["size"])  # the largest first: the threads finish together
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        return next((problem for problem in pool.map(mismatch, names) if problem), None)
+        problems = pool.map(lambda name: file_problem(directory, name, records[name]), names)
+        return next((problem for problem in problems if problem), None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,7 @@ class MemoryCopy:
         self.step: int | None = None  # the step copied; None: nothing yet
         self.buffer = torch.empty(0, dtype=torch.uint8)  # every tensor's bytes
         self.layout: list[tuple] = []  # `describe` of the tensors in the buffer: the weights', then the states'
+        self.own_buffer = False  # the buffer is the copy's own, for the next take to copy into
         self.weights: list[HostTensor] = []
         self.keys: list[list[str]] = []  # the optimizer's keys per parameter, and their tensors in that order
         self.states: list[HostTensor] = []
@@ -88,18 +90,33 @@ class MemoryCopy:
 
     def take(self, step: int) -> None:
         """Copy the state as it is now, at the save of `step` (before the next update changes it)."""
+        self.take_small(step)
+        self.take_tensors()
+
+    def take_small(self, step: int) -> None:
+        """The small parts as they are now, at the save of `step`: the next step changes them at once (the
+        sampler as it reads, the RNG as it draws), its forward and backward no tensor of `take_tensors`."""
+        self.small_states = {name: copy.deepcopy(part.state_dict()) for name, part in self.small.items()}
+        self.step = step
+
+    def take_tensors(self, place: Callable[[int, memoryview], torch.Tensor] | None = None) -> None:
+        """The weights and the optimizer state as they are now: on a thread while the next step's forward and
+        backward run, done before its update changes them. `place`: where they go instead of a buffer of the
+        copy's own, given their bytes and the copy's header (`head`): a file's mapped pages (memory
+        checkpoints), which the copy holds until the next take (which then allocates its own)."""
         weights = [t for _, t in self.model.live_tensors()]
         states = self.optim.optimizer.local_states()
         tensors = weights + [t for s in states for t in s.values()]
         layout = describe(tensors)
-        if layout != self.layout:  # the first copy, or the shapes changed: a new buffer
+        self.keys = [list(s) for s in states]
+        if place is not None:
+            self.buffer = place(buffer_size(layout), self.head(layout, len(weights)))
+            self._place(layout, len(weights), own=False)
+        elif layout != self.layout or not self.own_buffer:  # the first copy, or the shapes changed: a new buffer
             self.buffer = self.host_buffer(buffer_size(layout))
-            self._place(layout, len(weights))
+            self._place(layout, len(weights), own=True)
         for h, t in zip(self.weights + self.states, tensors, strict=True):
             h.values.copy_(local(t).detach())
-        self.keys = [list(s) for s in states]
-        self.small_states = {name: copy.deepcopy(part.state_dict()) for name, part in self.small.items()}
-        self.step = step
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """`nbytes` of host memory as the copy keeps it: pinned where the state is on a GPU (copies to and from
@@ -107,9 +124,10 @@ class MemoryCopy:
         pinned = any(local(t).is_cuda for _, t in self.model.live_tensors())
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
-    def _place(self, layout: list[tuple], n_weights: int) -> None:
+    def _place(self, layout: list[tuple], n_weights: int, own: bool) -> None:
+        """The tensors of `layout` as views of the buffer; `own`: a buffer the next take may copy into."""
         held = views(self.buffer, layout)
-        self.layout, self.weights, self.states = layout, held[:n_weights], held[n_weights:]
+        self.layout, self.weights, self.states, self.own_buffer = layout, held[:n_weights], held[n_weights:], own
 
     def restore(self) -> None:
         """Put the copied state back: the weights in place, the optimizer's through `load_param_states` (as a
@@ -130,15 +148,21 @@ class MemoryCopy:
 
     def pieces(self) -> list[memoryview]:
         """The copy as a file: its header (length first) and its buffer, as the buffer lies in memory."""
+        return [self.head(self.layout, len(self.weights)), memoryview(self.buffer.numpy()).cast("B")]
+
+    def head(self, layout: list[tuple], n_weights: int) -> memoryview:
+        """A file's header for this copy with its tensors laid out as `layout`: its length, its payload's (plain
+        values: the step, the optimizer's keys, the small parts, the layout), the payload, zero-padded so that
+        the buffer after it starts ALIGNed."""
         header = io.BytesIO()
-        torch.save({"step": self.step, "keys": self.keys, "small": self.small_states, "layout": self.layout,
-                    "weights": len(self.weights)}, header)  # fmt: skip
+        torch.save({"step": self.step, "keys": self.keys, "small": self.small_states, "layout": layout,
+                    "weights": n_weights}, header)  # fmt: skip
         payload = header.getvalue()
-        head = bytearray(aligned(2 * HEADER_LENGTH + len(payload)))  # zero-padded: the buffer starts ALIGNed
+        head = bytearray(aligned(2 * HEADER_LENGTH + len(payload)))
         head[:HEADER_LENGTH] = (len(head) - HEADER_LENGTH).to_bytes(HEADER_LENGTH, "little")
         head[HEADER_LENGTH : 2 * HEADER_LENGTH] = len(payload).to_bytes(HEADER_LENGTH, "little")
         head[2 * HEADER_LENGTH : 2 * HEADER_LENGTH + len(payload)] = payload
-        return [memoryview(head), memoryview(self.buffer.numpy()).cast("B")]
+        return memoryview(head)
 
     def load_bytes(self, data: memoryview, reusable: bool = False) -> None:
         """A copy `pieces` wrote, read back safely (nothing unpickled runs code); its tensors are views of
@@ -150,9 +174,7 @@ class MemoryCopy:
         if len(body) != (expected := buffer_size(saved["layout"])):
             raise CheckpointError(f"a state copy holds {len(body)} bytes of tensors, its header describes {expected}")
         self.buffer = torch.frombuffer(body, dtype=torch.uint8) if len(body) else torch.empty(0, dtype=torch.uint8)
-        self._place([tuple(entry) for entry in saved["layout"]], saved["weights"])
-        if not reusable:
-            self.layout = []
+        self._place([tuple(entry) for entry in saved["layout"]], saved["weights"], own=reusable)
         self.step, self.keys, self.small_states = saved["step"], saved["keys"], saved["small"]
 
 

@@ -23,7 +23,9 @@ from hpc_train.distributed.parallelize import ParallelModel, pad_rows, unpadded
 from hpc_train.features.lora.adapters import is_adapter
 from hpc_train.optim.nvme import FileRegion
 from hpc_train.optim.protocol import Optimizer
-from hpc_train.optim.rules import RULES
+from hpc_train.optim.rules import RULES, tp_local_numel
+from hpc_train.optim.rules.lowbit import CODES, LowBitAdamW
+from hpc_train.optim.rules.protocol import UpdateRule
 from hpc_train.placement import distribute_like, like_param, local, origin_of
 
 
@@ -107,16 +109,22 @@ class OptimizerState:
         self.model, self.optimizer = model, optimizer
         names = model.parameter_names()
         self.names = [names[id(p)] for p in optimizer.params]
+        rule = _rule_of(optimizer)  # a low-bit rule stores its moments as codes and block scales
+        self.low_bit = type(rule) if isinstance(rule, LowBitAdamW) else None
 
     def tensors(self) -> dict[str, torch.Tensor | FileRegion]:
         """Tensors, or the regions of files where optim.offload=nvme keeps them (written from there: a save
         never holds that state in memory), except the vocabulary's, read whole to be stored unpadded."""
         vocab, states, out = self.model.model_cfg.vocab_size, self.optimizer.param_states(), {}
         for name, p, state in zip(self.names, self.optimizer.params, states, strict=True):
+            kept = {}
             for key, t in state.items():
                 if isinstance(t, FileRegion) and name in self.model.spec.vocab_params:
                     t = like_param(p, t.read())
-                out[f"{name}.{key}"] = unpadded(self.model.spec, name, t, vocab)
+                kept[key] = unpadded(self.model.spec, name, t, vocab)
+            if self.low_bit is not None and kept:
+                kept = self.low_bit.to_saved(kept, self.low_bit.planned_quantized(tp_local_numel(p)))
+            out.update({f"{name}.{key}": t for key, t in kept.items()})
         return out
 
     def without_rule_state(self, stored: set[str]) -> set[str]:
@@ -135,6 +143,9 @@ class OptimizerState:
             for key in optimizer.state_keys:
                 if f"{name}.{key}" not in stored:
                     continue
+                if self.low_bit is not None and key in self.low_bit.saved_keys:
+                    out[f"{name}.{key}"] = self._saved_template(name, p, key, owned)
+                    continue
                 rows, given = vocab if name in self.model.spec.vocab_params else None, into.get(key)
                 if owned is None and given is None:
                     out[f"{name}.{key}"] = _template_like(self.model, name, p, torch.float32)
@@ -144,11 +155,52 @@ class OptimizerState:
                     out[f"{name}.{key}"] = flat_slice(local(p).shape, start, count, origin_of(p), rows, given)
         return out
 
+    def _shape(self, name: str, p: torch.Tensor) -> tuple[int, ...]:
+        """`p`'s shape as stored: a vocabulary's unpadded."""
+        vocab_rows = name in self.model.spec.vocab_params
+        return (self.model.model_cfg.vocab_size, *p.shape[1:]) if vocab_rows else tuple(p.shape)
+
+    def _saved_template(self, name: str, p: torch.Tensor, key: str, owned: tuple[int, int] | None
+                        ) -> torch.Tensor | FlatSlice:  # fmt: skip
+        """Where a low-bit rule's stored codes or scales load: this rank's piece of them where it is whole
+        codes and blocks of the stored ones (`saved_piece`), else the whole stored tensor (a layout that
+        cut the blocks otherwise: a vocabulary's rows, tp's split of a narrow row)."""
+        rule, shape = self.low_bit, self._shape(name, p)
+        dtype = torch.uint8 if key in CODES.values() else torch.float32
+        start, count = (0, local(p).numel()) if owned is None else owned
+        vocab_rows = name in self.model.spec.vocab_params
+        piece = None if vocab_rows else rule.saved_piece(p, shape, start, count)
+        if piece is None:
+            return torch.empty(rule.saved_shapes(shape)[key], dtype=dtype, device=local(p).device)
+        local_shape, origin, first, n = piece[key]
+        return flat_slice(local_shape, first, n, origin, None, torch.empty(n, dtype=dtype))
+
+    def _from_saved(self, name: str, p: torch.Tensor, owned: tuple[int, int] | None,
+                    saved: dict[str, torch.Tensor | FlatSlice]) -> dict[str, torch.Tensor]:  # fmt: skip
+        """A low-bit rule's stored codes and scales of `p` as `load_param_states` takes its state."""
+        pieces = not isinstance(next(iter(saved.values())), torch.Tensor)
+        state = self.low_bit.from_saved({k: v.values if pieces else v for k, v in saved.items()})
+        if pieces:  # this rank's elements, in order
+            return state if owned is not None else {k: like_param(p, v.view(local(p).shape)) for k, v in state.items()}
+        shape, vocab_rows = self._shape(name, p), name in self.model.spec.vocab_params
+        laid = {k: _repad_like(p, v.view(shape)) if vocab_rows else distribute_like(v.view(shape), p)
+                for k, v in state.items()}  # fmt: skip
+        if owned is None:
+            return laid
+        start, count = owned
+        return {k: local(v).reshape(-1)[start : start + count].clone() for k, v in laid.items()}
+
     def load(self, loaded: dict[str, torch.Tensor | FlatSlice], step: int) -> None:
         states = []
-        for name, p in zip(self.names, self.optimizer.params, strict=True):
+        for name, p, owned in zip(self.names, self.optimizer.params, self.optimizer.owned_ranges(), strict=True):
             state = {}
+            saved_keys = () if self.low_bit is None else self.low_bit.saved_keys
+            saved = {k: loaded[f"{name}.{k}"] for k in saved_keys if f"{name}.{k}" in loaded}
+            if len(saved) == len(saved_keys) > 0:
+                state.update(self._from_saved(name, p, owned, saved))
             for key in self.optimizer.state_keys:
+                if key in saved_keys:
+                    continue
                 value = loaded.get(f"{name}.{key}")
                 if isinstance(value, FlatSlice):  # the owned range, as the optimizer asked
                     state[key] = value.values
@@ -156,6 +208,12 @@ class OptimizerState:
                     state[key] = _repad_like(p, value) if name in self.model.spec.vocab_params else value
             states.append(state)
         self.optimizer.load_param_states(states, step)  # always: ZeRO's masters follow the loaded weights
+
+
+def _rule_of(optimizer: Optimizer) -> UpdateRule | None:
+    """The update rule an optimizer runs (the first part's, where it is made of several)."""
+    parts = getattr(optimizer, "parts", [optimizer])
+    return getattr(parts[0], "rule", None) if parts else None
 
 
 class RNGState:

@@ -20,11 +20,14 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpc_train.checkpoint.integrity import first_mismatch, record_algorithm
 from hpc_train.checkpoint.safe_load import DCP_METADATA, PLAIN_NAME, CheckpointError, load_rank_file, read_dcp_metadata
@@ -35,7 +38,12 @@ LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 TRASH = ".hpc_train_deleting_"  # what a directory being deleted is renamed to first
 
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointStore"]
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointStore", "ChecksumMismatch"]
+
+
+class ChecksumMismatch(CheckpointError):
+    """A file of a checkpoint whose content fails its manifest's checksum, found as the checkpoint was read for
+    a load and raised on every rank together: the checkpoint is skipped for an older one."""
 
 
 def step_dir_name(step: int) -> str:
@@ -224,3 +232,18 @@ def check_files(directory: Path, files: dict[str, dict]) -> str | None:
         if size != record["size"]:
             return f"{name} has {size} bytes, the manifest says {record['size']} (truncated?)"
     return None
+
+
+def in_background(fn: Callable[..., Any], *args: Any) -> Future:
+    """`fn(*args)` on a daemon thread (a process that is failing is not held at exit by a save whose peers
+    are gone); its result or exception in the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # DCP's CheckpointException derives from BaseException
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="checkpoint-save", daemon=True).start()
+    return future

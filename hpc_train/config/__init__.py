@@ -18,6 +18,7 @@ from hpc_train.config.fields import ConfigError, LayoutError, choice, fraction, 
 from hpc_train.config.load import config_path, load_config, parse_overrides, to_yaml
 from hpc_train.config.schema import (
     BUILTIN_DATA,
+    MEMORY_DIR,
     CheckpointConfig,
     DataConfig,
     DataSource,
@@ -32,9 +33,9 @@ from hpc_train.config.schema import (
 )
 
 __all__ = [
-    "BUILTIN_DATA", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "JobConfig", "LayoutError",
-    "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "SlurmConfig", "TrainConfig",
-    "check_values", "choice", "compose", "config_path", "expand_on_node", "fraction", "non_negative", "positive",
-    "derive_dp", "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes", "to_yaml",
-    "validate",
+    "BUILTIN_DATA", "MEMORY_DIR", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "JobConfig",
+    "LayoutError", "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "SlurmConfig",
+    "TrainConfig", "check_values", "choice", "compose", "config_path", "expand_on_node", "fraction", "non_negative",
+    "positive", "derive_dp", "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes",
+    "to_yaml", "validate",
 ]  # fmt: skip

@@ -68,13 +68,19 @@ def _fields(cfg: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
     return out
 
 
+def _choice(value: Any) -> Any:
+    """A choice's value as its options spell it: omegaconf turns a YAML or command-line true/false given to a
+    string key into "True"/"False"."""
+    return {"True": "true", "False": "false"}.get(value, value)
+
+
 def _value_problems(cfg: JobConfig) -> list[str]:
     """Every key's own rule (schema.py, beside the field): choices, signs, fractions; finiteness; and what
     sbatch accepts in the slurm section. One line per problem."""
     fields = _fields(cfg)
     choices = {key: f.metadata["choices"] for key, f in fields if "choices" in f.metadata}
     problems = [f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}"
-                for key, allowed in choices.items() if _get(cfg, key) not in allowed]  # fmt: skip
+                for key, allowed in choices.items() if _choice(_get(cfg, key)) not in allowed]  # fmt: skip
     floats = [key for key, _ in fields if isinstance(_get(cfg, key), float)]
     nonfinite = {key for key in floats if not math.isfinite(_get(cfg, key))}
     problems += [f"{key}={_get(cfg, key)} must be a finite number" for key in floats if key in nonfinite]
@@ -97,6 +103,12 @@ def _value_problems(cfg: JobConfig) -> list[str]:
                         "checkpoint: set checkpoint.interval (e.g. 100) and checkpoint.resume=true, or "
                         "parallel.max_restarts=0")  # fmt: skip
     c = cfg.checkpoint
+    if c.memory_interval and (c.local_dir or c.local_interval):
+        problems.append(f"checkpoint.memory_interval={c.memory_interval} with checkpoint.local_dir/local_interval: "
+                        "both are node-local checkpoints, one in host memory, one on local disk: keep one")  # fmt: skip
+    if c.memory_interval and not cfg.parallel.max_restarts:
+        problems.append(f"checkpoint.memory_interval={c.memory_interval}: memory checkpoints are read by an "
+                        "in-job restart: set parallel.max_restarts too (or leave it out)")  # fmt: skip
     if bool(c.local_dir) != bool(c.local_interval) or (c.local_dir and not cfg.parallel.max_restarts):
         problems.append(f"checkpoint.local_dir={c.local_dir!r} and checkpoint.local_interval={c.local_interval}: "
                         "node-local checkpoints need both, and are read by an in-job restart only: set "
@@ -139,10 +151,13 @@ def _host_copy_problems(cfg: JobConfig) -> list[str]:
                         "nvme offload saves: set train.spike_guard.memory_copy=false (a rollback reads the "
                         "checkpoint from disk)")  # fmt: skip
     if cfg.checkpoint.saves_locally:
-        problems.append(f"checkpoint.local_dir={cfg.checkpoint.local_dir!r} with optim.offload=nvme: node-local "
+        keys = "checkpoint.memory_interval" if cfg.checkpoint.memory_interval else "checkpoint.local_dir"
+        given = cfg.checkpoint.memory_interval or repr(cfg.checkpoint.local_dir)
+        problems.append(f"{keys}={given} with optim.offload=nvme: node-local "
                         "checkpoints are written from a copy of the whole offloaded optimizer state in host "
-                        "memory, the memory nvme offload saves: leave checkpoint.local_dir and "
-                        "checkpoint.local_interval out (an in-job restart reads the shared checkpoint)")  # fmt: skip
+                        "memory, the memory nvme offload saves: leave checkpoint.local_dir, "
+                        "checkpoint.local_interval and checkpoint.memory_interval out (an in-job restart reads the "
+                        "shared checkpoint)")  # fmt: skip
     return problems
 
 

@@ -221,6 +221,9 @@ class DataConfig:
     skip_samples: list[list[int]] = field(default_factory=list)
 
 
+MEMORY_DIR = "/dev/shm/hpc_train"  # in-memory checkpoints: a tmpfs, host memory that outlives the rank processes
+
+
 @dataclass
 class CheckpointConfig:
     """Sharded, verified checkpoints. A run resumes from the newest one that verifies in `dir`."""
@@ -229,7 +232,9 @@ class CheckpointConfig:
     interval: int = non_negative(0)  # save every N steps (and at the end); 0 = only when preempted
     keep_last: int = non_negative(3)  # committed checkpoints kept (the newest complete one is never deleted)
     keep_every: int = non_negative(0)  # also keep every K-th step forever; 0 = off
-    async_save: bool = False  # write in the background while training continues
+    # write in the background while training continues: auto = where each of a node's ranks has a core free
+    # for it (ranks x (compute threads + io_threads) <= cores) or a GPU computes, else synchronously
+    async_save: str = choice("auto", "true", "false")
     verify: str = choice("full", "sizes")  # full: sizes + checksums, every rank checking its share
     resume: bool = True
     io_threads: int = positive(1)  # per rank: files written, read and checksummed in parallel
@@ -238,11 +243,24 @@ class CheckpointConfig:
     # node: $SLURM_TMPDIR, /tmp/ckpt/$SLURMD_NODENAME), and a copy on the rank at its place on the next node
     local_dir: str | None = None
     local_interval: int = non_negative(0)  # 0 = no local checkpoints
+    # in-memory checkpoints every N steps (1 = every step): node-local checkpoints kept in host memory
+    # (MEMORY_DIR, a tmpfs) and at the partner, saved as async_save decides; instead of local_dir/local_interval
+    memory_interval: int = non_negative(0)
 
     @property
     def saves_locally(self) -> bool:
-        """Node-local checkpoints are on (both keys set)."""
-        return bool(self.local_dir and self.local_interval)
+        """Node-local checkpoints are on (both keys set), on disk or in memory."""
+        return bool(self.local_dir and self.local_interval) or bool(self.memory_interval)
+
+    @property
+    def local_every(self) -> int:
+        """Steps between node-local saves, on disk or in memory."""
+        return self.memory_interval or self.local_interval
+
+    @property
+    def asynchronous(self) -> bool | None:
+        """async_save as given (YAML's and the command line's true/false arrive as "True"/"False"); None: auto."""
+        return None if self.async_save == "auto" else self.async_save.lower() == "true"
 
 
 @dataclass

@@ -109,6 +109,10 @@ class Mesh:
     def is_last_stage(self) -> bool:
         return self.rank("pp") == self.size("pp") - 1
 
+    def group_of(self, role: str) -> list[int]:
+        """The global ranks of this rank's `role` group."""
+        return next(group for group in self.ranks_along(role) if dist.get_rank() in group)
+
     def ranks_along(self, role: str) -> list[list[int]]:
         """Every group of global ranks that `role` connects, one list per group (for custom subgroups)."""
         sizes = self.dims.as_dict()

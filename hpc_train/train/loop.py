@@ -338,7 +338,7 @@ def _train(
         watchdog.record(step, 2, len(rollbacks.done))
         hang.disarm()
         saving = run.checkpointer.should_save(step, stop_level)
-        saving_locally = not saving and run.checkpointer.should_save_local(step)
+        saving_locally = run.checkpointer.should_save_local(step, saving)
         if (saving or saving_locally) and run.metrics:  # the interval's earlier steps on disk, its last with it
             for r in records[:-1]:
                 run.metrics.write(r, show=False)

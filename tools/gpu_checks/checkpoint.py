@@ -59,7 +59,7 @@ def _measure(check: Check, root: Path, rank_env, model: list[str], threads: int)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    cfg.checkpoint.async_save = True
+    cfg.checkpoint.async_save = "true"
     fresh = build_run(cfg, rank_env, device, with_data=False)  # as a restarted job: no optimizer state yet
     fresh.checkpointer.report = lambda message: None
     reads = read_times(root, fresh, threads, rounds=1, names=("raw", "load"))

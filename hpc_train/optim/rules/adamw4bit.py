@@ -20,8 +20,8 @@ class AdamW4bit(LowBitAdamW):
         return OptimState4bit.zeros(shape, signed, AdamW4bit.block_size, device)
 
     @staticmethod
-    def quantize(normalized: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    def quantize(normalized: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
         from torchao.optim.quant_utils import quantize_4bit_with_qmap
 
-        codes = quantize_4bit_with_qmap(normalized, like.qmap)
+        codes = quantize_4bit_with_qmap(normalized, qmap)
         return (codes[::2] << 4) | codes[1::2]  # two per byte, as OptimState4bit packs them

@@ -20,7 +20,7 @@ class AdamW8bit(LowBitAdamW):
         return OptimState8bit.zeros(shape, signed, AdamW8bit.block_size, device)
 
     @staticmethod
-    def quantize(normalized: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    def quantize(normalized: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
         from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
-        return quantize_8bit_with_qmap(normalized, like.qmap).view(like.codes.shape)
+        return quantize_8bit_with_qmap(normalized, qmap)
