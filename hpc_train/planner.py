@@ -388,9 +388,8 @@ def stage_estimate(
     dim-0 shards exactly. Every category is device memory: offload moves the sharded optimizer state
     (stages 1-2: with a host copy of the owned gradients; stage 3: also the parameter and gradient shards)
     to `host`. The in-memory copy of the state that train.spike_guard and node-local checkpoints keep is
-    `host_copy` (the parameters and the optimizer state as this rank holds them, wherever they live; twice
-    that for local checkpoints across nodes, while a save receives the partner's), apart from `host`, which
-    the step measures.
+    `host_copy` (the parameters and the optimizer state as this rank holds them, wherever they live; for
+    node-local checkpoints, `local_copies` of it), apart from `host`, which the step measures.
 
     The total is the largest of three moments of a step (each checked against the measured peak of live
     tensor bytes on CPU, tools/validate_planner.py):

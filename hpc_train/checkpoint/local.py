@@ -52,7 +52,14 @@ import torch.distributed as dist
 from hpc_train.bootstrap import node_name
 from hpc_train.checkpoint.integrity import WRITE_ALGORITHM, file_record, new_digest
 from hpc_train.checkpoint.memory_copy import MemoryCopy, split_pieces
-from hpc_train.checkpoint.store import CheckpointError, empty_trash, in_background, step_dir_name, to_trash
+from hpc_train.checkpoint.store import (
+    STEP_DIR,
+    CheckpointError,
+    empty_trash,
+    in_background,
+    step_dir_name,
+    to_trash,
+)
 from hpc_train.config import ConfigError, expand_on_node
 from hpc_train.distributed.agree import raise_together
 from hpc_train.resilience.faults import fault_point
@@ -175,8 +182,9 @@ def restarted() -> bool:
     return os.environ.get("HPC_TRAIN_RESTART", "0") != "0" or os.environ.get("SLURM_RESTART_COUNT", "0") != "0"
 
 
-def step_of(directory: Path) -> int:
-    return int(directory.name.split("_")[1])
+def local_steps(root: Path) -> dict[int, Path]:
+    """The step directories under `root`, by step (named as the shared store names its steps)."""
+    return {int(m.group(1)): p for p in root.glob("step_*") if (m := STEP_DIR.match(p.name)) and p.is_dir()}
 
 
 def joined(head: memoryview, body: memoryview, allocate: Callable[[int], torch.Tensor]) -> memoryview:
@@ -281,12 +289,12 @@ class LocalCheckpoints:
             self.wait_s += time.perf_counter() - start
 
     def settle(self) -> dict[str, Any] | None:
-        """Wait for a background save in flight: its figures (and `wait_s`), or its error raised."""
+        """Wait for a background save in flight: its figures (and `wait_s`, what the update waited for it),
+        or its error raised."""
         if self.in_flight is None:
             return None
-        self.stored()
         in_flight, self.in_flight = self.in_flight, None
-        figures = {**in_flight.result(), "wait_s": self.wait_s}
+        figures = {**in_flight.result(), "wait_s": self.wait_s}  # the update's wait alone, not this one's
         self.wait_s = 0.0
         return figures
 
@@ -315,7 +323,7 @@ class LocalCheckpoints:
             record = {**record, "header_only": self.twins[self.source] is not None}
             staged = replica.with_name(replica.name + ".tmp")
             into = (lambda source, n: mapped(staged, n, spares / replica_name(source))) if self.in_memory else None
-            received = self._exchange(sent, self.partner, self.source, into)
+            received = self._transfer({self.partner: sent}, [self.source], into)[self.source]
             if self.in_memory:
                 seal(staged, replica, [received], record)
             else:
@@ -351,14 +359,6 @@ class LocalCheckpoints:
         head = len(whole[0]) - self.copy.nbytes()
         return [memoryview(whole[0][:head].numpy()), memoryview(whole[0][head:].numpy())]
 
-    def _exchange(self, pieces: list[memoryview] | None, to: int | None, source: int | None,
-                  into: Callable[[int, int], torch.Tensor] | None = None) -> memoryview:  # fmt: skip
-        """Send a state copy's `pieces` (header, buffer) to rank `to` while receiving a rank `source`'s into one
-        buffer (None: not that half; `into`: see `_transfer`)."""
-        sends, sources = ({to: pieces} if to is not None else {}), ([source] if source is not None else [])
-        received = self._transfer(sends, sources, into)
-        return received[source] if source is not None else memoryview(b"")
-
     def _transfer(self, sends: dict[int, list[memoryview]], sources: list[int],
                   into: Callable[[int, int], torch.Tensor] | None = None) -> dict[int, memoryview]:  # fmt: skip
         """Send each of `sends` (a rank, the pieces of a copy: header, buffer; either may be empty) while
@@ -390,7 +390,7 @@ class LocalCheckpoints:
         (freeing a GB takes ~1 s)."""
         if self.pruning is not None:
             self.pruning.join()
-        older = sorted(p for p in self.root.glob("step_*") if p.is_dir() and step_of(p) < step)
+        older = [path for at, path in sorted(local_steps(self.root).items()) if at < step]
         if len(older) >= KEEP:
             spares, last = self.root / SPARES, older[-KEEP]
             spares.mkdir(exist_ok=True)
@@ -405,7 +405,7 @@ class LocalCheckpoints:
         """The steps of this run and layout whose own copy, and whose copy of `source` (by step: whether it
         holds the small parts only), have their record here."""
         found: dict[str, Any] = {"own": [], "replica": {}}
-        for directory in self.root.glob("step_*"):
+        for directory in local_steps(self.root).values():
             for kind, name in (("own", own_name(self.rank)), ("replica", replica_name(self.source))):
                 try:
                     record = json.loads((directory / name).with_suffix(".json").read_text())
@@ -443,7 +443,7 @@ class LocalCheckpoints:
             self.report(f"node-local checkpoints: passed over {problem}")
         # what was passed over goes (the steps the run trains again are saved again, never a mix of the two)
         last = newer_than if restored is None else restored["step"]
-        discard([p for p in self.root.glob("step_*") if p.is_dir() and step_of(p) > last]).join()
+        discard([path for at, path in local_steps(self.root).items() if at > last]).join()
         dist.barrier(group=self.group)  # and before any rank saves again
         return None if restored is None else {**restored, "passed_over": passed_over}
 

@@ -233,7 +233,7 @@ class CheckpointConfig:
     keep_last: int = non_negative(3)  # committed checkpoints kept (the newest complete one is never deleted)
     keep_every: int = non_negative(0)  # also keep every K-th step forever; 0 = off
     # write in the background while training continues: auto = where each of a node's ranks has a core free
-    # for it (ranks x (compute threads + io_threads) <= cores) or a GPU computes, else synchronously
+    # for it (ranks x (compute threads + 1) <= cores) or a GPU computes, else synchronously
     async_save: str = choice("auto", "true", "false")
     verify: str = choice("full", "sizes")  # full: sizes + checksums, every rank checking its share
     resume: bool = True
