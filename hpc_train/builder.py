@@ -157,7 +157,10 @@ def build_run(cfg: JobConfig, rank_env: RankEnv, device: torch.device, with_data
         sampler = ResumableSampler(len(train_set), global_batch, t.micro_batch_size, mesh.rank("dp"), dims.dp, t.seed,
                                    skipped=cfg.data.skip_samples)  # fmt: skip
     spikes = SpikeDetector(t.spike_guard, device) if t.spike_guard.enabled else None
-    metrics = MetricsLog(cfg.run_dir, t.steps, cfg.logging.progress, cfg.logging.tensorboard) if is_logger else None
+    metrics = None
+    if is_logger:
+        wandb = cfg if cfg.logging.wandb.project else None  # observe/wandb_log.py
+        metrics = MetricsLog(cfg.run_dir, t.steps, cfg.logging.progress, cfg.logging.tensorboard, wandb)
 
     layout = {**dims.as_dict(), "ep": cfg.parallel.ep, "world_size": dims.world_size,
               "zero_stage": cfg.optim.zero_stage, "precision": t.precision}  # fmt: skip

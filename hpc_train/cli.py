@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -224,19 +225,29 @@ def world_note(cfg: JobConfig, dims: ParallelDims) -> str:
             f"does not use parallel.nproc): set {fix} for the same run")  # fmt: skip
 
 
+def check_submission(cfg: JobConfig, force: bool, notes: bool = True) -> ParallelDims:
+    """What `submit` checks of a run before its job is submitted (the partition apart): its inputs for the job's
+    world size, the planner's memory against the GPUs and the nodes (unless `force`), and that no job in the
+    queue already runs its run directory."""
+    from hpc_train.launch import slurm
+    from hpc_train.launch.queue import check_no_job_runs
+
+    dims = check_inputs(cfg, slurm.slurm_world_size(cfg), starts_here=False, world_from=SLURM_WORLD, notes=notes)
+    if not force:
+        check_fits(cfg, dims)
+        check_host_fits(cfg, dims)
+    check_no_job_runs(cfg.run_dir)
+    return dims
+
+
 def cmd_submit(args: argparse.Namespace) -> None:
     from hpc_train.launch import slurm
     from hpc_train.launch.partition import check_partition
-    from hpc_train.launch.queue import check_no_job_runs
     from hpc_train.train.loop import run_training
 
     cfg = _config_and_overrides(args)
-    dims = check_inputs(cfg, slurm.slurm_world_size(cfg), starts_here=False, world_from=SLURM_WORLD)
-    if not args.force:
-        check_fits(cfg, dims)
-        check_host_fits(cfg, dims)
+    dims = check_submission(cfg, args.force)
     check_partition(cfg, limits=not args.force)
-    check_no_job_runs(cfg.run_dir)
     note = world_note(cfg, dims)
     if args.dry_run:
         path, overrides = _config_items(args)  # the by-hand script's: the config from any directory
@@ -248,6 +259,161 @@ def cmd_submit(args: argparse.Namespace) -> None:
     print(*[note] * bool(note), slurm.submission_summary(cfg, job), sep="\n", flush=True)
     if args.wait:
         _follow(cfg, job)
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    """A job array of the config's runs over the swept values (launch/sweep.py); --local: one after another
+    here. Every member is checked before anything is submitted, and a finished member is skipped."""
+    from hpc_train.checkpoint.init_from import with_source_model
+    from hpc_train.launch import sweep
+
+    path, items = _config_items(args)
+    shared, axes = sweep.sweep_axes(items)
+    if not axes:
+        raise ConfigError("nothing to sweep: give a key with several values, e.g. optim.lr=1e-3,3e-3 (or use submit)")
+    values = sweep.combinations(axes, args.zip)
+    members = [sweep.Member(sweep.member_label(v), v) for v in values]
+    run_sweep(args, lambda overrides: with_source_model(load_config(path, overrides)), shared, members)
+
+
+def run_sweep(args: argparse.Namespace, load, shared: list[str], members: list) -> None:
+    """Check, then submit (or print, or run here) a sweep's members: `sweep` and `ladder`'s last part."""
+    from hpc_train.launch import slurm, sweep
+    from hpc_train.launch.partition import check_partition
+    from hpc_train.train.loop import run_training
+
+    base, members = sweep.load_members(load, shared, members)
+    sweep.check_sweep_dir(base)
+    problems, done = [], [sweep.finished(m.cfg) for m in members]
+    for member, finished in zip(members, done, strict=True):
+        if finished:
+            continue
+        try:
+            if args.local:
+                check_inputs(member.cfg, member.cfg.parallel.nproc, starts_here=True, notes=False)
+            else:
+                check_submission(member.cfg, args.force, notes=False)
+        except ConfigError as err:
+            problems.append(sweep.in_member(member.label, str(err)))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    todo = [m for m, finished in zip(members, done, strict=True) if not finished]
+    print(f"sweep {base.run_dir}: {len(members)} member(s), {len(todo)} to run", sweep.format_members(members, done),
+          sep="\n", flush=True)  # fmt: skip
+    if not todo:
+        return
+    if args.local:
+        sweep.write_manifest(base, sweep.with_members(base, members)[0])
+        run_here(base, todo)
+        return
+    check_partition(base, limits=not args.force)
+    if args.dry_run:
+        print(f"# ---- sbatch script of the job array (task i runs the i-th member to run) ----\n"
+              f"{sweep.array_script(base, todo)}", end="")  # fmt: skip
+        return
+    jobs = sweep.submit_array(base, todo, run_training)
+    print(f"submitted job array {jobs[0].job_id.split('_')[0]} ({len(jobs)} task(s), at most "
+          f"{base.slurm.array_parallelism or len(jobs)} at once); logs in {slurm.log_folder(base)}; "
+          f"`hpc-train runs {base.run_dir}` shows the members", flush=True)  # fmt: skip
+    if args.wait:
+        _follow_array(base, todo, jobs)
+
+
+def run_here(base: JobConfig, members: list) -> None:
+    """--local: every member in turn on this machine; a member that fails is reported and the rest still run."""
+    from hpc_train.launch.local import launch_local
+    from hpc_train.train.loop import run_training
+
+    failed = []
+    for n, member in enumerate(members, 1):
+        cfg = member.cfg
+        print(f"member {n}/{len(members)}: {cfg.name} in {cfg.run_dir}", flush=True)
+        try:
+            launch_local(run_training, cfg.parallel.nproc, cfg, max_restarts=cfg.parallel.max_restarts)
+        except Exception as err:  # noqa: BLE001 (the member's ranks printed theirs; the next member runs)
+            print(f"member {cfg.name} failed: {err}", file=sys.stderr, flush=True)
+            failed.append(cfg.name)
+    if failed:
+        raise UserError(f"{len(failed)} member(s) of {base.run_dir} failed: {', '.join(failed)}; running the same "
+                        "sweep again resumes them")  # fmt: skip
+
+
+def _follow_array(base: JobConfig, members: list, jobs: list) -> None:
+    """Wait for every task of the array to end; a line per member, and exit 1 where one did not complete."""
+    import time
+
+    from hpc_train.launch import slurm
+
+    states: dict[int, str] = {}
+    while len(states) < len(jobs):
+        for i, job in enumerate(jobs):
+            if i not in states and (state := slurm.final_state(job)) is not None:
+                states[i] = state
+                print(f"member {members[i].label} (job {job.job_id}): {state}", flush=True)
+        time.sleep(1)
+    failed = [i for i, state in states.items() if state != "COMPLETED" and slurm.stopped_at(jobs[i]) is None]
+    for i in failed:
+        cfg = members[i].cfg
+        print(f"member {members[i].label}:", slurm.failure_report(jobs[i], cfg.slurm.nodes * cfg.slurm.tasks_per_node),
+              file=sys.stderr)  # fmt: skip
+    if failed:
+        sys.exit(1)
+
+
+def cmd_runs(args: argparse.Namespace) -> None:
+    from hpc_train.commands.runs import plot_runs, runs_table
+
+    table, rows = runs_table(args.run_dirs)
+    print(table)
+    if args.plot:
+        print(f"curves drawn in {plot_runs(rows, args.plot)}")
+
+
+def cmd_ladder(args: argparse.Namespace) -> None:
+    """`ladder CONFIG --sizes ...`: a model of each size with its token budget, submitted as a sweep (members
+    zipped); `ladder fit DIR`: loss against compute as a power law (commands/ladder.py)."""
+    from hpc_train.checkpoint.init_from import with_source_model
+    from hpc_train.commands import ladder
+    from hpc_train.launch import slurm, sweep
+
+    if args.config == "fit":
+        cmd_ladder_fit(args)
+        return
+    if not args.sizes:
+        raise ConfigError("ladder needs --sizes, e.g. --sizes 1M,3M,10M (or `hpc-train ladder fit DIR`)")
+    path, shared = _config_items(args)
+    base = with_source_model(load_config(path, shared))
+    world = base.parallel.nproc if args.local else slurm.slurm_world_size(base)
+    dims = check_job(base, world, starts_here=False, check_paths=False)
+    shapes = ladder.ladder_shapes(base, ladder.parse_sizes(args.sizes), args.tokens_per_param, dims.dp)
+    members = [sweep.Member(ladder.size_label(shape["params"]), {key: "null" if value is None else str(value)
+               for key, value in shape["overrides"].items()}) for shape in shapes]  # fmt: skip
+    run_sweep(args, lambda overrides: with_source_model(load_config(path, overrides)), shared, members)
+
+
+def cmd_ladder_fit(args: argparse.Namespace) -> None:
+    from hpc_train.commands import ladder
+    from hpc_train.commands.runs import run_dirs
+
+    if len(args.overrides) != 1:
+        raise UserError("ladder fit takes one directory: hpc-train ladder fit DIR [--target 1B] [--plot FILE]")
+    where = args.overrides[0]
+    dirs = run_dirs([where])
+    points, skipped = ladder.ladder_points(dirs)
+    for reason in skipped:
+        print(f"hpc-train: note: {reason}", file=sys.stderr)
+    fit = ladder.fit_power_law([(compute, loss) for _, compute, loss in points])
+    names = [name for name, _, _ in points]
+    print(ladder.format_fit(fit, names))
+    target = None
+    if args.target:
+        cfg = load_config(saved=(dirs[-1] / "config.yaml").read_text())
+        compute, loss = ladder.predict_target(fit, cfg, ladder.parse_sizes(args.target)[0], args.tokens_per_param)
+        print(f"predicted at {args.target} parameters ({compute:.3g} FLOPs at {args.tokens_per_param:g} tokens per "
+              f"parameter): loss {loss:.4f}")  # fmt: skip
+        target = compute
+    plot = ladder.plot_fit(fit, names, Path(args.plot or Path(where) / "ladder_fit.png"), target)
+    print(f"plot: {plot}")
 
 
 def _follow(cfg: JobConfig, job) -> None:
@@ -425,6 +591,22 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch script and config; submit nothing")
     submit.add_argument("--wait", action="store_true", help="follow the job to its end, streaming rank 0's output")
     submit.add_argument("--force", action="store_true", help="submit past the planner's or the partition's limits")
+    sweep = with_config(sub.add_parser("sweep", help="a job array of runs over swept values: key=v1,v2,..."))
+    sweep.add_argument("--zip", action="store_true", help="the i-th values together, not every combination")
+    ladder = with_config(sub.add_parser("ladder", help="models of several sizes as a sweep; `ladder fit DIR` fits "
+                                        "their losses"))  # fmt: skip
+    ladder.add_argument("--sizes", help="parameter counts, e.g. 1M,3M,10M")
+    ladder.add_argument("--tokens-per-param", type=float, default=20.0, help="each size's token budget (default 20)")
+    ladder.add_argument("--target", help="fit: predict the loss of a model of this size (e.g. 1B)")
+    ladder.add_argument("--plot", help="fit: the plot's file (default DIR/ladder_fit.png)")
+    for p in (sweep, ladder):
+        p.add_argument("--dry-run", action="store_true", help="list the members and print the array's sbatch script")
+        p.add_argument("--local", action="store_true", help="run the members one after another here")
+        p.add_argument("--wait", action="store_true", help="until every member's job has ended")
+        p.add_argument("--force", action="store_true", help="submit past the planner's or the partition's limits")
+    runs = sub.add_parser("runs", help="a table of runs (a sweep's members): state, step, loss, goodput, values")
+    runs.add_argument("run_dirs", nargs="+", metavar="DIR", help="run directories or sweep directories")
+    runs.add_argument("--plot", help="also draw the runs' loss curves side by side into this PNG file")
     stop = sub.add_parser("stop", help="stop a run's Slurm job: its ranks save, and it ends without requeueing")
     stop.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     stop.add_argument("--wait", action="store_true", help="until the jobs have left the queue, then their status")
@@ -487,6 +669,9 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {
     "train": cmd_train,
     "submit": cmd_submit,
+    "sweep": cmd_sweep,
+    "ladder": cmd_ladder,
+    "runs": cmd_runs,
     "doctor": cmd_doctor,
     "stop": cmd_stop,
     "status": cmd_status,

@@ -117,6 +117,38 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def wandb_offline_runs(run_dir: str | Path) -> dict[str, list[tuple[str, list[int]]]]:
+    """What W&B wrote offline under run_dir/wandb, read from its files (the records of each offline-run-*/
+    run-<id>.wandb, a LevelDB-style log of protobuf Records): each run id, with each of its offline
+    directories and the steps (our `step`) logged there, in order."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    runs: dict[str, list[tuple[str, list[int]]]] = {}
+    for path in sorted(Path(run_dir, "wandb").glob("offline-run-*/run-*.wandb")):
+        data, pos, block, pending, steps, ids = path.read_bytes(), 7, 32768, b"", [], set()
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's trailer
+                pos += block - pos % block
+                continue
+            length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+            chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+            pending = chunk if kind in (1, 2) else pending + chunk  # full, first; middle and last append
+            if kind not in (1, 4):
+                continue
+            record = wandb_internal_pb2.Record.FromString(pending)
+            if record.WhichOneof("record_type") == "run":
+                ids.add(record.run.run_id)
+            elif record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+                steps += [int(json.loads(items["step"]))] if "step" in items else []  # W&B's own: _runtime
+        (run_id,) = ids
+        runs.setdefault(run_id, []).append((path.parent.name, steps))
+    return runs
+
+
 def read_final_model(run_dir: str | Path) -> dict[str, torch.Tensor]:
     return torch.load(Path(run_dir) / "model_final.pt", weights_only=True)
 

@@ -22,6 +22,7 @@ from hpc_train.data.sampler import ResumableSampler, merge_ranges
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.job import load_config
 from hpc_train.launch.local import launch_local
+from hpc_train.observe.goodput import account
 from hpc_train.planner import stage_estimates
 from hpc_train.resilience.faults import fault_point
 from hpc_train.resilience.preemption import REQUEUE, StopRequest
@@ -97,6 +98,8 @@ def test_frozen_rank_without_peers_is_found_by_its_launcher(tmp_path, small_corp
     assert re.search(frozen + r".*\(in-job restart 1 of parallel.max_restarts=1\)", out.stderr), out.stderr
     assert f"resumed from {run}/checkpoints/step_0000002 (step 2)" in out.stdout
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
+    lost = account(run)["lost_s"]  # goodput: the hang until it was caught (5 s), lost with step 3; the restart
+    assert lost["redone"] > 5 and lost["restart"] > 0, lost
 
 
 def test_hung_rank_is_located_and_the_run_restarts(tmp_path, small_corpus):
@@ -271,6 +274,7 @@ def test_a_loss_spike_is_rolled_back_past_its_data(layout, skip, skipped, source
     (rollback,) = records[to_step]["rollback"]
     assert rollback["spike_step"] == 7 and rollback["to_step"] == to_step and rollback["skipped_samples"] == skipped
     assert rollback["from"] == source and rollback["rollback_s"] > 0
+    assert account(tmp_path / "guarded")["lost_s"]["rollback"] > rollback["rollback_s"]  # and the steps dropped
     assert rollback["loss"] > 100 * rollback["loss_median"]
     assert rollback["grad_norm"] > 100 * rollback["grad_norm_median"]
     cfg = load_config(None, base)

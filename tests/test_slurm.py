@@ -16,15 +16,15 @@ import pytest
 
 from hpc_train.checkpoint.local import local_run_root
 from hpc_train.cli import main
-from hpc_train.commands.status import last_step
 from hpc_train.config import MEMORY_DIR, check_values
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.job import load_config
 from hpc_train.launch import queue, slurm
 from hpc_train.launch.local import launch_local
+from hpc_train.observe.metrics import last_step
 from hpc_train.planner import stage_estimates
 from hpc_train.train.loop import run_training
-from tests.conftest import ROOT, TINY_MODEL, read_metrics, run_cli
+from tests.conftest import ROOT, TINY_MODEL, read_metrics, run_cli, wandb_offline_runs
 
 
 def cluster_nodes_idle() -> bool:
@@ -357,12 +357,18 @@ def sacct_state(job_id: str) -> str:
 @pytest.mark.usefixtures("cluster")
 def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
     """A running job gets Slurm's warning signal: every rank finishes its step, a checkpoint is committed,
-    the job requeues itself, restarts, resumes from it and ends with the uninterrupted run's losses."""
+    the job requeues itself, restarts, resumes from it and ends with the uninterrupted run's losses. Its
+    goodput names the time between the requeue and the restart (queue), and W&B, offline, keeps one run (the
+    run's own id) across both starts, logging every step."""
+    from hpc_train.observe.goodput import account
+    from hpc_train.observe.wandb_log import wandb_run_id
+
     corpus = make_cfg().data.train_path
     common = [*TINY_MODEL, f"data.train_path={corpus}", "train.steps=150", "train.micro_batch_size=4"]
     run_dir = tmp_path / "preempted"
+    wandb = ["logging.wandb.project=hpc-train-tests", "logging.wandb.mode=offline"]
     submitted = run_cli("submit", *common, "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.time=00:30:00",
-                        f"run_dir={run_dir}")  # fmt: skip
+                        *wandb, f"run_dir={run_dir}", "name=preempted")  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.split("submitted job ")[1].split(":")[0]
     deadline = time.monotonic() + 120
@@ -384,6 +390,13 @@ def test_preempted_job_saves_requeues_and_resumes(make_cfg, tmp_path):
     uninterrupted = make_cfg("train.steps=150", "train.micro_batch_size=4", "parallel.nproc=2", run="straight")
     launch_local(run_training, 2, uninterrupted)
     assert [m["loss"] for m in read_metrics(run_dir)] == [m["loss"] for m in read_metrics(uninterrupted.run_dir)]
+    goodput = account(run_dir)
+    assert goodput["lost_s"]["queue"] > 0 and 0 < goodput["goodput"] < 1, goodput
+    assert read_metrics(run_dir)[-1]["goodput"]["lost_s"]["queue"] == goodput["lost_s"]["queue"]
+    ((run_id, starts),) = wandb_offline_runs(run_dir).items()
+    assert run_id == wandb_run_id("preempted", run_dir) and len(starts) == 2, starts
+    (_, before), (_, after) = starts
+    assert before[-1] >= origin["step"] and after == list(range(origin["step"] + 1, 151)), starts
 
 
 @pytest.mark.usefixtures("cluster")
@@ -478,6 +491,8 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
     shared step 3: rank 1's small parts from the copy its partner node kept, its tensors from its dp twin's
     own copy there (at ZeRO-0 the partner is sent the small parts alone); it completes and ends on the
     uninterrupted run's losses. The node is blamed, and a resubmission excludes it."""
+    from hpc_train.observe.goodput import account
+
     # sbatch passes the environment to the job: rank 1 wipes its node's local directory, then dies
     monkeypatch.setenv("HPC_TRAIN_FAULT", "local_saved@5@1@wipe,local_saved@5@0@corrupt")
     corpus = make_cfg().data.train_path
@@ -502,6 +517,8 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
     for node in ("n1", "n2"):  # n2's made again by the restore; every copy deleted at the run's end
         assert not local_run_root(f"{MEMORY_DIR}/{node}", cfg.name, cfg.checkpoint.dir).exists()
     assert [r["restart"]["attempt"] for r in read_metrics(run_dir) if "restart" in r] == [1]
+    lost = account(run_dir)["lost_s"]  # the kill's: step 5 trained again, and the restart itself
+    assert lost["redone"] > 0 and lost["restart"] > 0, lost
     # the two steps kept in memory, the newer one the copy; the partner keeps rank 0's small parts alone (its
     # twin on n2 holds its tensors): what the planner counts
     planned = stage_estimates(cfg, ParallelDims(dp=2))[0]
@@ -535,6 +552,56 @@ def test_killed_rank_restarts_inside_the_allocation(make_cfg, tmp_path, monkeypa
         time.sleep(0.5)
     assert placed == "n[1,3]"
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 11))
+
+
+@pytest.mark.usefixtures("cluster")
+def test_a_sweep_is_one_job_array_and_resubmitting_it_resumes_only_the_unfinished(make_cfg, tmp_path):
+    """`hpc-train sweep` over optim.lr x train.seed: 4 members, one job array, at most 2 running at once. The
+    member run by task 2 is killed in step 4 (its checkpoint of step 2 committed): its task fails, the others
+    complete, and while the array runs, submitting the sweep again is refused naming each member's task.
+    Submitted again, the sweep runs the killed member alone, from its checkpoint; every member ends on the
+    losses of the same run trained on its own (`sweep --local`: each member alone, one after another here),
+    and `runs` shows them with their goodput, the killed member's loss named: steps trained again."""
+    from hpc_train.observe.goodput import account
+
+    corpus = make_cfg().data.train_path
+    common = [*TINY_MODEL, f"data.train_path={corpus}", "train.steps=6", "train.micro_batch_size=2",
+              "checkpoint.interval=2", "checkpoint.async_save=false", "parallel.nproc=1", "slurm.tasks_per_node=1",
+              "optim.lr=1e-3,3e-3", "train.seed=1,2"]  # fmt: skip
+    array = [*common, "name=lr", f"run_dir={tmp_path / 'lr'}", "slurm.array_parallelism=2"]
+    killed = {"HPC_TRAIN_FAULT": "compute@4@0", "HPC_TRAIN_FAULT_TASK": "2"}  # sbatch passes the environment
+    first = run_cli("sweep", *array, env=killed)
+    assert first.returncode == 0 and "4 member(s), 4 to run" in first.stdout, first.stdout + first.stderr
+    array_id = first.stdout.split("submitted job array ")[1].split(" ")[0]
+    labels = ["lr1e-3-seed1", "lr1e-3-seed2", "lr3e-3-seed1", "lr3e-3-seed2"]
+    refused = run_cli("sweep", *array, "--dry-run")
+    assert refused.returncode == 2 and f"member {labels[0]}: job {array_id}_0 (" in refused.stderr, refused.stderr
+    script = (tmp_path / "lr" / "slurm" / f"{array_id}_submission.sh").read_text()
+    assert "#SBATCH --array=0-3%2\n" in script and f"hpc_train-array:0,1,2,3:{tmp_path / 'lr'}" in script
+    deadline = time.monotonic() + 240
+    while any(sacct_state(f"{array_id}_{task}") not in ("COMPLETED", "FAILED") for task in range(4)):
+        assert time.monotonic() < deadline, [sacct_state(f"{array_id}_{task}") for task in range(4)]
+        time.sleep(0.5)
+    table = run_cli("runs", str(tmp_path / "lr")).stdout
+    for task, label in enumerate(labels):
+        state, step = ("FAILED", "3/6") if task == 2 else ("COMPLETED", "6/6")
+        assert re.search(rf"^lr-{label} +{state} \(job {array_id}_{task}\) +{step} ", table, re.MULTILINE), table
+    second = run_cli("sweep", *array, "--wait")
+    assert second.returncode == 0 and "4 member(s), 1 to run" in second.stdout, second.stdout + second.stderr
+    assert second.stdout.count("finished: skipped") == 3 and f"member {labels[2]} (job " in second.stdout
+    reference = run_cli("sweep", *common, "name=ref", f"run_dir={tmp_path / 'ref'}", "--local")
+    assert reference.returncode == 0, reference.stderr
+    for label in labels:
+        resumed = [r["resumed_from"]["step"] for r in read_metrics(tmp_path / "lr" / label) if "resumed_from" in r]
+        assert resumed == ([2] if label == labels[2] else [])
+        losses = [r["loss"] for r in read_metrics(tmp_path / "lr" / label)]
+        assert len(losses) == 6 and losses == [r["loss"] for r in read_metrics(tmp_path / "ref" / label)]
+        lost = account(tmp_path / "lr" / label)["lost_s"]
+        assert ("redone" in lost) == (label == labels[2]), (label, lost)
+    table = run_cli("runs", str(tmp_path / "lr")).stdout
+    row = rf"^lr-{labels[2]} +COMPLETED \(job \d+\) +6/6 .* \d+\.\d% \(.*redone [0-9.e-]+s"
+    assert re.search(row, table, re.MULTILINE), table
+    assert table.splitlines()[1].endswith("optim.lr=0.001 train.seed=1"), table
 
 
 @pytest.mark.usefixtures("cluster")

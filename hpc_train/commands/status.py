@@ -4,15 +4,14 @@ the step reached of train.steps and the newest checkpoint. squeue answers for jo
 
 from __future__ import annotations
 
-import json
 import re
-from contextlib import suppress
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from hpc_train.checkpoint.store import CheckpointStore
 from hpc_train.launch.queue import jobs_of, queued_runs, slurm_output
+from hpc_train.observe.metrics import last_step
 
 
 def last_job(run_dir: Path, log_dir: Path) -> tuple[str, str] | None:
@@ -30,16 +29,6 @@ def recorded_config(run_dir: Path) -> dict:
     """The config a run recorded (run_dir/config.yaml), as plain values; {} where there is none."""
     path = run_dir / "config.yaml"
     return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
-
-
-def last_step(run_dir: Path) -> int | None:
-    """The last step metrics.jsonl records (None before the first)."""
-    step = None
-    metrics = run_dir / "metrics.jsonl"
-    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
-        with suppress(json.JSONDecodeError):  # a line being written
-            step = json.loads(line).get("step", step)
-    return step
 
 
 def recorded_path(run_dir: Path, cfg: dict, value: str) -> Path:

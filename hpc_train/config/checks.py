@@ -242,8 +242,8 @@ def _directive_problem(key: str, value: str) -> str | None:
 
 # sbatch options slurm.extra may not set, and why
 RESERVED_EXTRA = {
-    "array": "an array's tasks would all run one run, in one run directory; submit one job per run (each with "
-    "its own name=)",
+    "array": "an array's tasks would all run one run, in one run directory; use `hpc-train sweep CONFIG "
+    "key=v1,v2`, which gives each member its own run",
     "comment": "hpc_train sets the job's comment to its run directory (how submit, stop and status find a run's "
     "job); remove it",
 }

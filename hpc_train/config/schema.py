@@ -287,6 +287,18 @@ class SlurmConfig:
     max_requeues: int = non_negative(3)  # how often a preempted or timed-out job is requeued
     setup: list[str] = field(default_factory=list)  # shell lines before srun: module loads, exports
     extra: dict[str, str] = field(default_factory=dict)  # more #SBATCH directives, e.g. {mail-type: END}
+    # `hpc-train sweep` and `ladder`: at most this many of the job array's members run at once; 0 = all
+    array_parallelism: int = non_negative(0)
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases, from rank 0 (the optional extra `.[wandb]`). The W&B run id is the run's own (its
+    run directory's), so a requeued or restarted job, or a later submission, continues the same W&B run."""
+
+    project: str | None = None  # None = off
+    entity: str | None = None  # None = W&B's default for the login
+    mode: str = choice("online", "offline")  # offline: files under run_dir/wandb, `wandb sync` them later
 
 
 @dataclass
@@ -306,6 +318,7 @@ class LoggingConfig:
     # the peak FLOP/s MFU is reported against: the GPU's dense bf16 peak, or its dense fp8 peak (twice the
     # bf16 one on Hopper; for train.fp8 runs that want the honest ratio)
     mfu_peak: str = choice("bf16", "fp8")
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # also log to Weights & Biases (observe/wandb_log.py)
 
 
 @dataclass

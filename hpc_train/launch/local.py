@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import sys
 import time
@@ -70,6 +71,9 @@ def launch_runs(nproc: int, runs: list[tuple[Callable[..., Any], tuple]]) -> Non
     launch_local(_sequence, nproc, runs)
 
 
+LAUNCHED_AT = "HPC_TRAIN_LAUNCHED_AT"  # when this launch began: a rank in this process started then, not before
+
+
 def launch_local(entry: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0) -> Any:
     """Run `entry(rank_env, *args)` on `nproc` ranks. One rank without restarts runs in this process and its
     result is returned; otherwise the ranks are started (forks of a server that has imported
@@ -78,6 +82,7 @@ def launch_local(entry: Callable[..., Any], nproc: int, *args: Any, max_restarts
     rank (the run resumes from its newest checkpoint); one that stopped on a UserError does not, since bad input
     stays bad. SIGTERM and SIGUSR2 sent to this launcher reach every rank, as Slurm signals every task."""
     store = serve_store()  # lives as long as this call: the ranks rendezvous through it
+    os.environ[LAUNCHED_AT] = repr(time.time())  # where a run's start-up begins (observe/goodput.py)
     if nproc == 1 and not max_restarts:
         return entry(local_rank_env(0, 1, store.port, "run0-0"), *args)
     attempt = Attempt(0)

@@ -5,6 +5,8 @@ job, its state and its step. squeue answers for jobs pending or running; sacct f
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,12 +15,47 @@ from hpc_train.config import ConfigError
 from hpc_train.errors import UserError
 
 COMMENT_PREFIX = "hpc_train:"
+ARRAY_PREFIX = "hpc_train-array:"  # a sweep's job array: `hpc_train-array:<member indices>:<sweep dir>`
+SWEEP_FILE = "sweep.json"  # in a sweep's directory: its members (launch/sweep.py)
 
 
 def run_comment(run_dir: str) -> str:
     """The comment `submit` gives a run's job: the run directory, resolved (absolute, no `..` or links), so
     any spelling of it from any directory finds it."""
     return COMMENT_PREFIX + str(Path(run_dir).resolve())
+
+
+def array_comment(sweep_dir: str, members: list[int]) -> str:
+    """The comment of a sweep's job array: task i runs member `members[i]` of the sweep's sweep.json."""
+    return f"{ARRAY_PREFIX}{','.join(map(str, members))}:{Path(sweep_dir).resolve()}"
+
+
+def task_ids(field: str) -> list[int]:
+    """squeue's array task ids (%K): `3`, or for tasks not started yet `0-3`, `2,5-7`, `2-3%2` (a throttle)."""
+    ids = []
+    for part in field.split("%")[0].split(","):
+        if m := re.fullmatch(r"(\d+)(?:-(\d+))?", part):
+            ids += range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
+    return ids
+
+
+def member_dirs(sweep_dir: str) -> list[str]:
+    """The resolved run directories of a sweep's members, by index ([] where there is no sweep there)."""
+    path = Path(sweep_dir) / SWEEP_FILE
+    if not path.is_file():
+        return []
+    return [member["path"] for member in json.loads(path.read_text())["members"]]
+
+
+def _array_jobs(job_id: str, state: str, array_id: str, tasks: str, comment: str) -> list[QueuedJob]:
+    """A squeue line of a sweep's array as a job per member (`<array id>_<task>`) running that member's run;
+    a sweep of one member is a plain job (no task id)."""
+    indices, sweep_dir = comment.removeprefix(ARRAY_PREFIX).split(":", 1)
+    members, dirs = [int(i) for i in indices.split(",")], member_dirs(sweep_dir)
+    if tasks == "N/A":
+        return [QueuedJob(job_id, state, dirs[members[0]])] if members[0] < len(dirs) else []
+    return [QueuedJob(f"{array_id}_{task}", state, dirs[members[task]])
+            for task in task_ids(tasks) if task < len(members) and members[task] < len(dirs)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -40,14 +77,16 @@ def slurm_output(command: list[str]) -> str | None:
 def queued_runs(mine: bool = False) -> list[QueuedJob] | None:
     """Every job in the queue that runs an hpc_train run, whoever submitted it (`mine`: this user's); None
     without Slurm."""
-    out = slurm_output(["squeue", "-h", "-o", "%i|%T|%k", *(["--me"] if mine else [])])
+    out = slurm_output(["squeue", "-h", "-o", "%i|%T|%F|%K|%k", *(["--me"] if mine else [])])
     if out is None:
         return None
     jobs = []
     for line in out.splitlines():
-        job_id, state, comment = line.split("|", 2)
+        job_id, state, array_id, tasks, comment = line.split("|", 4)
         if comment.startswith(COMMENT_PREFIX):
             jobs.append(QueuedJob(job_id, state, comment.removeprefix(COMMENT_PREFIX)))
+        elif comment.startswith(ARRAY_PREFIX):
+            jobs += _array_jobs(job_id, state, array_id, tasks, comment)
     return jobs
 
 

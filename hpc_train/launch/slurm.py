@@ -116,9 +116,11 @@ class SlurmTask:
         run_task(self.entry, rank_env, self.cfg)
 
 
-def sbatch_script(cfg: JobConfig) -> str:
-    """The exact script `submit` hands to sbatch (submitit fills the pickle folder at submission)."""
+def sbatch_script(cfg: JobConfig, **parameters: Any) -> str:
+    """The exact script `submit` hands to sbatch (submitit fills the pickle folder at submission); `parameters`:
+    submitit's, over the config's (a sweep's array)."""
     executor = executor_for(cfg, ScriptOnlyExecutor)
+    executor.parameters.update(parameters)
     return executor._make_submission_file_text(executor._submitit_command_str, uid="dry-run")
 
 

@@ -65,8 +65,10 @@ class MetricsLog:
     `held` for a step being saved, written only after its save), and on resume the records of later steps
     (to be trained again) are dropped, as is a partial last line."""
 
-    def __init__(self, run_dir: Path, total_steps: int, progress: str, tensorboard: bool = False):
+    def __init__(self, run_dir: Path, total_steps: int, progress: str, tensorboard: bool = False, wandb: Any = None):
+        """`wandb`: the run's config where logging.wandb.project is set (observe/wandb_log.py), else None."""
         self.run_dir, self.total_steps, self.use_tensorboard = Path(run_dir), total_steps, tensorboard
+        self.wandb_config, self.wandb = wandb, None
         self.path = self.run_dir / "metrics.jsonl"
         self.progress = ("bar" if sys.stdout.isatty() else "lines") if progress == "auto" else progress
         self.step = 0  # the last step recorded
@@ -126,6 +128,10 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package ('.[viz]')
 
             self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if self.wandb_config is not None:
+            from hpc_train.observe.wandb_log import WandbLog
+
+            self.wandb = WandbLog(self.wandb_config)
         if self.progress == "bar":
             self.bar = tqdm(total=self.total_steps, initial=self.step, unit="step")
 
@@ -138,6 +144,8 @@ class MetricsLog:
         if self.tensorboard is not None:
             for key, value in flatten(record).items():
                 self.tensorboard.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(record)
         if not show:
             return
         line = format_record(record)
@@ -152,10 +160,27 @@ class MetricsLog:
             (self.bar.write if self.bar is not None else print)(text)
 
     def close(self) -> None:
-        for handle in (self.bar, self.tensorboard, self.file):
+        for handle in (self.bar, self.tensorboard, self.wandb, self.file):
             if handle is not None:
                 handle.close()
-        self.file = self.tensorboard = self.bar = None
+        self.file = self.tensorboard = self.wandb = self.bar = None
+
+
+def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl records, up to a line being written (or cut short by a kill); [] before the first."""
+    path, records = Path(run_dir) / "metrics.jsonl", []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def last_step(run_dir: str | Path) -> int | None:
+    """The last step metrics.jsonl records (None before the first)."""
+    records = read_records(run_dir)
+    return records[-1]["step"] if records else None
 
 
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, float]:

@@ -25,9 +25,13 @@ def fault_point(point: str, step: int, rank: int) -> str:
     `local_saved`, `wipe` deletes the run's local checkpoints on the node before the kill and `corrupt` flips
     a byte of the rank's own local file); "" where nothing happens, and always without HPC_TRAIN_TESTING=1.
     Only the first attempt of a run meets its faults: ranks restarted in the job (HPC_TRAIN_RESTART > 0) run
-    clean."""
+    clean; and with HPC_TRAIN_FAULT_TASK=N, only task N of a job array (one member of a sweep)."""
     spec = os.environ.get("HPC_TRAIN_FAULT", "") if os.environ.get(TEST_SWITCH) == "1" else ""
     if not spec or os.environ.get("HPC_TRAIN_RESTART", "0") != "0":
+        return ""
+    if os.environ.get("HPC_TRAIN_FAULT_TASK", os.environ.get("SLURM_ARRAY_TASK_ID")) != os.environ.get(
+        "SLURM_ARRAY_TASK_ID"
+    ):
         return ""
     for fault in spec.split(","):
         name, at_step, *rest = fault.split("@")

@@ -21,6 +21,7 @@ from hpc_train.builder import Run, build_run
 from hpc_train.checkpoint.checkpointer import Resumed
 from hpc_train.config import JobConfig
 from hpc_train.data.sampler import add_skip, read_range
+from hpc_train.observe.goodput import Ledger
 from hpc_train.observe.memory import live_storage_bytes
 from hpc_train.observe.metrics import peak_memory_bytes
 from hpc_train.observe.profiling import ProfileWindow, write_oom_report
@@ -87,11 +88,16 @@ def train(
     where logging.measure_peak_step is measured, the storages the process held before the run (left out)."""
     run.checkpointer.claim()
     hang = HangWatchdog(run.cfg.parallel.hang_timeout_s, run.cfg.run_dir, run.rank_env.world_size)
+    ledger = Ledger(run.cfg.run_dir) if run.metrics else None  # observe/goodput.py: rank 0's, after the claim
     try:
-        result = _train(run, stop, last_memory, hang, held)
+        result = _train(run, stop, last_memory, hang, held, ledger)
         run.checkpointer.finish()
+        if ledger is not None:
+            ledger.end()
         return result
     finally:
+        if ledger is not None:
+            ledger.close()
         hang.close()
         run.checkpointer.release()
         run.optimizer.close()
@@ -167,18 +173,21 @@ def roll_back(run: Run, spike: Pending, figures: dict[str, float], rollbacks: Ro
     return done
 
 
-def _stop(run: Run, result: TrainResult, step: int, level: int) -> TrainResult:
+def _stop(run: Run, result: TrainResult, step: int, level: int, ledger: Ledger | None) -> TrainResult:
     """A stop signal (its agreed level), with the state of `step` committed, and leave together. Only Slurm's
     warning signal (the time limit near, or a preemption) requeues the job (rank 0): SIGTERM is a user's stop
-    (`scancel`, `hpc-train stop`), which stops."""
+    (`scancel`, `hpc-train stop`), which stops. The metrics (W&B's included) and the goodput ledger are closed
+    first: a requeue ends the job's processes at once."""
     run.report(f"stop signal received ({describe_stop(level)}): checkpoint of step {step} committed, stopping")
     if run.metrics:
+        run.metrics.close()
+        if ledger is not None:
+            ledger.end()
         if level == REQUEUE:
             result.requeued = requeue_slurm_job(run.cfg.slurm.max_requeues, run.report, run.cfg.run_dir)
         else:  # launch/slurm.py's `stopped_at` reads this line
             run.report(f"stopped on request at step {step}: the same command (or `hpc-train submit` of the same "
                        "config) resumes from it")  # fmt: skip
-        run.metrics.close()
     dist.barrier()
     return result
 
@@ -212,6 +221,7 @@ def _train(
     last_memory: dict[str, int],
     hang: HangWatchdog,
     held: frozenset[tuple[int, int]] | None,
+    ledger: Ledger | None,
 ) -> TrainResult:
     cfg, t = run.cfg, run.cfg.train
     with hang.timed(0, "resume", watchdog.START_ALLOWANCE):  # collectives: the plan, the checksums' agreement
@@ -223,6 +233,8 @@ def _train(
     resumed_at = {"consumed_samples": run.sampler.consumed_samples, "skipped_samples": run.sampler.skipped}
     meter = announce(run, start_step)
     restart = _restart_figures(run, resumed)
+    if ledger is not None:
+        ledger.started(start_step)
     profile = ProfileWindow(cfg.logging.profile_steps, Path(cfg.run_dir), run.rank_env.rank, run.device)
     result = TrainResult()
     nonfinite_steps = 0
@@ -282,7 +294,9 @@ def _train(
         elapsed = (time.perf_counter() - interval_start) / len(pending)
         if eval_due:
             with hang.paused():
-                evals = evaluate_all(run)
+                eval_start = time.perf_counter()
+                evals = {**evaluate_all(run), "eval_s": 0.0}
+                evals["eval_s"] = round(time.perf_counter() - eval_start, 4)
                 result.eval_losses[step] = evals["eval_loss"]
         # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank (the weightiest:
         # where ranks saw both, the user's stop, which does not requeue, wins)
@@ -299,13 +313,15 @@ def _train(
             with hang.timed(step, "spike rollback", watchdog.START_ALLOWANCE):  # a resume's collectives
                 rollback = roll_back(run, pending[spiked], figures[spiked], rollbacks)
             if rollback is not None:
+                if ledger is not None:
+                    ledger.add("rollback", step=rollback["to_step"])
                 step = rollback["to_step"]  # this process's own: at or after start_step
                 rolled_back = [r for r in rollbacks.done if r["to_step"] == step]
                 del result.losses[step - start_step :]
                 result.eval_losses = {s: loss for s, loss in result.eval_losses.items() if s <= step}
                 pending.clear()
                 if stop_level:  # the checkpoint rolled back to is committed: nothing to save
-                    return _stop(run, result, step, stop_level)
+                    return _stop(run, result, step, stop_level, ledger)
                 interval_start = time.perf_counter()
                 continue
         records = []
@@ -339,6 +355,8 @@ def _train(
         hang.disarm()
         saving = run.checkpointer.should_save(step, stop_level)
         saving_locally = run.checkpointer.should_save_local(step, saving)
+        kept = [[r["step"], r["step_time_s"]] for r in records if not r.get("skipped")]  # for the goodput ledger
+        save_start = time.perf_counter()
         if (saving or saving_locally) and run.metrics:  # the interval's earlier steps on disk, its last with it
             for r in records[:-1]:
                 run.metrics.write(r, show=False)
@@ -357,12 +375,15 @@ def _train(
                     record["checkpoint"].update(run.checkpointer.wait() or {})
         if committed := run.checkpointer.poll():  # an async save committed during this interval
             record["checkpoint_committed"] = committed
+        if ledger is not None:  # the steps recorded, each one's time, and what the loop spent saving and evaluating
+            record["goodput"] = ledger.add("steps", steps=kept, eval_s=evals["eval_s"] if eval_due else 0.0,
+                                           checkpoint_s=round(time.perf_counter() - save_start, 4))  # fmt: skip
         if run.metrics:
             for r in records:
                 run.metrics.write(r, show=r["step"] % cfg.logging.log_interval == 0 or r["step"] == t.steps)
         interval_start = time.perf_counter()
         if stop_level:  # its save was waited for above
-            return _stop(run, result, step, stop_level)
+            return _stop(run, result, step, stop_level, ledger)
     fault_point("finished", t.steps, run.rank_env.rank)  # a failure test's late rank, still to record below
     watchdog.record(t.steps, watchdog.CONSOLIDATING, len(rollbacks.done))
     # gathers every shard (collectives) and writes the whole model: the longer allowance

@@ -1,0 +1,185 @@
+"""Goodput: the share of a run's wall time that went into steps it kept, and where the rest went. Rank 0
+appends a ledger, run_dir/goodput.jsonl, that outlives every process of the run: a line at each start of
+the ranks (when the process, or its Slurm job, started; which job, requeue and in-job restart it is; the
+step it resumed from; when training began), one per write of the metrics (the steps trained, each one's
+time, the interval's checkpoint saving and evaluation), one per spike rollback, and one at the end. Read
+in order (`Account`), the ledger gives:
+
+- productive: the time of every step the run kept (a step trained again keeps only its last time);
+- startup: process start (or the job's) to the first step: imports, rendezvous, build, the resume's read;
+- checkpoint: the loop blocked saving (the background part of an async save overlaps training: not lost);
+- eval: the evaluations;
+- restart: an in-job restart's failure to the new ranks' start;
+- redone: steps trained after the checkpoint a restart or requeue resumed from, trained again, and the time
+  from the last recorded step to the failure;
+- rollback: a spike rollback's steps, trained again, and the rollback itself;
+- queue: between a job's end and its requeued start (Slurm requeues keep the job id);
+- other: the rest (reading the device's figures, logging, the end's consolidation).
+
+The wall time is the sum of those: each start's span, plus the gaps a restart or a requeue made. A new
+submission (another job) or another `hpc-train train` starts a new span: the time between two launches is
+no one's loss. A kill leaves at most a partial last line, which is skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+LEDGER = "goodput.jsonl"
+CAUSES = ("startup", "checkpoint", "eval", "restart", "redone", "rollback", "queue", "other")
+
+
+def process_started_at() -> float:
+    """When this process started (Unix seconds), from /proc; now where /proc does not say."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))  # fmt: skip
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def slurm_job_started_at(job_id: str) -> float | None:
+    """When this Slurm job (this start of it, after a requeue) began, as squeue says (to the second)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%S"], capture_output=True, text=True, timeout=10)
+        return datetime.fromisoformat(out.stdout.strip()).timestamp()
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+@dataclass
+class Account:
+    """The ledger's events added in order: wall time, productive time and the lost time by cause."""
+
+    wall: float = 0.0
+    lost: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
+    kept: dict[int, float] = field(default_factory=dict)  # step -> its time, for the steps the run keeps
+    last_t: float | None = None  # the time of the last event of the current span
+    start: dict[str, Any] | None = None  # the current start's event
+
+    def add(self, event: dict[str, Any]) -> None:
+        kind, t = event["event"], event["t"]
+        if kind == "start":
+            self._start(event)
+            return
+        if self.last_t is None:  # a ledger whose start line was lost: its span begins here
+            self.last_t = t
+        interval, self.last_t = max(0.0, t - self.last_t), t
+        self.wall += interval
+        if kind == "steps":
+            self.kept.update({int(step): seconds for step, seconds in event["steps"]})
+            self.lost["checkpoint"] += event.get("checkpoint_s", 0.0)
+            self.lost["eval"] += event.get("eval_s", 0.0)
+        elif kind == "rollback":  # the interval: the steps since the last write, trained and dropped, and the restore
+            self._drop_after(event["step"], "rollback")
+            self.lost["rollback"] += interval
+
+    def _start(self, event: dict[str, Any]) -> None:
+        previous, t = self.start, event["t"]
+        if previous is not None and self.last_t is not None:
+            gap = max(0.0, t - self.last_t)
+            same_job = event.get("job") is not None and event.get("job") == previous.get("job")
+            if event.get("attempt", 0) > 0:  # an in-job restart: the steps after the last line, then the restart
+                failed = min(max(event.get("failed_at") or self.last_t, self.last_t), t)
+                self.lost["redone"] += failed - self.last_t
+                self.lost["restart"] += t - failed
+                self.wall += gap
+            elif same_job and event.get("requeue", 0) > previous.get("requeue", 0):
+                self.lost["queue"] += gap
+                self.wall += gap
+        self.start = event
+        ready = max(event["ready"], t)
+        self.lost["startup"] += ready - t
+        self.wall += ready - t
+        self.last_t = ready
+        self._drop_after(event["step"], "redone")
+
+    def _drop_after(self, step: int, cause: str) -> None:
+        """Steps after `step`, resumed or rolled back from, are trained again: their time was lost to `cause`."""
+        for dropped in [s for s in self.kept if s > step]:
+            self.lost[cause] += self.kept.pop(dropped)
+
+    def summary(self) -> dict[str, Any]:
+        productive = sum(self.kept.values())
+        lost = {**self.lost, "other": max(0.0, self.wall - productive - sum(self.lost.values()))}
+        return {
+            "goodput": round(productive / self.wall, 4) if self.wall else None,
+            "wall_s": round(self.wall, 3),
+            "productive_s": round(productive, 3),
+            "lost_s": {cause: round(seconds, 3) for cause, seconds in lost.items() if seconds > 0},
+        }
+
+
+def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The ledger's events, up to a line a kill cut short."""
+    path, events = Path(run_dir) / LEDGER, []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return events
+
+
+def account(run_dir: str | Path) -> dict[str, Any] | None:
+    """A run's goodput from its ledger; None where it has none."""
+    events = read_ledger(run_dir)
+    if not events:
+        return None
+    totals = Account()
+    for event in events:
+        totals.add(event)
+    return totals.summary()
+
+
+class Ledger:
+    """Rank 0's writer of the ledger, keeping its `Account` as it goes (the history is read once, at the start)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LEDGER
+        self.totals = Account()
+        for event in read_ledger(run_dir):
+            self.totals.add(event)
+        self.file, self.ended = None, False
+
+    def end(self) -> None:
+        """The run's end (once): finished, or stopped and saved."""
+        if not self.ended:
+            self.add("end")
+            self.ended = True
+
+    def add(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append an event (flushed: a kill loses at most this line) and return the goodput so far."""
+        event = {"event": kind, "t": round(time.time(), 3), **fields}
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a")
+        self.file.write(json.dumps(event) + "\n")
+        self.file.flush()
+        self.totals.add(event)
+        return self.totals.summary()
+
+    def started(self, step: int) -> dict[str, Any]:
+        """This start of the ranks, training from `step`: when its process (or its job, on a first start)
+        started and which job, requeue and in-job restart it is."""
+        job, attempt = os.environ.get("SLURM_JOB_ID"), int(os.environ.get("HPC_TRAIN_RESTART", "0"))
+        began = max(process_started_at(), float(os.environ.get("HPC_TRAIN_LAUNCHED_AT", "0")))  # launch_local's
+        if job is not None and attempt == 0:
+            began = min(began, slurm_job_started_at(job) or began)
+        ready = time.time()
+        return self.add("start", t=round(began, 3), ready=round(ready, 3), step=step, job=job, attempt=attempt,
+                        requeue=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+                        failed_at=float(os.environ.get("HPC_TRAIN_FAILED_AT", "0")) or None)  # fmt: skip
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
