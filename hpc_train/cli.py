@@ -264,7 +264,6 @@ def cmd_submit(args: argparse.Namespace) -> None:
 def cmd_sweep(args: argparse.Namespace) -> None:
     """A job array of the config's runs over the swept values (launch/sweep.py); --local: one after another
     here. Every member is checked before anything is submitted, and a finished member is skipped."""
-    from hpc_train.checkpoint.init_from import with_source_model
     from hpc_train.launch import sweep
 
     path, items = _config_items(args)
@@ -272,17 +271,19 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     if not axes:
         raise ConfigError("nothing to sweep: give a key with several values, e.g. optim.lr=1e-3,3e-3 (or use submit)")
     values = sweep.combinations(axes, args.zip)
-    members = [sweep.Member(sweep.member_label(v), v) for v in values]
-    run_sweep(args, lambda overrides: with_source_model(load_config(path, overrides)), shared, members)
+    run_sweep(args, path, shared, [sweep.Member(sweep.member_label(v), v) for v in values])
 
 
-def run_sweep(args: argparse.Namespace, load, shared: list[str], members: list) -> None:
-    """Check, then submit (or print, or run here) a sweep's members: `sweep` and `ladder`'s last part."""
+def run_sweep(args: argparse.Namespace, path: str | None, shared: list[str], members: list) -> None:
+    """Check, then submit (or list, or run here) a sweep's members, each the config at `path` with the `shared`
+    overrides and its own values: `sweep` and `ladder`'s last part."""
+    from hpc_train.checkpoint.init_from import with_source_model
     from hpc_train.launch import slurm, sweep
     from hpc_train.launch.partition import check_partition
     from hpc_train.train.loop import run_training
 
-    base, members = sweep.load_members(load, shared, members)
+    base, members = sweep.load_members(lambda overrides: with_source_model(load_config(path, overrides)), shared,
+                                       members)  # fmt: skip
     sweep.check_sweep_dir(base)
     problems, done = [], [sweep.finished(m.cfg) for m in members]
     for member, finished in zip(members, done, strict=True):
@@ -300,7 +301,7 @@ def run_sweep(args: argparse.Namespace, load, shared: list[str], members: list) 
     todo = [m for m, finished in zip(members, done, strict=True) if not finished]
     print(f"sweep {base.run_dir}: {len(members)} member(s), {len(todo)} to run", sweep.format_members(members, done),
           sep="\n", flush=True)  # fmt: skip
-    if not todo:
+    if not todo or (args.local and args.dry_run):  # a dry run here: the list alone
         return
     if args.local:
         sweep.write_manifest(base, sweep.with_members(base, members)[0])
@@ -388,7 +389,7 @@ def cmd_ladder(args: argparse.Namespace) -> None:
     shapes = ladder.ladder_shapes(base, ladder.parse_sizes(args.sizes), args.tokens_per_param, dims.dp)
     members = [sweep.Member(ladder.size_label(shape["params"]), {key: "null" if value is None else str(value)
                for key, value in shape["overrides"].items()}) for shape in shapes]  # fmt: skip
-    run_sweep(args, lambda overrides: with_source_model(load_config(path, overrides)), shared, members)
+    run_sweep(args, path, shared, members)
 
 
 def cmd_ladder_fit(args: argparse.Namespace) -> None:
@@ -412,7 +413,11 @@ def cmd_ladder_fit(args: argparse.Namespace) -> None:
         print(f"predicted at {args.target} parameters ({compute:.3g} FLOPs at {args.tokens_per_param:g} tokens per "
               f"parameter): loss {loss:.4f}")  # fmt: skip
         target = compute
-    plot = ladder.plot_fit(fit, names, Path(args.plot or Path(where) / "ladder_fit.png"), target)
+    try:
+        plot = ladder.plot_fit(fit, names, Path(args.plot or Path(where) / "ladder_fit.png"), target)
+    except ImportError:
+        print("hpc-train: note: no plot: matplotlib is not installed (pip install 'hpc_train[viz]')", file=sys.stderr)
+        return
     print(f"plot: {plot}")
 
 

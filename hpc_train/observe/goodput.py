@@ -36,13 +36,14 @@ CAUSES = ("startup", "checkpoint", "eval", "restart", "redone", "rollback", "que
 
 
 def process_started_at() -> float:
-    """When this process started (Unix seconds), from /proc; now where /proc does not say."""
+    """When this process started (Unix seconds): its start in clock ticks after boot (/proc/self/stat) against
+    the time since boot now (/proc/uptime, to the hundredth; /proc/stat's boot time is whole seconds). Now where
+    /proc does not say."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))  # fmt: skip
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return time.time()
 
 
