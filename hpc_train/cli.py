@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -86,6 +87,9 @@ def check_inputs(
     from hpc_train.data.prepare import check_datasets, repeats
 
     dims = check_job(cfg, world, starts_here, world_from=world_from)
+    if cfg.logging.wandb.project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb.project is set but wandb is not installed here: pip install "
+                          "'hpc_train[wandb]' (the job needs it too), or unset logging.wandb.project")  # fmt: skip
     datasets = check_datasets(cfg.data, cfg.model)
     check_checkpoint_dir(cfg, probe_lock=starts_here)
     t = cfg.train
@@ -225,10 +229,10 @@ def world_note(cfg: JobConfig, dims: ParallelDims) -> str:
             f"does not use parallel.nproc): set {fix} for the same run")  # fmt: skip
 
 
-def check_submission(cfg: JobConfig, force: bool, notes: bool = True) -> ParallelDims:
+def check_submission(cfg: JobConfig, force: bool, notes: bool = True, queued: list | None = None) -> ParallelDims:
     """What `submit` checks of a run before its job is submitted (the partition apart): its inputs for the job's
     world size, the planner's memory against the GPUs and the nodes (unless `force`), and that no job in the
-    queue already runs its run directory."""
+    queue (`queued`, else squeue's now) already runs its run directory."""
     from hpc_train.launch import slurm
     from hpc_train.launch.queue import check_no_job_runs
 
@@ -236,7 +240,7 @@ def check_submission(cfg: JobConfig, force: bool, notes: bool = True) -> Paralle
     if not force:
         check_fits(cfg, dims)
         check_host_fits(cfg, dims)
-    check_no_job_runs(cfg.run_dir)
+    check_no_job_runs(cfg.run_dir, queued)
     return dims
 
 
@@ -280,12 +284,14 @@ def run_sweep(args: argparse.Namespace, path: str | None, shared: list[str], mem
     from hpc_train.checkpoint.init_from import with_source_model
     from hpc_train.launch import slurm, sweep
     from hpc_train.launch.partition import check_partition
+    from hpc_train.launch.queue import queued_runs
     from hpc_train.train.loop import run_training
 
     base, members = sweep.load_members(lambda overrides: with_source_model(load_config(path, overrides)), shared,
                                        members)  # fmt: skip
     sweep.check_sweep_dir(base)
     problems, done = [], [sweep.finished(m.cfg) for m in members]
+    queued = None if args.local else queued_runs()  # one squeue for every member's check
     for member, finished in zip(members, done, strict=True):
         if finished:
             continue
@@ -293,7 +299,7 @@ def run_sweep(args: argparse.Namespace, path: str | None, shared: list[str], mem
             if args.local:
                 check_inputs(member.cfg, member.cfg.parallel.nproc, starts_here=True, notes=False)
             else:
-                check_submission(member.cfg, args.force, notes=False)
+                check_submission(member.cfg, args.force, notes=False, queued=queued)
         except ConfigError as err:
             problems.append(sweep.in_member(member.label, str(err)))
     if problems:
@@ -322,15 +328,15 @@ def run_sweep(args: argparse.Namespace, path: str | None, shared: list[str], mem
 
 def run_here(base: JobConfig, members: list) -> None:
     """--local: every member in turn on this machine; a member that fails is reported and the rest still run."""
-    from hpc_train.launch.local import launch_local
+    from hpc_train.launch.local import launch_runs
     from hpc_train.train.loop import run_training
 
     failed = []
     for n, member in enumerate(members, 1):
         cfg = member.cfg
         print(f"member {n}/{len(members)}: {cfg.name} in {cfg.run_dir}", flush=True)
-        try:
-            launch_local(run_training, cfg.parallel.nproc, cfg, max_restarts=cfg.parallel.max_restarts)
+        try:  # launch_runs: a member in this process compiles afresh, as in a process of its own
+            launch_runs(cfg.parallel.nproc, [(run_training, (cfg,))], max_restarts=cfg.parallel.max_restarts)
         except Exception as err:  # noqa: BLE001 (the member's ranks printed theirs; the next member runs)
             print(f"member {cfg.name} failed: {err}", file=sys.stderr, flush=True)
             failed.append(cfg.name)
@@ -407,8 +413,9 @@ def cmd_ladder_fit(args: argparse.Namespace) -> None:
     names = [name for name, _, _ in points]
     print(ladder.format_fit(fit, names))
     target = None
-    if args.target:
-        cfg = load_config(saved=(dirs[-1] / "config.yaml").read_text())
+    if args.target:  # the largest fitted member's config: the family and its rule
+        largest = next(d for d in dirs if d.name == max(points, key=lambda point: point[1])[0])
+        cfg = load_config(saved=(largest / "config.yaml").read_text())
         compute, loss = ladder.predict_target(fit, cfg, ladder.parse_sizes(args.target)[0], args.tokens_per_param)
         print(f"predicted at {args.target} parameters ({compute:.3g} FLOPs at {args.tokens_per_param:g} tokens per "
               f"parameter): loss {loss:.4f}")  # fmt: skip

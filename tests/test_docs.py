@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from hpc_train.cli import main, parse_args
+from hpc_train.launch.sweep import combinations, sweep_axes
 from tests.conftest import ROOT, run_cli
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -109,7 +110,8 @@ def test_cluster_blocks_parse_and_their_layouts_check():
     """A block for a GPU cluster: each `hpc-train` command parses as the CLI reads it; a `plan` runs as written
     (a `--search`, seconds to minutes, only parses); a run or a submission's config and layout pass `plan`'s
     checks (the cluster's, without this machine's limits or the data files) and fit the config's GPU memory,
-    as `submit` requires. `model.init_from` is left out there: the config gives the shape it would."""
+    as `submit` requires, and so does every member of a sweep. `model.init_from` is left out there: the config
+    gives the shape it would."""
     for where, mode, text in shell_blocks():
         if mode != "check":
             continue
@@ -132,10 +134,13 @@ def test_cluster_blocks_parse_and_their_layouts_check():
             world = srun_world(words[: words.index("hpc-train")])
             if args.command == "plan" and not args.search:
                 assert plan_output(argv[1:], where), where
-            if args.command in ("train", "submit", "doctor"):
+            if args.command in ("train", "submit", "doctor", "sweep", "ladder") and args.config != "fit":
                 overrides = [item for item in args.overrides if not item.startswith("model.init_from=")]
-                plan = json.loads(plan_output([args.config, *overrides, "--json", *world], where))
-                assert plan["fits"], f"{where}: {' '.join(argv)} does not fit"
+                shared, axes = sweep_axes(overrides)  # a sweep: each member's layout
+                for values in combinations(axes, getattr(args, "zip", False)) if axes else [{}]:
+                    member = [*shared, *(f"{key}={value}" for key, value in values.items())]
+                    plan = json.loads(plan_output([args.config, *member, "--json", *world], where))
+                    assert plan["fits"], f"{where}: {' '.join(argv)} does not fit ({values})"
             checked += 1
         assert checked, f"{where}: nothing in the block is checked"
 

@@ -7,9 +7,12 @@ import re
 
 import pytest
 
+from hpc_train.commands.status import array_task
 from hpc_train.config import ConfigError
+from hpc_train.launch.queue import array_comment, array_task_job
 from hpc_train.launch.sweep import combinations, member_label, split_values, sweep_axes
-from hpc_train.observe.goodput import Account
+from hpc_train.observe.goodput import LEDGER, Account, Ledger, read_ledger
+from hpc_train.observe.metrics import read_jsonl
 from tests.conftest import TINY_MODEL, read_metrics, run_cli
 
 
@@ -51,6 +54,8 @@ def test_every_members_problem_is_named_before_anything_runs(tmp_path):
     assert "member n_heads4" not in out.stderr and not (tmp_path / "s").exists()
     shared = run_cli("sweep", "configs/tiny.yaml", "optim.lr=1,2", "checkpoint.dir=/tmp/one", "--dry-run")
     assert shared.returncode == 2 and "every member would write checkpoint.dir=/tmp/one" in shared.stderr
+    alike = run_cli("sweep", "configs/tiny.yaml", "data.train_path=/d/a_b,/d/a/b", "--dry-run")
+    assert alike.returncode == 2 and "get one label, train_path_d_a_b (data.train_path=/d/a_b; data" in alike.stderr
 
 
 def test_a_ladder_trains_here_and_fits_a_power_law(tmp_path):
@@ -58,7 +63,7 @@ def test_a_ladder_trains_here_and_fits_a_power_law(tmp_path):
     here; `ladder fit` then fits loss against compute, prints the fit and its residuals, predicts a larger
     model and draws the plot; `runs` shows the three side by side. Run again, it skips the finished."""
     ladder = ["ladder", "configs/tiny.yaml", *TINY_MODEL[3:], "parallel.nproc=1", f"run_dir={tmp_path / 'lad'}",
-              "--sizes", "0.2M,0.4M,0.8M", "--tokens-per-param", "0.015"]  # fmt: skip
+              "--sizes", "0.2M,0.4M,0.8M", "--tokens-per-param", "0.01"]  # fmt: skip
     out = run_cli(*ladder, "--local")
     assert out.returncode == 0 and "3 member(s), 3 to run" in out.stdout, out.stdout + out.stderr
     manifest = json.loads((tmp_path / "lad" / "sweep.json").read_text())
@@ -66,7 +71,7 @@ def test_a_ladder_trains_here_and_fits_a_power_law(tmp_path):
     assert labels == ["156K", "406K", "951K"], labels
     steps = [read_metrics(tmp_path / "lad" / label)[-1]["step"] for label in labels]
     assert steps == [int(m["values"]["train.steps"]) for m in manifest["members"]] and steps[0] < steps[1] < steps[2]
-    fit = run_cli("ladder", "fit", str(tmp_path / "lad"), "--target", "2M", "--tokens-per-param", "0.015")
+    fit = run_cli("ladder", "fit", str(tmp_path / "lad"), "--target", "2M", "--tokens-per-param", "0.01")
     assert fit.returncode == 0, fit.stderr
     assert re.search(r"^L\(C\) = [0-9.]+ \+ [0-9.e+]+ \* C\^-[0-9.]+ ", fit.stdout, re.MULTILINE), fit.stdout
     assert all(re.search(rf"^{label} +[0-9.e]+ +[0-9.]+ +[0-9.]+ +[-+][0-9.]+$", fit.stdout, re.MULTILINE)
@@ -79,6 +84,40 @@ def test_a_ladder_trains_here_and_fits_a_power_law(tmp_path):
     assert "model.d_model=64 model.n_heads=2" in table and (tmp_path / "curves.png").stat().st_size > 0
     again = run_cli(*ladder, "--local")
     assert "3 member(s), 0 to run" in again.stdout and again.stdout.count("finished: skipped") == 3
+
+
+def test_array_tasks_are_found_as_their_members(tmp_path):
+    """squeue -r's line of a task (or of a one-member sweep's plain job) names the member it runs, through the
+    array's comment and sweep.json, also for an array of some members only (a sweep submitted again); after
+    the queue, status and runs take the last task that ran each member. A sweep that cannot be read is not
+    ours: skipped, not an error."""
+    sweep = tmp_path / "s"
+    sweep.mkdir()
+    members = [{"path": str(sweep / name)} for name in "abcd"]
+    arrays = [{"job_id": "10", "members": [0, 1, 2, 3]}, {"job_id": "12", "members": [2]},
+              {"job_id": "13", "members": [1, 3]}]  # fmt: skip
+    (sweep / "sweep.json").write_text(json.dumps({"members": members, "arrays": arrays}))
+    assert array_task_job("13_1", "PENDING", "1", array_comment(str(sweep), [1, 3])).run_dir == members[3]["path"]
+    assert array_task_job("12", "RUNNING", "N/A", array_comment(str(sweep), [2])).run_dir == members[2]["path"]
+    assert array_task_job("9_0", "RUNNING", "0", f"hpc_train-array:0:{tmp_path / 'gone'}") is None
+    assert array_task_job("9_0", "RUNNING", "0", "hpc_train-array:x:/") is None
+    assert [array_task(sweep / name) for name in "abcd"] == ["10_0", "13_0", "12", "13_1"]
+    assert array_task(tmp_path / "plain") is None
+
+
+def test_the_ledger_survives_a_cut_line_and_a_fresh_start(tmp_path):
+    """A kill mid-line leaves a partial last line: the next start drops it and appends on a line of its own
+    (else every later event would be unreadable). A run started afresh over committed checkpoints keeps the
+    earlier ledger beside, and its own begins empty."""
+    (tmp_path / LEDGER).write_text('{"event": "start", "t": 0, "ready": 1, "step": 0}\n{"event": "st')
+    ledger = Ledger(tmp_path)
+    ledger.add("steps", steps=[[1, 0.5]])
+    ledger.close()
+    assert [e["event"] for e in read_ledger(tmp_path)] == ["start", "steps"]
+    ledger = Ledger(tmp_path)
+    ledger.set_aside(tmp_path / "goodput.kept.jsonl")
+    assert ledger.started(0)["productive_s"] == 0 and len(read_ledger(tmp_path)) == 1
+    assert [e["event"] for e in read_jsonl(tmp_path / "goodput.kept.jsonl")] == ["start", "steps"]
 
 
 def _ledger(*events):

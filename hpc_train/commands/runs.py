@@ -8,57 +8,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpc_train.commands.status import last_job, recorded_config, recorded_path
-from hpc_train.launch.queue import jobs_of, queued_runs, slurm_output
-from hpc_train.launch.sweep import read_manifest
+from hpc_train.commands.status import recorded_config, run_job
+from hpc_train.launch.queue import queued_runs, read_manifest
 from hpc_train.observe.goodput import account
 from hpc_train.observe.metrics import read_records
 
 IDENTITY = ("name", "run_dir", "checkpoint/dir", "slurm/log_dir", "slurm/job_name")  # differ by construction
 
 
-def expand(dirs: list[str]) -> list[tuple[Path, str | None]]:
-    """Each run directory, with the Slurm job (`<array>_<task>`) that last ran it where a sweep's array did: a
-    sweep's directory stands for its members."""
+def run_dirs(dirs: list[str]) -> list[Path]:
+    """The run directories `dirs` stand for: a sweep's members (its sweep.json), or the directory itself."""
     out = []
     for given in map(Path, dirs):
         manifest = read_manifest(given)
-        if manifest is None:
-            out.append((given, None))
-            continue
-        last: dict[int, str] = {}
-        for array in manifest["arrays"]:
-            many = len(array["members"]) > 1
-            for task, member in enumerate(array["members"]):
-                last[member] = f"{array['job_id']}_{task}" if many else array["job_id"]
-        out += [(Path(m["path"]), last.get(i)) for i, m in enumerate(manifest["members"])]
+        out += [Path(m["path"]) for m in manifest["members"]] if manifest else [given]
     return out
 
 
-def run_dirs(dirs: list[str]) -> list[Path]:
-    """The run directories `dirs` stand for: a sweep's members, or the directory itself."""
-    return [path for path, _ in expand(dirs)]
-
-
-def slurm_state(path: Path, cfg: dict, array_task: str | None, queued) -> str | None:
-    """The run's job in the queue, else Slurm's accounting of the last job that ran it; None without one."""
-    if jobs := jobs_of(str(path), queued):
-        return f"{jobs[0].state} (job {jobs[0].job_id})"
-    if array_task is not None:
-        out = slurm_output(["sacct", "-j", array_task, "-X", "-n", "-o", "State%40"]) or ""
-        return f"{(out.split() or ['unknown'])[0]} (job {array_task})"
-    logs = recorded_path(path, cfg, cfg["slurm"]["log_dir"] or f"{cfg['run_dir']}/slurm") if cfg else path / "slurm"
-    if last := last_job(path, logs):
-        return f"{last[1] or 'unknown'} (job {last[0]})"
-    return None
-
-
-def run_row(path: Path, array_task: str | None, queued) -> dict[str, Any]:
+def run_row(path: Path, queued) -> dict[str, Any]:
+    """The run's row: its job's state (in the queue, else Slurm's accounting of the last job that ran it), else
+    what its files say; its step, losses, tokens and goodput; its config and records, for the table and a plot."""
     cfg, records = recorded_config(path), read_records(path)
     total = cfg.get("train", {}).get("steps")
     step = records[-1]["step"] if records else None
-    state = slurm_state(path, cfg, array_task, queued)
-    if state is None:
+    if job := run_job(path, cfg, queued):
+        state = f"{job[1]} (job {job[0]})"
+    else:
         state = "not started" if step is None else ("finished" if total and step >= total else f"stopped at {step}")
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     tokens = records[-1].get("consumed_samples", 0) * cfg["model"]["seq_len"] if records and cfg else None
@@ -81,7 +56,8 @@ def describe_goodput(goodput: dict[str, Any] | None) -> str:
     if not goodput or goodput["goodput"] is None:
         return "-"
     lost = sorted(goodput["lost_s"].items(), key=lambda item: -item[1])
-    return f"{100 * goodput['goodput']:.1f}%" + (f" ({', '.join(f'{c} {s:.2g}s' for c, s in lost)})" * bool(lost))
+    causes = ", ".join(f"{cause} {seconds:.{2 if seconds < 1 else 1}f}s" for cause, seconds in lost)
+    return f"{100 * goodput['goodput']:.1f}%" + f" ({causes})" * bool(lost)
 
 
 def differing(rows: list[dict[str, Any]]) -> list[str]:
@@ -105,7 +81,7 @@ def _leaves(cfg: dict, prefix: str = "") -> dict[str, Any]:
 def runs_table(dirs: list[str]) -> tuple[str, list[dict[str, Any]]]:
     """The table, and its rows (with each run's config and records, for a plot)."""
     queued = queued_runs()
-    rows = [run_row(path, task, queued) for path, task in expand(dirs)]
+    rows = [run_row(path, queued) for path in run_dirs(dirs)]
     if not rows:
         return "no runs", rows
     for row, values in zip(rows, differing(rows), strict=True):

@@ -1,4 +1,4 @@
-"""`hpc-train status`: for each run, its job (in the queue, else the last one it submitted), the job's state,
+"""`hpc-train status`: for each run, its job (in the queue, else the last one that ran it), the job's state,
 the step reached of train.steps and the newest checkpoint. squeue answers for jobs pending or running
 (launch/queue.py), sacct for the last job that ended."""
 
@@ -10,19 +10,43 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hpc_train.checkpoint.store import CheckpointStore
-from hpc_train.launch.queue import jobs_of, queued_runs, slurm_output
+from hpc_train.launch.queue import jobs_of, queued_runs, read_manifest, slurm_output
 from hpc_train.observe.metrics import last_step
 
 
-def last_job(run_dir: Path, log_dir: Path) -> tuple[str, str] | None:
-    """The newest job submitted for a run (submitit names its script `<job id>_submission.sh` in the log
-    folder) and its state in accounting ('' where sacct does not know it)."""
+def newest_job(log_dir: Path) -> str | None:
+    """The newest job submitted for a run: submitit names its script `<job id>_submission.sh` in the log folder."""
     ids = [int(m.group(1)) for p in log_dir.glob("*_submission.sh") if (m := re.match(r"(\d+)_submission", p.name))]
-    if not ids:
+    return str(max(ids)) if ids else None
+
+
+def array_task(run_dir: Path) -> str | None:
+    """Where a sweep's array ran this run (a member's directory, in the sweep's directory): the last array
+    task that ran it (`<array>_<task>`; a one-member sweep's plain job), else None."""
+    manifest, path = read_manifest(run_dir.parent), str(run_dir.resolve())
+    members = [m["path"] for m in manifest["members"]] if manifest else []
+    task = None
+    for array in manifest["arrays"] if path in members else []:
+        if (index := members.index(path)) in array["members"]:
+            many = len(array["members"]) > 1
+            task = f"{array['job_id']}_{array['members'].index(index)}" if many else array["job_id"]
+    return task
+
+
+def run_job(run_dir: Path, cfg: dict, queued: list | None) -> tuple[str, str, bool] | None:
+    """The run's job, its state and whether it is in the queue: its job in the queue (squeue's state), else the
+    last job that ran it (a sweep's array task, or the newest its logs name) with accounting's state ('unknown'
+    where sacct does not know it); None where no Slurm job ran it."""
+    if jobs := jobs_of(str(run_dir), queued):
+        return jobs[0].job_id, jobs[0].state, True
+    logs = run_dir / "slurm"  # where a run without its config.yaml has them
+    if cfg:
+        logs = recorded_path(run_dir, cfg, cfg["slurm"]["log_dir"] or f"{cfg['run_dir']}/slurm")
+    job_id = array_task(run_dir) or newest_job(logs)
+    if job_id is None:
         return None
-    job_id = str(max(ids))
     out = slurm_output(["sacct", "-j", job_id, "-X", "-n", "-o", "State%40"]) or ""
-    return job_id, (out.split() or [""])[0]
+    return job_id, (out.split() or ["unknown"])[0], False
 
 
 def recorded_config(run_dir: Path) -> dict:
@@ -56,16 +80,11 @@ def status_rows(run_dirs: list[str]) -> list[dict[str, str]]:
             rows.append({"run": run_dir, "job": "-", "state": "no such run directory", "step": "-", "checkpoint": "-"})
             continue
         cfg = recorded_config(path)
-        logs, checkpoints = path / "slurm", path / "checkpoints"  # where a run without its config.yaml has them
-        if cfg:
-            logs = recorded_path(path, cfg, cfg["slurm"]["log_dir"] or f"{cfg['run_dir']}/slurm")
-            checkpoints = recorded_path(path, cfg, cfg["checkpoint"]["dir"])
-        if jobs := jobs_of(run_dir, queued):
-            job_id, state = jobs[0].job_id, jobs[0].state
-        elif last := last_job(path, logs):
-            job_id, state = last[0], f"{last[1] or 'unknown'} (not in the queue)"
-        else:
-            job_id, state = "-", "no Slurm job (a local run)"
+        checkpoints = recorded_path(path, cfg, cfg["checkpoint"]["dir"]) if cfg else path / "checkpoints"
+        job = run_job(path, cfg, queued)
+        job_id, state = (
+            (job[0], job[1] + " (not in the queue)" * (not job[2])) if job else ("-", "no Slurm job (a local run)")
+        )
         step, total = last_step(path), cfg.get("train", {}).get("steps", "?")
         rows.append({"run": run_dir, "job": job_id, "state": state,
                      "step": f"{'-' if step is None else step}/{total}",

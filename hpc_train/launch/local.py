@@ -18,6 +18,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from hpc_train.bootstrap import RankEnv, distributed
 from hpc_train.errors import HANG_EXIT, USER_ERROR_EXIT, RankFailed
+from hpc_train.observe.goodput import LAUNCHED_AT
 from hpc_train.resilience.restart import (
     Attempt,
     LauncherState,
@@ -65,13 +66,10 @@ def launch_sequence(entry: Callable[..., Any], nproc: int, arg_lists: list[tuple
     launch_runs(nproc, [(entry, tuple(args)) for args in arg_lists])
 
 
-def launch_runs(nproc: int, runs: list[tuple[Callable[..., Any], tuple]]) -> None:
+def launch_runs(nproc: int, runs: list[tuple[Callable[..., Any], tuple]], max_restarts: int = 0) -> None:
     """`entry(rank_env, *args)` for each (entry, args) of `runs` in turn, in the same `nproc` worker
     processes: `launch_sequence` with an entry of each run's own."""
-    launch_local(_sequence, nproc, runs)
-
-
-LAUNCHED_AT = "HPC_TRAIN_LAUNCHED_AT"  # when this launch began: a rank in this process started then, not before
+    launch_local(_sequence, nproc, runs, max_restarts=max_restarts)
 
 
 def launch_local(entry: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0) -> Any:

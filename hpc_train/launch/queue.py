@@ -6,7 +6,6 @@ job, its state and its step. squeue answers for jobs pending or running; sacct f
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,39 +29,30 @@ def array_comment(sweep_dir: str, members: list[int]) -> str:
     return f"{ARRAY_PREFIX}{','.join(map(str, members))}:{Path(sweep_dir).resolve()}"
 
 
-def task_ids(field: str) -> list[int]:
-    """squeue's array task ids (%K): `3`, or for tasks not started yet `0-3`, `2,5-7`, `2-3%2` (a throttle)."""
-    ids = []
-    for part in field.split("%")[0].split(","):
-        if m := re.fullmatch(r"(\d+)(?:-(\d+))?", part):
-            ids += range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
-    return ids
-
-
-def member_dirs(sweep_dir: str) -> list[str]:
-    """The resolved run directories of a sweep's members, by index ([] where there is no sweep there)."""
-    path = Path(sweep_dir) / SWEEP_FILE
-    if not path.is_file():
-        return []
-    return [member["path"] for member in json.loads(path.read_text())["members"]]
-
-
-def _array_jobs(job_id: str, state: str, array_id: str, tasks: str, comment: str) -> list[QueuedJob]:
-    """A squeue line of a sweep's array as a job per member (`<array id>_<task>`) running that member's run;
-    a sweep of one member is a plain job (no task id)."""
-    indices, sweep_dir = comment.removeprefix(ARRAY_PREFIX).split(":", 1)
-    members, dirs = [int(i) for i in indices.split(",")], member_dirs(sweep_dir)
-    if tasks == "N/A":
-        return [QueuedJob(job_id, state, dirs[members[0]])] if members[0] < len(dirs) else []
-    return [QueuedJob(f"{array_id}_{task}", state, dirs[members[task]])
-            for task in task_ids(tasks) if task < len(members) and members[task] < len(dirs)]  # fmt: skip
-
-
 @dataclass(frozen=True)
 class QueuedJob:
     job_id: str
     state: str  # squeue's: PENDING, RUNNING, COMPLETING, REQUEUED...
     run_dir: str
+
+
+def read_manifest(sweep_dir: str | Path) -> dict | None:
+    """A sweep's sweep.json (launch/sweep.py writes it): its members and the arrays that ran them; None without."""
+    path = Path(sweep_dir) / SWEEP_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def array_task_job(job_id: str, state: str, task: str, comment: str) -> QueuedJob | None:
+    """A task of a sweep's array (squeue -r: one line a task; `N/A` for a sweep of one member, a plain job) as
+    the job of the member it runs. None where the sweep cannot be read (another user's private directory, a
+    comment or sweep.json not ours): that line is not a run of this user's."""
+    try:
+        indices, sweep_dir = comment.removeprefix(ARRAY_PREFIX).split(":", 1)
+        members = [int(i) for i in indices.split(",")]
+        manifest = read_manifest(sweep_dir)
+        return QueuedJob(job_id, state, manifest["members"][members[0 if task == "N/A" else int(task)]]["path"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def slurm_output(command: list[str]) -> str | None:
@@ -77,16 +67,16 @@ def slurm_output(command: list[str]) -> str | None:
 def queued_runs(mine: bool = False) -> list[QueuedJob] | None:
     """Every job in the queue that runs an hpc_train run, whoever submitted it (`mine`: this user's); None
     without Slurm."""
-    out = slurm_output(["squeue", "-h", "-o", "%i|%T|%F|%K|%k", *(["--me"] if mine else [])])
+    out = slurm_output(["squeue", "-h", "-r", "-o", "%i|%T|%K|%k", *(["--me"] if mine else [])])
     if out is None:
         return None
     jobs = []
     for line in out.splitlines():
-        job_id, state, array_id, tasks, comment = line.split("|", 4)
+        job_id, state, task, comment = line.split("|", 3)
         if comment.startswith(COMMENT_PREFIX):
             jobs.append(QueuedJob(job_id, state, comment.removeprefix(COMMENT_PREFIX)))
-        elif comment.startswith(ARRAY_PREFIX):
-            jobs += _array_jobs(job_id, state, array_id, tasks, comment)
+        elif comment.startswith(ARRAY_PREFIX) and (job := array_task_job(job_id, state, task, comment)) is not None:
+            jobs.append(job)
     return jobs
 
 
@@ -96,9 +86,9 @@ def jobs_of(run_dir: str, queued: list[QueuedJob] | None = None) -> list[QueuedJ
     return [job for job in (queued_runs() if queued is None else queued) or [] if job.run_dir == path]
 
 
-def check_no_job_runs(run_dir: str) -> None:
-    """Before a submission: no job in the queue already runs this run directory."""
-    if jobs := jobs_of(run_dir):
+def check_no_job_runs(run_dir: str, queued: list[QueuedJob] | None = None) -> None:
+    """Before a submission: no job in the queue (`queued`, else squeue's now) already runs this run directory."""
+    if jobs := jobs_of(run_dir, queued):
         listed = ", ".join(f"job {job.job_id} ({job.state})" for job in jobs)
         raise ConfigError(
             f"{listed} already runs {jobs[0].run_dir}: a second job would write the same run; wait for it to end, "

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.config import ConfigError
-from hpc_train.launch.queue import SWEEP_FILE, array_comment
+from hpc_train.launch.queue import SWEEP_FILE, array_comment, read_manifest
 from hpc_train.launch.slurm import SlurmTask, executor_for, sbatch_script
 from hpc_train.observe.metrics import last_step
 
@@ -113,6 +113,11 @@ def load_members(
 ) -> tuple[Any, list[Member]]:
     """The sweep's own config (`load(overrides)`: its name and run_dir are the sweep's) and every member's,
     named `<name>-<label>` in `<run_dir>/<label>`. Members must not share a checkpoint directory."""
+    labels = [member.label for member in members]
+    if repeated := [member for member in members if labels.count(member.label) > 1]:
+        listed = "; ".join(" ".join(f"{k}={v}" for k, v in member.values.items()) for member in repeated)
+        raise ConfigError(f"members with different values get one label, {repeated[0].label} ({listed}): their run "
+                          "directories would be one; give values that differ in letters or digits")  # fmt: skip
     base = load(shared)
     loaded = []
     for member in members:
@@ -170,11 +175,6 @@ def write_manifest(base: Any, manifest: dict[str, Any]) -> None:
     temporary = path.with_name(f".{SWEEP_FILE}.{os.getpid()}")
     temporary.write_text(json.dumps(manifest, indent=1))
     os.replace(temporary, path)
-
-
-def read_manifest(sweep_dir: Path) -> dict[str, Any] | None:
-    path = Path(sweep_dir) / SWEEP_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def array_executor(base: Any, indices: list[int]):

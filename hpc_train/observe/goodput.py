@@ -18,7 +18,8 @@ in order (`Account`), the ledger gives:
 
 The wall time is the sum of those: each start's span, plus the gaps a restart or a requeue made. A new
 submission (another job) or another `hpc-train train` starts a new span: the time between two launches is
-no one's loss. A kill leaves at most a partial last line, which is skipped."""
+no one's loss. A kill leaves at most a partial last line, which the next start drops. A run started afresh over
+committed checkpoints keeps the earlier ledger beside it (goodput.<stamp>.jsonl, as metrics.jsonl's records)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from hpc_train.observe.metrics import read_jsonl
+
 LEDGER = "goodput.jsonl"
+LAUNCHED_AT = "HPC_TRAIN_LAUNCHED_AT"  # launch_local's start: a rank in its process started then, not before
 CAUSES = ("startup", "checkpoint", "eval", "restart", "redone", "rollback", "queue", "other")
 
 
@@ -121,13 +125,7 @@ class Account:
 
 def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
     """The ledger's events, up to a line a kill cut short."""
-    path, events = Path(run_dir) / LEDGER, []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return events
+    return read_jsonl(Path(run_dir) / LEDGER)
 
 
 def account(run_dir: str | Path) -> dict[str, Any] | None:
@@ -147,9 +145,21 @@ class Ledger:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / LEDGER
         self.totals = Account()
-        for event in read_ledger(run_dir):
+        events = read_ledger(run_dir)
+        for event in events:
             self.totals.add(event)
+        if self.path.is_file() and not self.path.read_text().endswith("\n"):  # a last line a kill cut short goes
+            rewritten = self.path.with_name(f".{LEDGER}.{os.getpid()}")
+            rewritten.write_text("".join(json.dumps(event) + "\n" for event in events))
+            os.replace(rewritten, self.path)  # whole, or not at all
         self.file, self.ended = None, False
+
+    def set_aside(self, kept: Path) -> None:
+        """A run starting from scratch where an earlier start committed checkpoints (metrics.jsonl's records kept
+        aside): that start's ledger is kept beside as `kept`, and this start's begins empty."""
+        if self.path.is_file():
+            self.path.rename(kept)
+        self.totals = Account()
 
     def end(self) -> None:
         """The run's end (once): finished, or stopped and saved."""
@@ -172,8 +182,9 @@ class Ledger:
         """This start of the ranks, training from `step`: when its process (or its job, on a first start)
         started and which job, requeue and in-job restart it is."""
         job, attempt = os.environ.get("SLURM_JOB_ID"), int(os.environ.get("HPC_TRAIN_RESTART", "0"))
-        began = max(process_started_at(), float(os.environ.get("HPC_TRAIN_LAUNCHED_AT", "0")))  # launch_local's
-        if job is not None and attempt == 0:
+        launched = os.environ.get(LAUNCHED_AT)
+        began = max(process_started_at(), float(launched or 0))
+        if job is not None and attempt == 0 and launched is None:  # a job's task (not a launch in an salloc shell)
             began = min(began, slurm_job_started_at(job) or began)
         ready = time.time()
         return self.add("start", t=round(began, 3), ready=round(ready, 3), step=step, job=job, attempt=attempt,

@@ -97,12 +97,14 @@ class MetricsLog:
             self.bar.n = self.step
             self.bar.refresh()
 
-    def start_afresh(self, report: Callable[[str], None] | None) -> None:
+    def start_afresh(self, report: Callable[[str], None] | None) -> Path | None:
         """A run starting from scratch over records of an earlier start: dropped where that start committed
         no checkpoint (it never happened, as far as the run goes: a restart, a relaunch); kept beside, named
-        and `report`ed, where it did (checkpoint.resume=false, or no checkpoint verified)."""
+        and `report`ed, where it did (checkpoint.resume=false, or no checkpoint verified). Returns where they
+        were kept."""
+        kept = None
         if not self.path.is_file() or not self.path.stat().st_size:
-            return
+            return kept
         if report is not None:
             stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
             while (kept := self.path.with_name(f"metrics.{stamp}{f'-{n}' if n else ''}.jsonl")).exists():
@@ -110,6 +112,7 @@ class MetricsLog:
             self.path.rename(kept)
             report(f"training from scratch: the earlier records in {self.path.name} are kept in {kept.name}")
         self.load_state_dict({"step": 0})
+        return kept
 
     def _lines_up_to(self, step: int) -> list[str]:
         kept = []
@@ -166,15 +169,20 @@ class MetricsLog:
         self.file = self.tensorboard = self.wandb = self.bar = None
 
 
-def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
-    """A run's metrics.jsonl records, up to a line being written (or cut short by a kill); [] before the first."""
-    path, records = Path(run_dir) / "metrics.jsonl", []
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """A JSON-lines file a run appends to, up to a line being written (or cut short by a kill); [] without one."""
+    records = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             break
     return records
+
+
+def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl records."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 def last_step(run_dir: str | Path) -> int | None:

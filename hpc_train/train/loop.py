@@ -88,8 +88,9 @@ def train(
     where logging.measure_peak_step is measured, the storages the process held before the run (left out)."""
     run.checkpointer.claim()
     hang = HangWatchdog(run.cfg.parallel.hang_timeout_s, run.cfg.run_dir, run.rank_env.world_size)
-    ledger = Ledger(run.cfg.run_dir) if run.metrics else None  # observe/goodput.py: rank 0's, after the claim
+    ledger = None
     try:
+        ledger = Ledger(run.cfg.run_dir) if run.metrics else None  # observe/goodput.py: rank 0's, after the claim
         result = _train(run, stop, last_memory, hang, held, ledger)
         run.checkpointer.finish()
         if ledger is not None:
@@ -228,7 +229,9 @@ def _train(
         resumed = run.checkpointer.resume() if cfg.checkpoint.resume else None
     if resumed is None and run.metrics:  # from scratch: an earlier start's records are not this start's
         committed = any(c.problem is None for c in run.checkpointer.store.scan())
-        run.metrics.start_afresh(run.report if committed else None)
+        kept = run.metrics.start_afresh(run.report if committed else None)
+        if kept is not None and ledger is not None:  # its goodput ledger beside them (goodput.<stamp>.jsonl)
+            ledger.set_aside(kept.with_name(kept.name.replace("metrics.", "goodput.", 1)))
     start_step = resumed.step if resumed else 0
     resumed_at = {"consumed_samples": run.sampler.consumed_samples, "skipped_samples": run.sampler.skipped}
     meter = announce(run, start_step)
