@@ -129,8 +129,8 @@ def _ledger(*events):
 
 def test_goodput_names_each_loss_by_its_cause():
     """A ledger as rank 0 writes it, by hand: a job's first start (2 s of start-up), three steps of 1 s with a
-    0.5 s save at step 2; a crash after step 3 at t=20 and an in-job restart at t=21 resuming step 2 (step 3
-    trained again); a spike at step 4 rolled back to step 3; a requeue 10 s later; then a new submission a day
+    0.5 s save at step 2; a crash after step 3 at t=20 and an in-job restart training again at t=22, from step 2
+    (step 3 trained again); a spike at step 4 rolled back to step 3; a requeue 10 s later; then a new submission a day
     later, whose wait is nobody's loss."""
     start = {"event": "start", "job": "7", "attempt": 0, "requeue": 0}
     summary = _ledger(
@@ -151,6 +151,6 @@ def test_goodput_names_each_loss_by_its_cause():
     )
     lost = summary["lost_s"]
     assert summary["productive_s"] == 6.0 and summary["wall_s"] == pytest.approx(38.5 + 2)
-    assert lost == {"startup": 5.0, "checkpoint": 0.5, "eval": 0.25, "restart": 1.0, "redone": 15.5,
+    assert lost == {"startup": 4.0, "checkpoint": 0.5, "eval": 0.25, "restart": 2.0, "redone": 15.5,
                     "rollback": 2.0, "queue": 10.0, "other": pytest.approx(0.25)}  # fmt: skip
     assert summary["goodput"] == pytest.approx(6.0 / 40.5, abs=1e-4)

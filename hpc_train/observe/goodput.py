@@ -9,7 +9,7 @@ in order (`Account`), the ledger gives:
 - startup: process start (or the job's) to the first step: imports, rendezvous, build, the resume's read;
 - checkpoint: the loop blocked saving (the background part of an async save overlaps training: not lost);
 - eval: the evaluations;
-- restart: an in-job restart's failure to the new ranks' start;
+- restart: an in-job restart, from the failure until the new ranks train again (their start-up included);
 - redone: steps trained after the checkpoint a restart or requeue resumed from, trained again, and the time
   from the last recorded step to the failure;
 - rollback: a spike rollback's steps, trained again, and the rollback itself;
@@ -88,22 +88,21 @@ class Account:
             self.lost["rollback"] += interval
 
     def _start(self, event: dict[str, Any]) -> None:
-        previous, t = self.start, event["t"]
-        if previous is not None and self.last_t is not None:
-            gap = max(0.0, t - self.last_t)
-            same_job = event.get("job") is not None and event.get("job") == previous.get("job")
-            if event.get("attempt", 0) > 0:  # an in-job restart: the steps after the last line, then the restart
-                failed = min(max(event.get("failed_at") or self.last_t, self.last_t), t)
-                self.lost["redone"] += failed - self.last_t
-                self.lost["restart"] += t - failed
-                self.wall += gap
-            elif same_job and event.get("requeue", 0) > previous.get("requeue", 0):
-                self.lost["queue"] += gap
-                self.wall += gap
+        previous, t, ready = self.start, event["t"], max(event["ready"], event["t"])
         self.start = event
-        ready = max(event["ready"], t)
-        self.lost["startup"] += ready - t
-        self.wall += ready - t
+        if previous is not None and self.last_t is not None and event.get("attempt", 0) > 0:
+            # an in-job restart: the steps after the last line to the failure, then the restart until training again
+            failed = min(max(event.get("failed_at") or self.last_t, self.last_t), ready)
+            self.lost["redone"] += failed - self.last_t
+            self.lost["restart"] += ready - failed
+            self.wall += ready - self.last_t
+        else:
+            same_job = event.get("job") is not None and previous is not None and event.get("job") == previous.get("job")
+            if same_job and self.last_t is not None and event.get("requeue", 0) > previous.get("requeue", 0):
+                self.lost["queue"] += max(0.0, t - self.last_t)  # a requeue: its wait in the queue
+                self.wall += max(0.0, t - self.last_t)
+            self.lost["startup"] += ready - t
+            self.wall += ready - t
         self.last_t = ready
         self._drop_after(event["step"], "redone")
 
