@@ -107,9 +107,11 @@ def raw_read(path: Path) -> None:
 
 def training_state(root: Path, rank_env, model: list[str], device: torch.device, threads: int, extra=()):
     """(config, run, batch, state bytes, parameters): a run of `model` after one step (AdamW's moments exist),
-    saving to root/run, its messages silenced."""
+    saving to root/run synchronously (what the sync rows measure: checkpoint.async_save=auto would pick a
+    background save on a machine with a core to spare, whose commit then races the next reads), its messages
+    silenced."""
     overrides = [*model, "train.micro_batch_size=1", f"run_dir={root}/run", f"checkpoint.io_threads={threads}",
-                 f"train.device={device.type}", *extra]  # fmt: skip
+                 f"train.device={device.type}", "checkpoint.async_save=false", *extra]  # fmt: skip
     cfg = load_config(None, overrides)
     run = build_run(cfg, rank_env, device, with_data=False)
     seq = cfg.model.seq_len
