@@ -576,6 +576,34 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(args.prompt + tokenizer.decode(ids))
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    """Downstream tasks through lm-eval on a checkpoint (any layout, in one process) or a Hugging Face folder;
+    the results printed as lm-eval's table and written beside the checkpoint."""
+    from hpc_train.checkpoint.hf_io import is_hf_folder
+    from hpc_train.checkpoint.init_from import newest_checkpoint
+    from hpc_train.commands.convert import load_model
+    from hpc_train.commands.generate import pick_tokenizer
+    from hpc_train.launch.local import single_process_group
+
+    try:
+        from lm_eval.utils import make_table
+
+        from hpc_train.commands.downstream import HpcTrainLM, evaluate, write_results
+    except ImportError:
+        raise UserError("hpc-train eval needs lm-evaluation-harness: pip install 'hpc_train[eval]'") from None
+    if args.limit is not None and args.limit < 1 or args.batch_size < 1:
+        raise ConfigError("--limit and --batch-size must be at least 1")
+    info = None if is_hf_folder(args.source) else newest_checkpoint(args.source)
+    tokenizer = pick_tokenizer(args.source, args.tokenizer)
+    with single_process_group():
+        _, model = load_model(args.source, args.base, info)
+        results = evaluate(HpcTrainLM(model, tokenizer, args.batch_size), args.tasks.split(","), args.limit,
+                           args.include_path)  # fmt: skip
+    print(make_table(results))
+    where = Path(args.source) if info is None else info.path.parent
+    print(f"results: {write_results(results, where, 0 if info is None else info.step)}")
+
+
 def cmd_prepare_data(args: argparse.Namespace) -> None:
     from hpc_train.data.indexed import read_index
     from hpc_train.data.prepare import expand_inputs, prepare_data
@@ -661,6 +689,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", help="a tokenizer.json (default: the one the source was trained with, else "
                      "byte-level)")  # fmt: skip
+    ev = sub.add_parser("eval", help="downstream tasks through lm-eval on a checkpoint (any layout) or HF folder")
+    ev.add_argument("source", help="a run / checkpoint directory (its newest verified checkpoint), or a HF folder")
+    ev.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (e.g. hellaswag,arc_easy)")
+    ev.add_argument("--limit", type=int, help="at most this many examples a task")
+    ev.add_argument("--batch-size", type=int, default=8, help="sequences scored at once (default 8)")
+    ev.add_argument("--include-path", help="a folder of task YAML files of your own (lm-eval's include_path)")
+    ev.add_argument("--base", help="QLoRA: where the run's base weights (its model.init_from) are now")
+    ev.add_argument("--tokenizer", help="a tokenizer.json (default: the one the source was trained with)")
     prep = sub.add_parser("prepare-data", help="tokenize text, JSONL or parquet files into an indexed dataset")
     prep.add_argument("inputs", nargs="+", help="text files (one document each), .jsonl/.ndjson files of {text} or "
                       "{prompt, response} lines, .parquet files with a text (or prompt and response) column, or globs "
@@ -694,6 +730,7 @@ COMMANDS = {
     "import-hf": cmd_import_hf,
     "export-hf": cmd_export_hf,
     "generate": cmd_generate,
+    "eval": cmd_eval,
 }
 
 

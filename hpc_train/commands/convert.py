@@ -30,7 +30,7 @@ from hpc_train.checkpoint.init_from import (
     with_source_model,
 )
 from hpc_train.checkpoint.state import ModelState
-from hpc_train.checkpoint.store import CheckpointError
+from hpc_train.checkpoint.store import CheckpointError, CheckpointInfo
 from hpc_train.config import ConfigError
 from hpc_train.data.indexed import replace_file
 from hpc_train.data.prepare import dataset_tokenizer
@@ -88,11 +88,15 @@ def import_hf(rank_env: RankEnv, cfg: JobConfig) -> None:
         replace_file(Path(cfg.run_dir) / TOKENIZER_FILE, tokenizer.read_bytes())
 
 
-def load_model(source: str, base: str | None = None) -> tuple[JobConfig, ParallelModel]:
-    """The model of the newest verified checkpoint under `source` (any layout; adapters and QLoRA's NF4
-    base as trained) or of a Hugging Face folder, in one process, with its config; needs a one-rank
-    process group. `base`: where a QLoRA run's base weights are now, if they moved since training."""
-    info = None if is_hf_folder(source) else newest_checkpoint(source)
+def load_model(
+    source: str, base: str | None = None, info: CheckpointInfo | None = None
+) -> tuple[JobConfig, ParallelModel]:
+    """The model of the newest verified checkpoint under `source` (or `info`, one already found there: any
+    layout; adapters and QLoRA's NF4 base as trained) or of a Hugging Face folder, in one process, with its
+    config; needs a one-rank process group. `base`: where a QLoRA run's base weights are now, if they moved
+    since training."""
+    if info is None and not is_hf_folder(source):
+        info = newest_checkpoint(source)
     if info is None:
         whole = [*SINGLE_PROCESS, *whole_context(source), f"model.init_from={source}"]
         cfg = with_source_model(load_config(None, whole))
