@@ -598,7 +598,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     with single_process_group():
         _, model = load_model(args.source, args.base, info)
         results = evaluate(HpcTrainLM(model, tokenizer, args.batch_size), args.tasks.split(","), args.limit,
-                           args.include_path)  # fmt: skip
+                           args.include_path, args.log_samples)  # fmt: skip
     print(make_table(results))
     where = Path(args.source) if info is None else info.path.parent
     print(f"results: {write_results(results, where, 0 if info is None else info.step)}")
@@ -695,6 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, help="at most this many examples a task")
     ev.add_argument("--batch-size", type=int, default=8, help="sequences scored at once (default 8)")
     ev.add_argument("--include-path", help="a folder of task YAML files of your own (lm-eval's include_path)")
+    ev.add_argument("--log-samples", action="store_true", help="also write each request's scores to the results")
     ev.add_argument("--base", help="QLoRA: where the run's base weights (its model.init_from) are now")
     ev.add_argument("--tokenizer", help="a tokenizer.json (default: the one the source was trained with)")
     prep = sub.add_parser("prepare-data", help="tokenize text, JSONL or parquet files into an indexed dataset")

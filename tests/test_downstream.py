@@ -61,11 +61,6 @@ def test_eval_gives_lm_evals_numbers_equal_to_hflm_on_the_export(tmp_path):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from hpc_train.commands.convert import load_model
-    from hpc_train.commands.downstream import HpcTrainLM
-    from hpc_train.commands.generate import pick_tokenizer
-    from hpc_train.launch.local import single_process_group
-
     tasks_dir = tmp_path / "tasks"
     tasks_dir.mkdir()
     write_tasks(tasks_dir)
@@ -73,7 +68,8 @@ def test_eval_gives_lm_evals_numbers_equal_to_hflm_on_the_export(tmp_path):
     trained = run_cli("train", "configs/tiny.yaml", *TINY_MODEL[:3], "model.seq_len=64", "train.steps=20",
                       "parallel.nproc=2", "parallel.tp=2", "checkpoint.interval=20", f"run_dir={run}")  # fmt: skip
     assert trained.returncode == 0, trained.stderr
-    out = run_cli("eval", str(run), "--tasks", ",".join(KINDS), "--include-path", str(tasks_dir), "--batch-size", "4")
+    out = run_cli("eval", str(run), "--tasks", ",".join(KINDS), "--include-path", str(tasks_dir), "--batch-size", "4",
+                  "--log-samples")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "|local_mc  |" in out.stdout and "|acc_norm" in out.stdout and "|bits_per_byte" in out.stdout
     written = json.loads((run / "checkpoints" / "eval" / "step_0000020.json").read_text())
@@ -86,14 +82,10 @@ def test_eval_gives_lm_evals_numbers_equal_to_hflm_on_the_export(tmp_path):
                                      bootstrap_iters=0)  # fmt: skip
     for key, value in accuracies(theirs).items():
         assert ours[key] == pytest.approx(value, rel=1e-5), key
-    with single_process_group():  # request by request: the same scores and the same generations
-        _, model = load_model(str(run))
-        mine = lm_eval.simple_evaluate(model=HpcTrainLM(model, pick_tokenizer(str(run), None), 4), tasks=list(KINDS),
-                                       task_manager=manager, bootstrap_iters=0)  # fmt: skip
-    for task in KINDS:
-        for a, b in zip(mine["samples"][task], theirs["samples"][task], strict=True):
+    for task in KINDS:  # request by request: the same scores and the same generations
+        for a, b in zip(written["samples"][task], theirs["samples"][task], strict=True):
             assert a["doc_id"] == b["doc_id"]
-            for x, y in zip(a["filtered_resps"], b["filtered_resps"], strict=True):
+            for x, y in zip(a["scores"], b["filtered_resps"], strict=True):
                 if isinstance(x, str):  # a generation
                     assert x == y, task
                 elif isinstance(x, float):  # a rolling log-likelihood

@@ -100,13 +100,16 @@ class HpcTrainLM(TemplateLM):
         return out
 
 
-def evaluate(lm: TemplateLM, tasks: list[str], limit: int | None, include_path: str | None) -> dict[str, Any]:
-    """lm-eval's results of `tasks` (names, or tasks of YAML files under `include_path`) on `lm`."""
+def evaluate(
+    lm: TemplateLM, tasks: list[str], limit: int | None, include_path: str | None, log_samples: bool = False
+) -> dict[str, Any]:
+    """lm-eval's results of `tasks` (names, or tasks of YAML files under `include_path`) on `lm`; with
+    `log_samples`, each request's scores too."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager, log_samples=False,
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager, log_samples=log_samples,
                                    bootstrap_iters=0)  # fmt: skip
 
 
@@ -117,11 +120,14 @@ def accuracies(results: dict[str, Any]) -> dict[str, float]:
 
 
 def write_results(results: dict[str, Any], where: Path, step: int) -> Path:
-    """The results as JSON beside the checkpoint (`<checkpoints>/eval/step_<N>.json`), written whole."""
+    """The results as JSON beside the checkpoint (`<checkpoints>/eval/step_<N>.json`), written whole; with each
+    request's scores where they were logged (`samples`: per task, each document's filtered responses)."""
     out = where / "eval" / f"step_{step:07d}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     temporary = out.with_name(f".{out.name}.{os.getpid()}")
-    temporary.write_text(json.dumps({"step": step, "results": results["results"],
-                                     "config": results.get("config", {})}, indent=1, default=str))  # fmt: skip
+    samples = {task: [{"doc_id": sample["doc_id"], "scores": sample["filtered_resps"]} for sample in done]
+               for task, done in results.get("samples", {}).items()}  # fmt: skip
+    temporary.write_text(json.dumps({"step": step, "results": results["results"], "config": results.get("config", {}),
+                                     **({"samples": samples} if samples else {})}, indent=1, default=str))  # fmt: skip
     os.replace(temporary, out)
     return out
