@@ -177,23 +177,20 @@ def write_manifest(base: Any, manifest: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
-def array_executor(base: Any, indices: list[int]):
-    """submitit's executor for the array: the sweep's slurm section, its logs in the sweep's slurm/, at most
-    slurm.array_parallelism members at once, the comment naming the sweep and which member each task runs."""
-    executor = executor_for(base)
-    executor.update_parameters(comment=array_comment(base.run_dir, indices),
-                               array_parallelism=base.slurm.array_parallelism or len(indices))  # fmt: skip
-    return executor
+def array_parameters(base: Any, indices: list[int]) -> dict[str, Any]:
+    """submitit's parameters of the array over the sweep's own: the comment naming the sweep and the member each
+    task runs, and at most slurm.array_parallelism members at once."""
+    return {"comment": array_comment(base.run_dir, indices),
+            "array_parallelism": base.slurm.array_parallelism or len(indices)}  # fmt: skip
 
 
 def array_script(base: Any, members: list[Member]) -> str:
-    """The sbatch script of the members' array (as a dry run prints it): #SBATCH --array=0-<n-1>%<parallelism>."""
+    """The sbatch script of the members' array (as a dry run prints it): #SBATCH --array=0-<n-1>%<parallelism>
+    (a single member: a plain job, as submitit submits it)."""
     indices = with_members(base, members)[1]
-    parallelism = base.slurm.array_parallelism or len(indices)
-    extra = {"comment": array_comment(base.run_dir, indices)}
-    if len(indices) > 1:
-        extra.update(map_count=len(indices), array_parallelism=parallelism)
-    return sbatch_script(base, **extra)
+    return sbatch_script(
+        base, **array_parameters(base, indices), **({"map_count": len(indices)} if len(indices) > 1 else {})
+    )
 
 
 def submit_array(base: Any, members: list[Member], entry: Callable) -> list:
@@ -201,7 +198,8 @@ def submit_array(base: Any, members: list[Member], entry: Callable) -> list:
     the members before the array is submitted (the queue's view of it reads them), and then the array."""
     manifest, indices = with_members(base, members)
     write_manifest(base, manifest)
-    executor = array_executor(base, indices)
+    executor = executor_for(base)  # its logs in the sweep's slurm/
+    executor.update_parameters(**array_parameters(base, indices))
     with executor.batch():
         jobs = [executor.submit(SlurmTask(member.cfg, entry)) for member in members]
     manifest["arrays"].append({"job_id": jobs[0].job_id.split("_")[0], "members": indices})

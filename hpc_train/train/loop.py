@@ -358,7 +358,8 @@ def _train(
         hang.disarm()
         saving = run.checkpointer.should_save(step, stop_level)
         saving_locally = run.checkpointer.should_save_local(step, saving)
-        kept = [[r["step"], r["step_time_s"]] for r in records if not r.get("skipped")]  # for the goodput ledger
+        if ledger is not None:  # each recorded step's time, for the goodput ledger (before the save trims records)
+            kept = [[r["step"], r["step_time_s"]] for r in records if not r.get("skipped")]
         save_start = time.perf_counter()
         if (saving or saving_locally) and run.metrics:  # the interval's earlier steps on disk, its last with it
             for r in records[:-1]:
