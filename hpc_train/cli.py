@@ -77,12 +77,13 @@ def _config_and_overrides(args: argparse.Namespace) -> JobConfig:
 
 
 def check_inputs(
-    cfg: JobConfig, world: int, starts_here: bool, world_from: str = "", notes: bool = True
+    cfg: JobConfig, world: int, starts_here: bool, world_from: str = "", notes: bool = True, in_job: bool = False
 ) -> ParallelDims:
     """Everything a run reads, before any process starts: the config (`check_job`: for this world size, and
-    this machine's limits for ranks starting here), the datasets' contents, and that checkpoint.dir is this
-    run's (and, for a run starting here, not in use). With `notes` (one process of a job says it), a training
-    dataset the run reads more than once is noted (on stderr: a dry run's output stays the job)."""
+    this machine's limits for ranks starting here), the datasets' contents, that checkpoint.dir is this run's
+    (and, for a run starting here, not in use) and, outside a job (`in_job`: its rank 0 checks them as it
+    starts), eval.tasks. With `notes` (one process of a job says it), a training dataset the run reads more
+    than once is noted (on stderr: a dry run's output stays the job)."""
     from hpc_train.checkpoint.ownership import check_checkpoint_dir
     from hpc_train.data.prepare import check_datasets, repeats
 
@@ -90,6 +91,14 @@ def check_inputs(
     if cfg.logging.wandb.project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb.project is set but wandb is not installed here: pip install "
                           "'hpc_train[wandb]' (the job needs it too), or unset logging.wandb.project")  # fmt: skip
+    if cfg.eval.tasks and importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError("eval.tasks is set but lm-evaluation-harness is not installed here: pip install "
+                          "'hpc_train[eval]' (the job needs it too), or unset eval.tasks")  # fmt: skip
+    if cfg.eval.tasks and not in_job:
+        from hpc_train.train.lm_eval_model import check_tasks, tokenizer_spec
+
+        check_tasks(cfg.eval)
+        tokenizer_spec(cfg)
     datasets = check_datasets(cfg.data, cfg.model)
     check_checkpoint_dir(cfg, probe_lock=starts_here)
     t = cfg.train
@@ -107,7 +116,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = _config_and_overrides(args)
     rank_env = detect_rank_env()
     world = rank_env.world_size if rank_env else cfg.parallel.nproc
-    check_inputs(cfg, world, starts_here=rank_env is None, notes=rank_env is None or rank_env.rank == 0)
+    check_inputs(cfg, world, starts_here=rank_env is None, notes=rank_env is None or rank_env.rank == 0,
+                 in_job=rank_env is not None)  # fmt: skip
     if rank_env is not None:
         run_task(run_training, rank_env, cfg)
     else:
@@ -588,7 +598,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     try:
         from lm_eval.utils import make_table
 
-        from hpc_train.commands.downstream import HpcTrainLM, evaluate, write_results
+        from hpc_train.commands.downstream import HpcTrainLM, write_results
+        from hpc_train.train.lm_eval_model import evaluate, task_manager
     except ImportError:
         raise UserError("hpc-train eval needs lm-evaluation-harness: pip install 'hpc_train[eval]'") from None
     if args.limit is not None and args.limit < 1 or args.batch_size < 1:
@@ -597,8 +608,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     tokenizer = pick_tokenizer(args.source, args.tokenizer)
     with single_process_group():
         _, model = load_model(args.source, args.base, info)
-        results = evaluate(HpcTrainLM(model, tokenizer, args.batch_size), args.tasks.split(","), args.limit,
-                           args.include_path, args.log_samples)  # fmt: skip
+        tasks = args.tasks.split(",")
+        results = evaluate(HpcTrainLM(model, tokenizer, args.batch_size), tasks, args.limit,
+                           task_manager(tasks, args.include_path), args.log_samples)  # fmt: skip
     print(make_table(results))
     where = Path(args.source) if info is None else info.path.parent
     print(f"results: {write_results(results, where, 0 if info is None else info.step)}")

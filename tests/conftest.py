@@ -104,6 +104,56 @@ def short_documents(tmp_path_factory) -> str:
     return prepare_data([base / "lines.jsonl"], str(base / "lines"), "byte", progress=False)["train"]
 
 
+LM_EVAL_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {kind}
+{body}
+"""
+# local lm-eval tasks of each request kind (offline): name -> (output type, the YAML's task-specific part)
+LOCAL_TASKS = {
+    "local_mc": ("multiple_choice", 'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+             'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm'),
+    "local_next": ("loglikelihood", 'doc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+               'target_delimiter: ""\nmetric_list:\n  - metric: acc'),
+    "local_text": ("loglikelihood_rolling", 'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n'
+               "  - metric: word_perplexity\n  - metric: bits_per_byte"),
+    "local_gen": ("generate_until", 'doc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\ngeneration_kwargs:\n'
+              '  until: ["\\n"]\n  max_gen_toks: 6\n  do_sample: false\nmetric_list:\n  - metric: exact_match'),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def local_tasks(tmp_path_factory) -> Path:
+    """A folder of `LOCAL_TASKS` (lm-eval's include_path) over lines of the standard library's sources: which of
+    four endings follows a line's start, whether the space after a line's first word and a line's last character
+    are the greedy ones, a few sources' rolling likelihood, and greedy completions of a line."""
+    import random
+
+    folder = tmp_path_factory.mktemp("lm_eval_tasks")
+    lines = [line.strip() for line in Path(os.__file__).read_text().splitlines() if 24 <= len(line.strip()) <= 70]
+    rng = random.Random(0)
+    picked = rng.sample(lines, 40)
+    rows = {"local_mc": [], "local_text": [], "local_gen": []}
+    for i, line in enumerate(picked[:24]):
+        cut = len(line) // 2
+        endings = [line[cut:], *(other[len(other) // 2 :] for other in picked[24 + i % 12 : 27 + i % 12])]
+        rows["local_mc"].append({"question": line[:cut], "choices": endings, "answer": 0})
+    spaced, ended = rng.sample([line for line in lines if " " in line], 8), rng.sample(lines, 8)
+    rows["local_next"] = [*({"question": line[: line.index(" ")], "answer": " "} for line in spaced),
+                          *({"question": line[:-1], "answer": line[-1]} for line in ended)]  # fmt: skip
+    rows["local_text"] = [{"text": "\n".join(picked[i : i + 6])} for i in (0, 6, 12)]
+    rows["local_gen"] = [{"question": line[:-4], "answer": line[-4:]} for line in picked[30:36]]
+    for name, (kind, body) in LOCAL_TASKS.items():
+        data = folder / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows[name]))
+        (folder / f"{name}.yaml").write_text(LM_EVAL_TASK.format(name=name, data=data, kind=kind, body=body))
+    return folder
+
+
 @pytest.fixture
 def make_cfg(tmp_path, small_corpus):
     def make(*overrides: str, run: str = "run") -> JobConfig:

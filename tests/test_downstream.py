@@ -1,88 +1,66 @@
-"""`hpc-train eval`: lm-eval's tasks on hpc_train's own model, offline. Local tasks (lm-eval YAML over local
-JSON-lines files) of the three request kinds, scored through our `LM` and through lm-eval's own `HFLM` on
-the Hugging Face export of the same checkpoint: the same numbers, request by request."""
+"""lm-eval's tasks on hpc_train's own model, offline: `hpc-train eval` on a checkpoint and `eval.tasks` inside
+the training loop. Local tasks (lm-eval YAML over local JSON-lines files) of the three request kinds, scored
+through our `LM` and through lm-eval's own `HFLM` on the Hugging Face export of the same checkpoint: the
+same numbers, request by request; the loop's figures are the command's."""
 
 import json
-import random
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_MODEL, run_cli
+from tests.conftest import LOCAL_TASKS, TINY_MODEL, run_cli
 
 lm_eval = pytest.importorskip("lm_eval")  # the `.[eval]` extra; make setup installs it with `.[dev]`
-from hpc_train.commands.downstream import accuracies  # noqa: E402 (it imports lm_eval)
-
-TASK = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: {kind}
-{body}
-"""
-KINDS = {
-    "local_mc": ("multiple_choice", 'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
-             'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm'),
-    "local_text": ("loglikelihood_rolling", 'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n'
-               "  - metric: word_perplexity\n  - metric: bits_per_byte"),
-    "local_gen": ("generate_until", 'doc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\ngeneration_kwargs:\n'
-              '  until: ["\\n"]\n  max_gen_toks: 6\n  do_sample: false\nmetric_list:\n  - metric: exact_match'),
-}  # fmt: skip
+from hpc_train.train.lm_eval_model import accuracies  # noqa: E402 (it imports lm_eval)
 
 
-def write_tasks(folder: Path) -> None:
-    """Three local tasks from lines of the standard library's sources: which of four endings follows a line's
-    start, a few sources' rolling likelihood, and greedy completions of a line."""
-    import os
-
-    lines = [line.strip() for line in Path(os.__file__).read_text().splitlines() if 24 <= len(line.strip()) <= 70]
-    rng = random.Random(0)
-    picked = rng.sample(lines, 40)
-    rows = {"local_mc": [], "local_text": [], "local_gen": []}
-    for i, line in enumerate(picked[:24]):
-        cut = len(line) // 2
-        endings = [line[cut:], *(other[len(other) // 2 :] for other in picked[24 + i % 12 : 27 + i % 12])]
-        rows["local_mc"].append({"question": line[:cut], "choices": endings, "answer": 0})
-    rows["local_text"] = [{"text": "\n".join(picked[i : i + 6])} for i in (0, 6, 12)]
-    rows["local_gen"] = [{"question": line[:-4], "answer": line[-4:]} for line in picked[30:36]]
-    for name, (kind, body) in KINDS.items():
-        data = folder / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(row) + "\n" for row in rows[name]))
-        (folder / f"{name}.yaml").write_text(TASK.format(name=name, data=data, kind=kind, body=body))
-
-
-def test_eval_gives_lm_evals_numbers_equal_to_hflm_on_the_export(tmp_path):
-    """A tiny model trained under tp=2 (a checkpoint of another layout, resharded to one process): `hpc-train
+def test_eval_gives_lm_evals_numbers_equal_to_hflm_on_the_export_and_the_loop_gives_the_same(tmp_path, local_tasks):
+    """A tiny model trained under tp=2 x dp=2 with ZeRO-3 (a checkpoint of another layout, resharded to one
+    process), scoring three tasks inside the loop at steps 10 and 20, each rank of dp its share: `hpc-train
     eval` prints lm-eval's table and writes the results beside the checkpoint; the multiple-choice accuracy,
-    the rolling likelihood's bits per byte and perplexity and the generations' exact match equal lm-eval's
-    HFLM on the exported folder, and so does every request's score."""
+    the greedy continuations' accuracy, the rolling likelihood's bits per byte and perplexity and the
+    generations' exact match equal lm-eval's HFLM on the exported folder, and so does every request's score;
+    the loop's step-20 figures in metrics.jsonl are the command's. A task that generates text, or one lm-eval
+    does not know, is refused before any rank starts."""
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
-    tasks_dir = tmp_path / "tasks"
-    tasks_dir.mkdir()
-    write_tasks(tasks_dir)
+    from hpc_train.train.lm_eval_model import task_manager
+
+    tasks_dir = local_tasks
     run = tmp_path / "run"
-    trained = run_cli("train", "configs/tiny.yaml", *TINY_MODEL[:3], "model.seq_len=64", "train.steps=20",
-                      "parallel.nproc=2", "parallel.tp=2", "checkpoint.interval=20", f"run_dir={run}")  # fmt: skip
+    layout = [*TINY_MODEL[:3], "model.seq_len=64", "train.steps=20", "parallel.nproc=4", "parallel.tp=2",
+              "optim.zero_stage=3", "checkpoint.interval=20", f"eval.include_path={tasks_dir}"]  # fmt: skip
+    for tasks, refusal in (("[local_mc,local_gen]", "eval.tasks: local_gen generates text, which the training loop "
+                            "does not run; score it on a checkpoint: hpc-train eval RUN_DIR --tasks local_gen\n"),
+                           ("[local_mc,hellaswag_nope]", "eval.tasks: hellaswag_nope is no lm-eval task or under "
+                            f"eval.include_path={tasks_dir}")):  # fmt: skip
+        refused = run_cli("train", "configs/tiny.yaml", *layout, f"eval.tasks={tasks}", f"run_dir={run}")
+        assert refused.returncode == 2 and refusal in refused.stderr, refused.stderr
+    trained = run_cli("train", "configs/tiny.yaml", *layout, "eval.tasks=[local_mc,local_next,local_text]",
+                      "eval.task_interval=10", f"run_dir={run}")  # fmt: skip
     assert trained.returncode == 0, trained.stderr
-    out = run_cli("eval", str(run), "--tasks", ",".join(KINDS), "--include-path", str(tasks_dir), "--batch-size", "4",
-                  "--log-samples")  # fmt: skip
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    looped = {r["step"]: {k[len("downstream/") :]: v for k, v in r.items() if k.startswith("downstream/")}
+              for r in records if "downstream/local_mc/acc" in str(r)}  # fmt: skip
+    assert sorted(looped) == [10, 20] and looped[10] != looped[20]
+    out = run_cli("eval", str(run), "--tasks", ",".join(LOCAL_TASKS), "--include-path", str(tasks_dir),
+                  "--batch-size", "4", "--log-samples")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "|local_mc  |" in out.stdout and "|acc_norm" in out.stdout and "|bits_per_byte" in out.stdout
     written = json.loads((run / "checkpoints" / "eval" / "step_0000020.json").read_text())
     ours = accuracies(written)
     assert 0 < ours["local_mc/acc"] < 1, ours  # a task that tells models apart
+    assert 0 < ours["local_next/acc"] < 1, ours  # the greedy continuation: some are, some not
+    assert set(looped[20]) == {k for k in ours if not k.startswith("local_gen/")}
+    for key, value in looped[20].items():
+        assert value == pytest.approx(ours[key], rel=1e-6), key
     assert run_cli("export-hf", str(run), str(tmp_path / "hf")).returncode == 0
-    manager = TaskManager(include_path=str(tasks_dir))
+    manager = task_manager(list(LOCAL_TASKS), str(tasks_dir))  # these tasks alone: no built-in ones indexed
     theirs = lm_eval.simple_evaluate(model=HFLM(pretrained=str(tmp_path / "hf"), device="cpu", batch_size=4,
-                                                dtype="float32"), tasks=list(KINDS), task_manager=manager,
+                                                dtype="float32"), tasks=list(LOCAL_TASKS), task_manager=manager,
                                      bootstrap_iters=0)  # fmt: skip
     for key, value in accuracies(theirs).items():
         assert ours[key] == pytest.approx(value, rel=1e-5), key
-    for task in KINDS:  # request by request: the same scores and the same generations
+    for task in LOCAL_TASKS:  # request by request: the same scores and the same generations
         for a, b in zip(written["samples"][task], theirs["samples"][task], strict=True):
             assert a["doc_id"] == b["doc_id"]
             for x, y in zip(a["scores"], b["filtered_resps"], strict=True):

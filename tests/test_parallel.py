@@ -6,6 +6,8 @@ per layout) to keep the suite fast. Compared against the single-process run: the
 gradient norm of every step, and the final parameters gathered to full tensors.
 """
 
+import importlib.util
+
 import pytest
 
 from hpc_train.distributed.mesh import ParallelDims
@@ -168,6 +170,15 @@ DOCUMENT_LAYOUTS = ("tp2_sp", "cp2_ring", "cp4_ring", "cp4_ulysses", "pp2_1f1b",
 GPT2_DOCUMENT_LAYOUTS = ("tp2_sp", "cp2_ring", "pp2_cp2")
 
 
+# eval.tasks and the held-out loss at the last step (llama; the tasks with the `.[eval]` extra): each layout's
+# figures are one process's, its requests scored through the layout's own forward: tp's gathered logits (with
+# SP), cp's summed shards, the last pipeline stage's (a V-shaped schedule's, forward only, on the first rank),
+# each dp rank its share; cp's with packed documents on (their run evaluates already): layout -> its reference
+DOWNSTREAM = {"tp2_dp2": "reference", "pp2_dp2": "reference", "pp2_zbv": "reference_deep",
+              "cp2_ring_documents": "reference_documents"}  # fmt: skip
+LM_EVAL = importlib.util.find_spec("lm_eval") is not None
+
+
 def document_layouts(arch: str) -> tuple[str, ...]:
     return GPT2_DOCUMENT_LAYOUTS if arch == "gpt2" else DOCUMENT_LAYOUTS
 
@@ -178,10 +189,15 @@ def _config(base, arch: str, name: str, extra: list[str], corpus: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, small_corpus, short_documents):
+def runs(tmp_path_factory, small_corpus, short_documents, local_tasks):
     """Run directory per model family: <arch>/reference and <arch>/<layout>."""
     base = tmp_path_factory.mktemp("layouts")
-    cfg = lambda arch, name, extra: _config(base, arch, name, extra, small_corpus)
+    scored = {*DOWNSTREAM, *DOWNSTREAM.values()}
+    tasks = ["eval.tasks=[local_mc,local_next,local_text]", f"eval.include_path={local_tasks}"] if LM_EVAL else []
+    held_out = [f"train.eval_interval={STEPS}", f"data.valid_path={small_corpus}_valid"]
+    evals = lambda name: tasks if name.endswith("documents") else [*held_out, *tasks]
+    cfg = lambda arch, name, extra: _config(base, arch, name, [*extra, *evals(name)] if arch == "llama" and name in
+                                            scored else extra, small_corpus)  # fmt: skip
     muon = lambda name, extra: cfg("llama", name, [*extra, "optim.name=muon"])
     docs = lambda arch, name, extra: cfg(arch, name, [*DOCUMENTS, f"data.train_path={short_documents}",
                                                       f"data.valid_path={short_documents}", *extra])  # fmt: skip
@@ -222,6 +238,21 @@ def test_layout_matches_single_process(runs, arch, layout):
     # a compiled layout's records count its recompiles (the compile feature was on), and nothing recompiled
     compiled = layout.endswith("_compiled")
     assert [g.get("recompiles") for g in got] == ([0] * STEPS if compiled else [None] * STEPS)
+
+
+@pytest.mark.parametrize("layout", list(DOWNSTREAM))
+def test_evaluation_scores_alike_in_every_layout(runs, layout):
+    """The held-out loss, and the multiple-choice and greedy accuracies and the rolling likelihood's figures of
+    eval.tasks, in metrics.jsonl at the last step, are one process's (test_downstream.py: one process's are
+    lm-eval's HFLM)."""
+    ref, got = read_metrics(runs["llama"] / DOWNSTREAM[layout])[-1], read_metrics(runs["llama"] / layout)[-1]
+    assert abs(got["eval_loss"] - ref["eval_loss"]) <= TOL
+    pytest.importorskip("lm_eval")
+    figures = {key: value for key, value in ref.items() if key.startswith("downstream/")}
+    assert figures.keys() == {key for key in got if key.startswith("downstream/")}
+    assert {"downstream/local_mc/acc", "downstream/local_next/acc", "downstream/local_text/bits_per_byte"} <= set(got)
+    for key, value in figures.items():
+        assert got[key] == pytest.approx(value, rel=1e-4), key
 
 
 @pytest.mark.parametrize("arch", ARCHS)

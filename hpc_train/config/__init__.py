@@ -22,6 +22,7 @@ from hpc_train.config.schema import (
     CheckpointConfig,
     DataConfig,
     DataSource,
+    EvalConfig,
     JobConfig,
     LoggingConfig,
     ModelConfig,
@@ -33,9 +34,9 @@ from hpc_train.config.schema import (
 )
 
 __all__ = [
-    "BUILTIN_DATA", "MEMORY_DIR", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "JobConfig",
-    "LayoutError", "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "SlurmConfig",
-    "TrainConfig", "check_values", "choice", "compose", "config_path", "expand_on_node", "fraction", "non_negative",
-    "positive", "derive_dp", "has_control_chars", "load_config", "parse_overrides", "raise_all", "time_limit_minutes",
-    "to_yaml", "validate",
+    "BUILTIN_DATA", "MEMORY_DIR", "CheckpointConfig", "ConfigError", "DataConfig", "DataSource", "EvalConfig",
+    "JobConfig", "LayoutError", "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig",
+    "SlurmConfig", "TrainConfig", "check_values", "choice", "compose", "config_path", "expand_on_node", "fraction",
+    "non_negative", "positive", "derive_dp", "has_control_chars", "load_config", "parse_overrides", "raise_all",
+    "time_limit_minutes", "to_yaml", "validate",
 ]  # fmt: skip

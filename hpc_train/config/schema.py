@@ -322,6 +322,19 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream tasks through lm-evaluation-harness inside the training loop (the optional extra `.[eval]`),
+    scored by the training ranks with the requests sharded over dp; their figures go into metrics.jsonl as
+    `downstream/<task>/<metric>` (train/downstream.py). Tasks that generate text are left to `hpc-train eval`."""
+
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names, e.g. [hellaswag, arc_easy]; [] = off
+    task_interval: int = non_negative(0)  # every N steps and at the last; 0 = at the last step only
+    limit: int = positive(64)  # at most this many examples a task
+    include_path: str | None = None  # a folder of task YAML files of your own (lm-eval's include_path)
+    tokenizer: str | None = None  # a tokenizer.json; None = the one the training data was prepared with
+
+
+@dataclass
 class JobConfig:
     name: str = "run"
     run_dir: str = "runs/${name}"
@@ -333,3 +346,4 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

@@ -215,10 +215,11 @@ def step_context(model: ParallelModel, device: torch.device) -> contextlib.ExitS
     return stack
 
 
-def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> torch.Tensor:
-    """Mean (unscaled) loss over this rank's micro-batches (zero on pipeline stages without the loss)."""
+def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> list[torch.Tensor]:
+    """Each micro-batch's (unscaled) loss, as its share of the mean over this rank's micro-batches (none on
+    pipeline stages without the loss)."""
     device = micro_batches[0].tokens.device
-    total = torch.zeros((), device=device)
+    parts: list[torch.Tensor] = []
     if model.masked_loss:
         model.loss_tokens = counted_targets(model, micro_batches)
     mode = "step" if backward else "eval"
@@ -232,8 +233,8 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
                                        documents=batch.documents) / len(micro_batches)  # fmt: skip
                 if backward:
                     (loss * model.loss_scale).backward()
-                total += local(loss.detach())
-            return total
+                parts.append(local(loss.detach()))
+            return parts
         tokens = torch.cat([b.tokens for b in micro_batches])
         targets = torch.cat([b.labels for b in micro_batches])
         inputs = (tokens,) if model.holds_first_stage else ()
@@ -245,9 +246,7 @@ def _run(model: ParallelModel, micro_batches: MicroBatches, backward: bool) -> t
         model.schedule_mode = mode  # a switch makes torch infer the stages' shapes again: one more forward
         run = model.schedule.step if backward else model.schedule.eval
         run(*inputs, target=target, losses=losses, **documents)
-        for loss in losses:
-            total += local(loss.detach()) / model.loss_scale
-    return total
+    return [local(loss.detach()) / model.loss_scale for loss in losses]
 
 
 def counted_targets(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
@@ -260,15 +259,38 @@ def counted_targets(model: ParallelModel, micro_batches: MicroBatches) -> torch.
 
 
 def forward_backward(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
-    return _run(model, micro_batches, backward=True)
+    return sum(_run(model, micro_batches, backward=True), torch.zeros((), device=model.device))
 
 
 @torch.no_grad()
 def forward_only(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
-    loss = _run(model, micro_batches, backward=False)
+    parts = _run(model, micro_batches, backward=False)
     for hook in model.hooks:
         hook.after_eval()
-    return loss
+    return sum(parts, torch.zeros((), device=model.device))
+
+
+@torch.no_grad()
+def row_scores(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
+    """(rows, 2) float64 over this rank's micro-batches, the same on every rank of its model replica (pp, cp,
+    tp): each row's next-token loss summed over its counted targets, and how many of them are not the
+    greedy token (the decoder's `row_scores`: downstream tasks' log-likelihoods, through every layout's own
+    forward). Summed over cp (each rank scores its positions), taken from the last pipeline stage."""
+    last = model.chunks[-1]
+    last.scores_rows = True
+    try:
+        parts = _run(model, micro_batches, backward=False)
+    finally:
+        last.scores_rows = False
+    for hook in model.hooks:
+        hook.after_eval()
+    rows = sum(b.tokens.shape[0] for b in micro_batches)
+    scores = torch.cat(parts) * len(micro_batches) if parts else torch.zeros(rows, 2, dtype=torch.float64,
+                                                                             device=model.device)  # fmt: skip
+    for role in ("pp", "cp"):
+        if model.mesh.size(role) > 1:
+            dist.all_reduce(scores, group=model.mesh.group(role))
+    return scores
 
 
 def reduce_loss(model: ParallelModel, loss: torch.Tensor) -> torch.Tensor:

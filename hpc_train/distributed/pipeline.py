@@ -133,6 +133,16 @@ def _split_backward_stage() -> type:
                     for hook in hooks:
                         hook.remove()
 
+        # A V-shaped schedule's forward-only step (`eval`) still runs its backward actions, as no-ops, and then
+        # hands the gradient they did not make to the adjacent stage on the same rank, which torch refuses:
+        # in a step without backward there is nothing to hand on.
+        def get_local_bwd_output(self, mb_index: int) -> tuple:
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: tuple, mb_index: int) -> None:
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
     return SplitBackwardStage
 
 

@@ -101,6 +101,7 @@ class StageModule(Protocol):
     tok_embeddings: nn.Embedding | None  # on the first stage
     output: nn.Linear | None  # the head, on the last stage
     emits_hidden: bool  # the last stage's forward without targets returns its final hidden states, not logits
+    scores_rows: bool  # the last stage's loss returns each row's (summed loss, tokens not the greedy one) instead
 
     def canonical_name(self, name: str) -> str:
         """A parameter's name in the whole model (a last stage's tied head copy is the embedding)."""

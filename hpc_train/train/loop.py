@@ -233,6 +233,11 @@ def _train(
         if kept is not None and ledger is not None:  # its goodput ledger beside them (goodput.<stamp>.jsonl)
             ledger.set_aside(kept.with_name(kept.name.replace("metrics.", "goodput.", 1)))
     start_step = resumed.step if resumed else 0
+    downstream = None
+    if cfg.eval.tasks:  # lm-eval's tasks, loaded once on rank 0 (the optional extra: imported only here)
+        from hpc_train.train.downstream import Downstream
+
+        downstream = Downstream(cfg, run.rank_env.rank)
     resumed_at = {"consumed_samples": run.sampler.consumed_samples, "skipped_samples": run.sampler.skipped}
     meter = announce(run, start_step)
     restart = _restart_figures(run, resumed)
@@ -286,7 +291,8 @@ def _train(
         pending.append(Pending(record, stats, timings))
         evaluated = run.valid_set is not None or run.valid_sources
         eval_due = evaluated and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps)
-        if not (step % cfg.logging.log_interval == 0 or step == t.steps or eval_due or monitor.due(step)
+        tasks_due = downstream is not None and downstream.due(step)
+        if not (step % cfg.logging.log_interval == 0 or step == t.steps or eval_due or tasks_due or monitor.due(step)
                 or run.checkpointer.should_save(step, False) or run.checkpointer.should_save_local(step)):  # fmt: skip
             watchdog.record(step, 2, len(rollbacks.done))
             hang.disarm()
@@ -295,11 +301,15 @@ def _train(
         # figures at once, and the interval's time is shared by its steps.
         figures = read_figures([p.result for p in pending])
         elapsed = (time.perf_counter() - interval_start) / len(pending)
-        if eval_due:
+        evals: dict[str, float] = {}
+        if eval_due or tasks_due:
             with hang.paused():
                 eval_start = time.perf_counter()
-                evals = {**evaluate_all(run), "eval_s": 0.0}
+                evals = evaluate_all(run) if eval_due else {}
+                if tasks_due:  # downstream/<task>/<metric>
+                    evals.update(downstream.evaluate(run.model))
                 evals["eval_s"] = round(time.perf_counter() - eval_start, 4)
+            if eval_due:
                 result.eval_losses[step] = evals["eval_loss"]
         # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank (the weightiest:
         # where ranks saw both, the user's stop, which does not requeue, wins)
@@ -349,8 +359,7 @@ def _train(
             records.append(r)
         pending.clear()
         record = records[-1]
-        if eval_due:
-            record.update(evals)
+        record.update(evals)
         if slow := monitor.report(step):
             record.update(slow)
             _report_stragglers(run, slow["stragglers"], step)
@@ -380,7 +389,7 @@ def _train(
         if committed := run.checkpointer.poll():  # an async save committed during this interval
             record["checkpoint_committed"] = committed
         if ledger is not None:  # the steps recorded, each one's time, and what the loop spent saving and evaluating
-            record["goodput"] = ledger.add("steps", steps=kept, eval_s=evals["eval_s"] if eval_due else 0.0,
+            record["goodput"] = ledger.add("steps", steps=kept, eval_s=evals.get("eval_s", 0.0),
                                            checkpoint_s=round(time.perf_counter() - save_start, 4))  # fmt: skip
         if run.metrics:
             for r in records:

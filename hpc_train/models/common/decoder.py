@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ConfigError, ModelConfig
-from hpc_train.data.batch import SequenceShard
+from hpc_train.data.batch import IGNORE, SequenceShard
 from hpc_train.models.common.document_attention import flex_document_attention, tiled_document_attention
 from hpc_train.models.common.moe import MoE, is_moe_layer
 from hpc_train.models.common.regather import gathered_projections
@@ -197,6 +197,7 @@ class Decoder(nn.Module):
         self.norm = arch.norm(cfg.d_model, cfg.norm_eps) if last else None
         self.output = nn.Linear(cfg.d_model, vocab, bias=False) if last else None
         self.emits_hidden = False  # a pipeline's last stage: forward ends at the final norm, the loss takes over
+        self.scores_rows = False  # the loss gives each row's scores instead (`row_scores`: downstream evaluation)
         self.compiled = False  # compile_regions was applied
         self.shard: SequenceShard | None = None  # context parallelism: the positions of this rank's tokens
         self.tie_weights()
@@ -281,6 +282,8 @@ class Decoder(nn.Module):
         count) it is the sum over `loss_tokens`, the mean count of counted targets per micro-batch of the
         global batch: every counted target weighs the same however the batch is split (and a micro-batch
         with none adds zero, not NaN)."""
+        if self.scores_rows:
+            return self.row_scores(hidden, targets)
         count = targets.numel() if loss_tokens is None else loss_tokens
         if not isinstance(hidden, DTensor):  # (a DTensor is sequence-sharded: cut between whole sequences)
             hidden, targets = hidden.reshape(-1, 1, hidden.shape[-1]), targets.reshape(-1, 1)
@@ -290,6 +293,18 @@ class Decoder(nn.Module):
             return sum(self.summed_loss(h, t) for h, t in parts) / count
         recomputed = lambda h, t: checkpoint(self.summed_loss, h, t, use_reentrant=False, preserve_rng_state=False)
         return sum(recomputed(h, t) for h, t in parts) / count
+
+    def row_scores(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(rows, 2) float64: each row's next-token loss summed over its counted targets, and how many of those
+        are not the most likely token (0: the continuation is the greedy one). The logits are gathered whole
+        over tp (evaluation only: one micro-batch's); under context parallelism, this rank's positions' part."""
+        logits = self.logits(hidden)
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        logits = logits.float()
+        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+        missed = (logits.argmax(-1) != targets) & (targets != IGNORE)
+        return torch.stack([losses.double().sum(-1), missed.double().sum(-1)], dim=-1)
 
     def compile_regions(self) -> None:
         """torch.compile each block and the chunk loss in place (torchtitan's regional compile): names,
