@@ -617,14 +617,47 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> None:
+    """One process here, or with --slurm a job array and its merge (launch/prepare_array.py)."""
     from hpc_train.data.indexed import read_index
     from hpc_train.data.prepare import expand_inputs, prepare_data
 
-    written = prepare_data(expand_inputs(args.inputs), args.output, args.tokenizer, args.valid_every,
-                           max_tokens=args.max_tokens, workers=args.workers, text_key=args.text_key)  # fmt: skip
-    for split, prefix in written.items():
+    if args.slurm is None and (args.wait or args.dry_run):
+        raise ConfigError("--wait and --dry-run go with --slurm nodes=N; without it the data is prepared here")
+    if args.slurm is not None:
+        written = _prepare_on_slurm(args)
+    else:
+        written = prepare_data(expand_inputs(args.inputs), args.output, args.tokenizer, args.valid_every,
+                               max_tokens=args.max_tokens, workers=args.workers, text_key=args.text_key)  # fmt: skip
+    for split, prefix in (written or {}).items():
         docs, tokens = (read_index(prefix)[0][key] for key in ("num_docs", "num_tokens"))
         print(f"{split}: {prefix}.bin / {prefix}.idx: {docs:,} document{'s' * (docs != 1)}, {tokens:,} tokens")
+
+
+def _prepare_on_slurm(args: argparse.Namespace) -> dict[str, str] | None:
+    """Plan, check and submit the array and its merge (or print them: --dry-run); --wait: the prefixes written,
+    once the merge has completed (a failed job exits 1 naming it and its log)."""
+    from hpc_train.data.prepare import expand_inputs, note_cut
+    from hpc_train.launch import prepare_array
+
+    options = prepare_array.parse_slurm(args.slurm)
+    plan = prepare_array.make_plan(expand_inputs(args.inputs), args.output, args.tokenizer, args.valid_every,
+                                   args.max_tokens, args.workers, args.text_key, options)  # fmt: skip
+    prepare_array.check_cluster(options)
+    prepare_array.check_queue(plan)
+    todo = prepare_array.parts_to_run(plan)
+    if args.dry_run:
+        print(prepare_array.dry_run(plan, todo), end="")
+        return None
+    array, merge = prepare_array.submit(plan, todo)
+    print(prepare_array.submission_summary(plan, todo, array, merge), flush=True)
+    if not args.wait:
+        return None
+    if (failure := prepare_array.follow(plan, todo, array, merge)) is not None:
+        print(failure, file=sys.stderr)
+        sys.exit(1)
+    written, seen = merge.result()
+    note_cut(seen, args.max_tokens)
+    return written
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -724,6 +757,10 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument(
         "--valid-every", type=int, default=0, help="hold out every N-th document (file or example) as PREFIX_valid"
     )
+    prep.add_argument("--slurm", nargs="+", metavar="KEY=VALUE", help="tokenize on a Slurm job array, then merge: "
+                      "nodes=N [partition=P] [account=A] [time=MIN]")  # fmt: skip
+    prep.add_argument("--dry-run", action="store_true", help="--slurm: print the parts and sbatch scripts only")
+    prep.add_argument("--wait", action="store_true", help="--slurm: follow the array and the merge to their end")
     return parser
 
 

@@ -18,6 +18,8 @@ import sys
 import sysconfig
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +40,7 @@ from hpc_train.data.tokenizer import (
     EOD_CANDIDATES,
     TOKENIZER_FILE,
     Encoded,
+    Tokenizer,
     build_tokenizer,
     encode_documents,
     quiet_tokenizers,
@@ -55,6 +58,83 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
             raise FileNotFoundError(f"input '{pattern}' matches no file")
         files.extend(Path(m) for m in matches if Path(m).is_file())
     return files
+
+
+@dataclass
+class Tokenized:
+    """What a pass over input files saw: its documents, whether any held text, and how many were cut to
+    --max-tokens. A preparation spread over nodes (launch/prepare_array.py) sums its parts' to decide what
+    one pass over all the files would have."""
+
+    documents: int = 0
+    text: bool = False
+    cut: int = 0
+
+
+def output_prefix(output: str) -> str:
+    """The dataset prefix `--output` names: a file's name given for it (.bin, .idx) loses its suffix."""
+    return output[:-4] if output.endswith((".bin", ".idx")) else output
+
+
+def split_of(document: int, valid_every: int) -> str:
+    """The split the `document`-th document of the corpus (counted from 0) goes to."""
+    return "valid" if valid_every and document % valid_every == valid_every - 1 else "train"
+
+
+def check_options(tokenizer: str, valid_every: int, max_tokens: int | None, workers: int) -> Tokenizer:
+    """The options' refusals, before any file is read (and, --slurm, before anything is submitted); returns the
+    tokenizer built."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"--max-tokens {max_tokens} must be at least 1 (use model.seq_len)")
+    if workers < 1:
+        raise ConfigError(f"--workers {workers} must be at least 1")
+    if valid_every < 0:
+        raise ConfigError(f"--valid-every {valid_every} holds out none; use a value between 2 and the number of "
+                          "documents, or 0 for no held-out split")  # fmt: skip
+    tok = build_tokenizer(tokenizer)
+    if tok.eod_id is None:
+        raise ConfigError(f"--tokenizer {tokenizer} has no end-of-document token (none of {', '.join(EOD_CANDIDATES)})"
+                          ", so its documents would run together: add one to it as a special token "
+                          "(tokenizer.add_special_tokens(['</s>']), then save) and prepare the data again")  # fmt: skip
+    return tok
+
+
+def check_prepared(seen: Tokenized, files: int, valid_every: int, held_out: int) -> None:
+    """After the last document, before anything is committed: the corpus held text, and --valid-every held
+    some of it out (`held_out` documents). The whole corpus's figures: a part of it may hold neither."""
+    if not seen.text:
+        raise ConfigError(f"the {files} input file(s) hold no text: nothing to tokenize")
+    if valid_every and not held_out:
+        raise ConfigError(f"--valid-every {valid_every} with {seen.documents} document(s) holds out none; use "
+                          "a value between 2 and the number of documents, or 0 for no held-out split")  # fmt: skip
+
+
+def open_writers(output: str, tok: Tokenizer, tokenizer: str, valid_every: int) -> dict[str, IndexedDatasetWriter]:
+    """The writers of the dataset's splits (`valid` with --valid-every), recording `tokenizer`'s tokenizer.json;
+    `tok` is it built."""
+    text = tokenizer_json(tokenizer)
+    writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name, tokenizer_json=text)}
+    if valid_every:
+        writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name, tokenizer_json=text)
+    return writers
+
+
+@contextmanager
+def committed(writers: dict[str, IndexedDatasetWriter]) -> Iterator[None]:
+    """Every split committed when the block ends, or (on any error, ^C included) none: each writer aborted."""
+    try:
+        yield
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    for writer in writers.values():
+        writer.close()
+
+
+def note_cut(seen: Tokenized, max_tokens: int | None) -> None:
+    if seen.cut:
+        print(f"{seen.cut} example(s) longer than {max_tokens} tokens kept their last {max_tokens}")
 
 
 def prepare_data(
@@ -75,60 +155,51 @@ def prepare_data(
     response and its end). Each prefix records the tokenizer (PREFIX.tokenizer.json), which must have an
     end-of-document token. An `output` ending in .bin or .idx names the prefix before it. Returns the
     prefixes written."""
-    if max_tokens is not None and max_tokens < 1:
-        raise ConfigError(f"--max-tokens {max_tokens} must be at least 1 (use model.seq_len)")
-    if workers < 1:
-        raise ConfigError(f"--workers {workers} must be at least 1")
-    if valid_every < 0:
-        raise ConfigError(f"--valid-every {valid_every} holds out none; use a value between 2 and the number of "
-                          "documents, or 0 for no held-out split")  # fmt: skip
-    tok = build_tokenizer(tokenizer)
-    if tok.eod_id is None:
-        raise ConfigError(f"--tokenizer {tokenizer} has no end-of-document token (none of {', '.join(EOD_CANDIDATES)})"
-                          ", so its documents would run together: add one to it as a special token "
-                          "(tokenizer.add_special_tokens(['</s>']), then save) and prepare the data again")  # fmt: skip
-    output = output[:-4] if output.endswith((".bin", ".idx")) else output  # a file's name given for the prefix
-    text = tokenizer_json(tokenizer)
-    writers = {"train": IndexedDatasetWriter(output, tok.vocab_size, tok.name, tokenizer_json=text)}
-    if valid_every:
-        writers["valid"] = IndexedDatasetWriter(output + VALID_SUFFIX, tok.vocab_size, tok.name, tokenizer_json=text)
-    seen = {"documents": 0, "text": False, "cut": 0}
+    tok = check_options(tokenizer, valid_every, max_tokens, workers)
+    writers = open_writers(output_prefix(output), tok, tokenizer, valid_every)
+    with committed(writers):
+        seen = tokenize_into(writers, files, tokenizer, valid_every, progress, max_tokens, workers, text_key)
+        check_prepared(seen, len(files), valid_every, writers["valid"].num_docs if valid_every else 0)
+    if progress:
+        note_cut(seen, max_tokens)
+    return {split: writer.prefix for split, writer in writers.items()}
+
+
+def tokenize_into(
+    writers: dict[str, IndexedDatasetWriter],
+    files: list[Path],
+    tokenizer: str,
+    valid_every: int,
+    progress: bool,
+    max_tokens: int | None,
+    workers: int,
+    text_key: str,
+) -> Tokenized:
+    """Every document of `files`, in order, tokenized into its split's writer (nothing committed: the caller
+    decides); returns what was seen."""
+    seen = Tokenized()
 
     def batches() -> Iterator[list[tuple[str | None, str]]]:
         for path in files:
             for batch in iter_documents(path, text_key):
-                seen["text"] = seen["text"] or any(prompt or text for prompt, text in batch)
+                seen.text = seen.text or any(prompt or text for prompt, text in batch)
                 yield batch
 
     bar = None  # shown from the first batch on: input refused at once prints its error alone
-    try:
-        for encoded in encoded_batches(batches(), tokenizer, max_tokens, workers):
-            if bar is None:
-                bar = tqdm(desc="tokenizing", unit="doc", disable=not progress, delay=1)  # a quick run: none
-            ends = np.cumsum(encoded.lengths)
-            for end, length, n_prompt in zip(ends, encoded.lengths, encoded.prompt_lengths, strict=True):
-                i, seen["documents"] = seen["documents"], seen["documents"] + 1
-                split = "valid" if valid_every and i % valid_every == valid_every - 1 else "train"
-                mask = np.arange(length) >= n_prompt if n_prompt else None
-                writers[split].add_document(encoded.ids[end - length : end], mask)
-            seen["cut"] += encoded.cut
-            bar.update(len(encoded.lengths))
-        if bar is not None:
-            bar.close()
-        if not seen["text"]:
-            raise ConfigError(f"the {len(files)} input file(s) hold no text: nothing to tokenize")
-        if valid_every and not writers["valid"].num_docs:
-            raise ConfigError(f"--valid-every {valid_every} with {seen['documents']} document(s) holds out none; use "
-                              "a value between 2 and the number of documents, or 0 for no held-out split")  # fmt: skip
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
-    for writer in writers.values():
-        writer.close()
-    if seen["cut"] and progress:
-        print(f"{seen['cut']} example(s) longer than {max_tokens} tokens kept their last {max_tokens}")
-    return {split: writer.prefix for split, writer in writers.items()}
+    for encoded in encoded_batches(batches(), tokenizer, max_tokens, workers):
+        if bar is None:
+            bar = tqdm(desc="tokenizing", unit="doc", disable=not progress, delay=1)  # a quick run: none
+        ends = np.cumsum(encoded.lengths)
+        for end, length, n_prompt in zip(ends, encoded.lengths, encoded.prompt_lengths, strict=True):
+            split = split_of(seen.documents, valid_every)
+            seen.documents += 1
+            mask = np.arange(length) >= n_prompt if n_prompt else None
+            writers[split].add_document(encoded.ids[end - length : end], mask)
+        seen.cut += encoded.cut
+        bar.update(len(encoded.lengths))
+    if bar is not None:
+        bar.close()
+    return seen
 
 
 def encoded_batches(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import getpass
 import re
+from collections.abc import Callable
 
 from hpc_train.config import ConfigError, JobConfig
 from hpc_train.config.checks import time_limit_seconds
@@ -45,22 +46,35 @@ def check_partition(cfg: JobConfig, limits: bool = True) -> None:
     """Raise a ConfigError naming an unknown partition, an account the user cannot charge, and (`limits`)
     every limit of slurm.partition (or the default partition) the job exceeds."""
     s = cfg.slurm
+    over = (lambda name, fields: _limits(cfg, name, fields)) if limits else None
+    if problems := partition_problems(s.partition, s.account, "slurm.partition", "slurm.account", over):
+        raise ConfigError("\n".join(problems))
+
+
+def partition_problems(
+    partition: str | None,
+    account: str | None,
+    partition_key: str,
+    account_key: str,
+    limits: Callable[[str, dict[str, str]], list[str]] | None = None,
+) -> list[str]:
+    """An unknown partition, an account the user cannot charge (each named by the key that gave it), and what
+    `limits` finds over each partition's (name, sinfo fields); none where Slurm does not answer."""
     known = partitions()
     problems = []
     if known is not None:  # sbatch takes a list of partitions (the job runs in the first that can start it)
         default = [n for n, f in known.items() if f.get("Default") == "YES"]
-        for name in s.partition.split(",") if s.partition else default:
+        for name in partition.split(",") if partition else default:
             if name not in known:
-                problems.append(f"slurm.partition={s.partition}: no partition {name} on this cluster; use one of "
+                problems.append(f"{partition_key}={partition}: no partition {name} on this cluster; use one of "
                                 f"{', '.join(sorted(known))} (sinfo lists them)")  # fmt: skip
-            elif limits:
-                problems += _limits(cfg, name, known[name])
-    accounts = user_accounts() if s.account else None
-    if accounts and s.account.lower() not in accounts:  # Slurm keeps account names in lower case
-        problems.append(f"slurm.account={s.account}: not an account {getpass.getuser()} may charge; use one of "
+            elif limits is not None:
+                problems += limits(name, known[name])
+    accounts = user_accounts() if account else None
+    if accounts and account.lower() not in accounts:  # Slurm keeps account names in lower case
+        problems.append(f"{account_key}={account}: not an account {getpass.getuser()} may charge; use one of "
                         f"{', '.join(accounts)} (sacctmgr show assoc user=$USER)")  # fmt: skip
-    if problems:
-        raise ConfigError("\n".join(problems))
+    return problems
 
 
 def _limits(cfg: JobConfig, name: str, fields: dict[str, str]) -> list[str]:
