@@ -95,10 +95,9 @@ def check_inputs(
         raise ConfigError("eval.tasks is set but lm-evaluation-harness is not installed here: pip install "
                           "'hpc_train[eval]' (the job needs it too), or unset eval.tasks")  # fmt: skip
     if cfg.eval.tasks and not in_job:
-        from hpc_train.train.lm_eval_model import check_tasks, tokenizer_spec
+        from hpc_train.train.lm_eval_model import check_eval
 
-        check_tasks(cfg.eval)
-        tokenizer_spec(cfg)
+        check_eval(cfg)
     datasets = check_datasets(cfg.data, cfg.model)
     check_checkpoint_dir(cfg, probe_lock=starts_here)
     t = cfg.train

@@ -15,11 +15,12 @@ from hpc_train.train.lm_eval_model import accuracies  # noqa: E402 (it imports l
 
 def test_eval_gives_lm_evals_numbers_equal_to_hflm_on_the_export_and_the_loop_gives_the_same(tmp_path, local_tasks):
     """A tiny model trained under tp=2 x dp=2 with ZeRO-3 (a checkpoint of another layout, resharded to one
-    process), scoring three tasks inside the loop at steps 10 and 20, each rank of dp its share: `hpc-train
-    eval` prints lm-eval's table and writes the results beside the checkpoint; the multiple-choice accuracy,
-    the greedy continuations' accuracy, the rolling likelihood's bits per byte and perplexity and the
-    generations' exact match equal lm-eval's HFLM on the exported folder, and so does every request's score;
-    the loop's step-20 figures in metrics.jsonl are the command's. A task that generates text, or one lm-eval
+    process), scoring three tasks inside the loop every 7 steps and at the last, each rank of dp its share (at
+    step 7 lm-eval fails on rank 0: the record says so, and training goes on): `hpc-train eval` prints lm-eval's
+    table and writes the results beside the checkpoint; the multiple-choice accuracy, the greedy
+    continuations' accuracy, the rolling likelihood's bits per byte and perplexity and the generations' exact
+    match equal lm-eval's HFLM on the exported folder, and so does every request's score; the loop's step-20
+    figures in metrics.jsonl are the command's. A task that generates text, or one lm-eval
     does not know, is refused before any rank starts."""
     from lm_eval.models.huggingface import HFLM
 
@@ -35,13 +36,16 @@ def test_eval_gives_lm_evals_numbers_equal_to_hflm_on_the_export_and_the_loop_gi
                             f"eval.include_path={tasks_dir}")):  # fmt: skip
         refused = run_cli("train", "configs/tiny.yaml", *layout, f"eval.tasks={tasks}", f"run_dir={run}")
         assert refused.returncode == 2 and refusal in refused.stderr, refused.stderr
+    fault = {"HPC_TRAIN_TESTING": "1", "HPC_TRAIN_FAULT": "downstream@7@0@oom"}  # lm-eval fails at step 7
     trained = run_cli("train", "configs/tiny.yaml", *layout, "eval.tasks=[local_mc,local_next,local_text]",
-                      "eval.task_interval=10", f"run_dir={run}")  # fmt: skip
+                      "eval.task_interval=7", f"run_dir={run}", env=fault)  # fmt: skip
     assert trained.returncode == 0, trained.stderr
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    looped = {r["step"]: {k[len("downstream/") :]: v for k, v in r.items() if k.startswith("downstream/")}
-              for r in records if "downstream/local_mc/acc" in str(r)}  # fmt: skip
-    assert sorted(looped) == [10, 20] and looped[10] != looped[20]
+    assert "step 7: downstream evaluation failed on rank 0 (OutOfMemoryError: injected" in trained.stdout
+    records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    looped = {step: {k[len("downstream/") :]: v for k, v in r.items() if k.startswith("downstream/")}
+              for step, r in records.items()}  # fmt: skip
+    assert records[7]["downstream_error"].startswith("OutOfMemoryError: injected") and not looped[7]
+    assert [step for step, figures in looped.items() if figures] == [14, 20] and looped[14] != looped[20]
     out = run_cli("eval", str(run), "--tasks", ",".join(LOCAL_TASKS), "--include-path", str(tasks_dir),
                   "--batch-size", "4", "--log-samples")  # fmt: skip
     assert out.returncode == 0, out.stderr

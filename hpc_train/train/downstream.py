@@ -2,8 +2,8 @@
 tasks' documents, prompts and metrics: train/lm_eval_model.py, imported there alone) and every rank scores.
 Rank 0 sends each batch of requests to all ranks; each dp replica scores its share as rows of the training
 micro-batch shape through the parallel model's own forward (`row_scores`: every layout's), and the scores
-are gathered over dp. The other ranks wait for requests until rank 0 says the evaluation is over (or
-failed: then every rank raises its error)."""
+are gathered over dp. The other ranks wait for requests until rank 0 says the evaluation is over; they wait
+in collectives, so rank 0's own work (lm-eval's documents and metrics) must stay within parallel.timeout_s."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from hpc_train.checkpoint.state import RNGState
 from hpc_train.config import ConfigError, DataConfig, JobConfig, TrainConfig
-from hpc_train.data.tokenizer import build_tokenizer
 from hpc_train.distributed.agree import raise_together
 from hpc_train.distributed.parallelize import ParallelModel, row_scores
+from hpc_train.resilience.faults import fault_point
 from hpc_train.train.step import rank_micro_batches
 
 
@@ -93,55 +93,57 @@ def kept_rng() -> Iterator[None]:
 
 
 class Downstream:
-    """eval.tasks inside the training loop; rank 0 holds lm-eval's task index (checked at the run's start)."""
+    """eval.tasks inside the training loop; rank 0 holds lm-eval's task index and the tasks, loaded and
+    checked once at the run's start (a problem stops every rank there)."""
 
     def __init__(self, cfg: JobConfig, rank: int):
         self.cfg, self.rank = cfg, rank
-        self.manager, self.tokenizer, problem = None, None, None
+        self.manager, self.tasks, self.tokenizer, problem = None, None, None, None
         if rank == 0:
-            from hpc_train.train.lm_eval_model import check_tasks, tokenizer_spec
+            from hpc_train.train.lm_eval_model import check_eval
 
             try:
-                self.manager, self.tokenizer = check_tasks(cfg.eval), build_tokenizer(tokenizer_spec(cfg))
-            except Exception as err:  # a task's dataset that does not load, too: every rank stops on it
-                problem = str(err) if isinstance(err, ConfigError) else f"eval.tasks: {err!r}"
+                self.manager, self.tasks, self.tokenizer = check_eval(cfg)
+            except ConfigError as err:
+                problem = str(err)
         raise_together(problem, error=ConfigError)
 
     def due(self, step: int) -> bool:
         interval = self.cfg.eval.task_interval
         return step == self.cfg.train.steps or bool(interval) and step % interval == 0
 
-    def evaluate(self, model: ParallelModel) -> dict[str, float]:
-        """`downstream/<task>/<metric>` of every task on every rank (all ranks call it)."""
+    def evaluate(self, model: ParallelModel, step: int) -> dict[str, Any]:
+        """`downstream/<task>/<metric>` of every task, on every rank (all ranks call it). A failure of lm-eval
+        on rank 0 outside the scoring (a task's documents, its metric) does not stop training: the figures
+        are then `downstream_error`, the error."""
         model.train(False)
         try:
             with kept_rng():
-                figures = self._drive(model) if self.rank == 0 else self._serve(model)
+                figures = self._drive(model, step) if self.rank == 0 else self._serve(model)
         finally:
             model.train(True)
         shared = [figures]
         dist.broadcast_object_list(shared, src=0)
         return shared[0]
 
-    def _drive(self, model: ParallelModel) -> dict[str, float]:
+    def _drive(self, model: ParallelModel, step: int) -> dict[str, Any]:
         from hpc_train.train.lm_eval_model import LoopLM, accuracies, evaluate, quiet_lm_eval
 
         e = self.cfg.eval
         try:
+            fault_point("downstream", step, 0)  # a failure test's error inside lm-eval (kind `oom`)
             with quiet_lm_eval():
-                results = evaluate(LoopLM(self.tokenizer, model, self.cfg), e.tasks, e.limit, self.manager)
-        except BaseException as err:
-            dist.broadcast_object_list([f"downstream evaluation failed on rank 0: {err!r}"], src=0)
-            raise
+                results = evaluate(LoopLM(self.tokenizer, model, self.cfg), self.tasks, e.limit, self.manager)
+        except Exception as err:  # the other ranks wait for requests: they are told it ended
+            dist.broadcast_object_list([None], src=0)
+            return {"downstream_error": f"{type(err).__name__}: {err}"}
         dist.broadcast_object_list([None], src=0)  # done
         return {f"downstream/{name}": value for name, value in accuracies(results).items()}
 
-    def _serve(self, model: ParallelModel) -> dict[str, float]:
+    def _serve(self, model: ParallelModel) -> dict[str, Any]:
         while True:
             asked: list[Any] = [None]
             dist.broadcast_object_list(asked, src=0)
             if asked[0] is None:
                 return {}
-            if isinstance(asked[0], str):
-                raise RuntimeError(asked[0])
             score_requests(model, asked[0], self.cfg.train, self.cfg.data)

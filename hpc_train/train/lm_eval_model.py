@@ -17,7 +17,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from hpc_train.config import ConfigError, EvalConfig, JobConfig
 from hpc_train.data.prepare import dataset_tokenizer
-from hpc_train.data.tokenizer import Tokenizer
+from hpc_train.data.tokenizer import Tokenizer, build_tokenizer
 from hpc_train.distributed.parallelize import ParallelModel
 from hpc_train.train.downstream import Requests, score_everywhere
 
@@ -54,8 +54,8 @@ class ScoringLM(TemplateLM):
         for _, context, continuation in requests:
             context = context or [self.prefix_token_id]  # a context of spaces alone, moved to the continuation
             sequences.append((context + continuation)[-(self.max_length + 1) :])
-            counted.append(len(continuation))
-        return self.score(sequences, counted)
+            counted.append(min(len(continuation), len(sequences[-1]) - 1))  # one longer than the model: its end
+        return self.score(sequences, counted) if sequences else []
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """A whole text's log-likelihood: windows of the model's length, each scored after the one before
@@ -86,20 +86,22 @@ def task_manager(tasks: list[str], include_path: str | None) -> TaskManager:
     return TaskManager()
 
 
-def check_tasks(cfg: EvalConfig) -> TaskManager:
-    """eval.tasks known to lm-eval and scored by log-likelihood (none that generates text); their datasets
-    loaded (downloaded once, into the Hugging Face cache the job reads). Returns the task index."""
+def load_tasks(cfg: EvalConfig) -> tuple[TaskManager, list]:
+    """eval.tasks known to lm-eval and scored by log-likelihood (none that generates text), loaded with their
+    datasets (downloaded once, into the Hugging Face cache the job reads). Returns the task index and the
+    tasks (a group as its group; a tag as its name, loaded again at each evaluation)."""
     manager = task_manager(cfg.tasks, cfg.include_path)
     if unknown := [name for name in cfg.tasks if name not in manager.all_tasks]:
         where = f" or under eval.include_path={cfg.include_path}" if cfg.include_path else ""
         raise ConfigError(f"eval.tasks: {', '.join(unknown)} is no lm-eval task{where}: `lm-eval ls tasks` lists "
                           "them; a task of your own is a YAML file in the folder eval.include_path names")  # fmt: skip
-    loaded = manager.load(cfg.tasks)["tasks"]
-    if generating := sorted(name for name, task in loaded.items() if task.get_config("output_type") == GENERATES):
+    loaded = manager.load(cfg.tasks)
+    if generating := sorted(name for name, task in loaded["tasks"].items()
+                            if task.get_config("output_type") == GENERATES):  # fmt: skip
         listed = ", ".join(generating)
         raise ConfigError(f"eval.tasks: {listed} generates text, which the training loop does not run; score it on "
                           f"a checkpoint: hpc-train eval RUN_DIR --tasks {listed.replace(', ', ',')}")  # fmt: skip
-    return manager
+    return manager, [loaded["groups"].get(name) or loaded["tasks"].get(name) or name for name in cfg.tasks]
 
 
 def tokenizer_spec(cfg: JobConfig) -> str:
@@ -114,9 +116,28 @@ def tokenizer_spec(cfg: JobConfig) -> str:
                       "to the tokenizer.json it was prepared with")  # fmt: skip
 
 
-def evaluate(lm: TemplateLM, tasks: list[str], limit: int | None, manager: TaskManager, log_samples: bool = False):
-    """lm-eval's results of `tasks` on `lm` (lm-eval's seeds, as its command line sets them); with
-    `log_samples`, each request's scores too."""
+def check_eval(cfg: JobConfig) -> tuple[TaskManager, list, Tokenizer]:
+    """Everything eval.tasks needs, before training: the tasks (`load_tasks`) and the tokenizer, whose ids fit
+    the model's vocabulary. Any failure (a dataset that does not download, a task file that does not parse) is
+    a ConfigError naming eval.tasks."""
+    try:
+        manager, tasks = load_tasks(cfg.eval)
+        spec = tokenizer_spec(cfg)
+        tokenizer = build_tokenizer(spec)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"eval.tasks {cfg.eval.tasks} could not be loaded: {err!r}") from err
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"eval.tasks: tokenizer {spec} has {tokenizer.vocab_size} tokens but model.vocab_size="
+                          f"{cfg.model.vocab_size}; set eval.tokenizer to the tokenizer the training data was "
+                          "prepared with")  # fmt: skip
+    return manager, tasks, tokenizer
+
+
+def evaluate(lm: TemplateLM, tasks: list, limit: int | None, manager: TaskManager, log_samples: bool = False):
+    """lm-eval's results of `tasks` (names, or tasks `load_tasks` loaded) on `lm` (lm-eval's seeds, as its
+    command line sets them); with `log_samples`, each request's scores too."""
     import lm_eval
 
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager, log_samples=log_samples,

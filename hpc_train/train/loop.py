@@ -301,15 +301,12 @@ def _train(
         # figures at once, and the interval's time is shared by its steps.
         figures = read_figures([p.result for p in pending])
         elapsed = (time.perf_counter() - interval_start) / len(pending)
-        evals: dict[str, float] = {}
-        if eval_due or tasks_due:
+        evals: dict[str, Any] = {}
+        if eval_due:
             with hang.paused():
                 eval_start = time.perf_counter()
-                evals = evaluate_all(run) if eval_due else {}
-                if tasks_due:  # downstream/<task>/<metric>
-                    evals.update(downstream.evaluate(run.model))
+                evals = {**evaluate_all(run), "eval_s": 0.0}
                 evals["eval_s"] = round(time.perf_counter() - eval_start, 4)
-            if eval_due:
                 result.eval_losses[step] = evals["eval_loss"]
         # one MAX all-reduce for the peak memory over ranks and for a stop signal seen by any rank (the weightiest:
         # where ranks saw both, the user's stop, which does not requeue, wins)
@@ -337,6 +334,14 @@ def _train(
                     return _stop(run, result, step, stop_level, ledger)
                 interval_start = time.perf_counter()
                 continue
+        if tasks_due and not stop_level:  # agreed: not on a step rolled back, nor before a stop's save
+            with hang.paused():
+                eval_start = time.perf_counter()
+                evals.update(downstream.evaluate(run.model, step))  # downstream/<task>/<metric>
+                evals["eval_s"] = round(evals.get("eval_s", 0.0) + time.perf_counter() - eval_start, 4)
+            if "downstream_error" in evals:
+                run.report(f"step {step}: downstream evaluation failed on rank 0 ({evals['downstream_error']}); "
+                           "training goes on")  # fmt: skip
         records = []
         for p, f in zip(pending, figures, strict=True):
             monitor.add(elapsed)  # the step's share of the interval: a step itself does not wait for the device

@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from hpc_train.config import ConfigError, ModelConfig
@@ -296,14 +297,37 @@ class Decoder(nn.Module):
 
     def row_scores(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """(rows, 2) float64: each row's next-token loss summed over its counted targets, and how many of those
-        are not the most likely token (0: the continuation is the greedy one). The logits are gathered whole
-        over tp (evaluation only: one micro-batch's); under context parallelism, this rank's positions' part."""
-        logits = self.logits(hidden)
+        are not the most likely token (0: the continuation is the greedy one), `model.loss_chunk_tokens` at a
+        time; under context parallelism, this rank's positions' part. Vocab-sharded logits stay sharded: the
+        maximum, the sum of exponentials and the target's logit are reduced over tp."""
+        rows = loss_chunk_rows(self.cfg.loss_chunk_tokens, tuple(targets.shape))
+        chunks = zip(hidden.split(rows), targets.split(rows), strict=True)
+        return torch.cat([self._chunk_row_scores(h, t) for h, t in chunks])
+
+    def _chunk_row_scores(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, group, first = self.logits(hidden), None, 0
         if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
+            if isinstance(placed := logits.placements[0], Shard) and placed.dim in (-1, logits.ndim - 1):
+                group = logits.device_mesh.get_group()
+                logits = logits.to_local()
+                first = logits.shape[-1] * dist.get_rank(group)  # this rank's first vocabulary row
+            else:
+                logits = logits.full_tensor()
         logits = logits.float()
-        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-        missed = (logits.argmax(-1) != targets) & (targets != IGNORE)
+        top = logits.amax(-1)
+        if group is not None:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        total = (logits - top.unsqueeze(-1)).exp().sum(-1)
+        index = targets - first
+        here = (index >= 0) & (index < logits.shape[-1])
+        picked = logits.gather(-1, index.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        picked = torch.where(here, picked, torch.zeros_like(picked))  # a row held by another tp rank (or -inf)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+            dist.all_reduce(picked, group=group)
+        counted = targets != IGNORE
+        losses = torch.where(counted, top + total.log() - picked, torch.zeros_like(picked))
+        missed = counted & (picked < top)
         return torch.stack([losses.double().sum(-1), missed.double().sum(-1)], dim=-1)
 
     def compile_regions(self) -> None:
