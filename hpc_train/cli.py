@@ -10,6 +10,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from hpc_train.config import ConfigError, check_values, config_path, raise_all, 
 from hpc_train.distributed.mesh import ParallelDims
 from hpc_train.errors import UserError
 from hpc_train.job import JobConfig, check_run, load_config
+
+if TYPE_CHECKING:
+    from hpc_train.resilience.failures import FailurePlan
 
 SLURM_WORLD = "slurm.nodes x slurm.tasks_per_node"  # a Slurm job's world size, in its layout errors
 
@@ -144,6 +148,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     import json
 
     from hpc_train import planner
+    from hpc_train.resilience.failures import failure_figures, format_failure_plan
 
     cfg = _config_and_overrides(args)
     flags = (("--world", args.world), ("--gpu-mem", args.gpu_mem), ("--host-mem", args.host_mem),
@@ -166,13 +171,39 @@ def cmd_plan(args: argparse.Namespace) -> None:
     fits = plan.total <= gpu_mem
     limits = planner.Limits(world, gpu_mem, node=cfg.slurm.gpus_per_node or 8)
     fix = None if fits else planner.nearest_fix(cfg, limits, args.peak_tflops * 1e12)
+    failures = _failure_plan(args, cfg, dims)
     if args.json:
-        print(json.dumps({**plan.as_dict(), "fits": fits, "gpu_mem": gpu_mem, "fix": fix}, indent=1))
+        print(json.dumps({**plan.as_dict(), "fits": fits, "gpu_mem": gpu_mem, "fix": fix,
+                          **({"failures": failure_figures(failures)} if failures else {})}, indent=1))  # fmt: skip
     else:
         print(planner.format_estimate(cfg, dims, plan, gpu_mem), *[planner.format_fix(fix, plan.total)] * (not fits),
-              sep="\n")  # fmt: skip
+              *[format_failure_plan(failures)] * bool(failures), sep="\n")  # fmt: skip
     if not fits:
         sys.exit(1)
+
+
+def _failure_plan(args: argparse.Namespace, cfg: JobConfig, dims: ParallelDims) -> FailurePlan | None:
+    """--mtbf-hours / --failures-per-day: the checkpoint interval and goodput they call for (None without)."""
+    from hpc_train import planner
+    from hpc_train.resilience.failures import failure_plan, job_mtbf_s
+
+    if args.mtbf_hours is None and args.failures_per_day is None:
+        if any(v is not None for v in (args.save_s, args.restart_s, args.step_s)):
+            raise ConfigError("--save-s, --restart-s and --step-s go with --mtbf-hours or --failures-per-day")
+        return None
+    if args.mtbf_hours is not None and args.failures_per_day is not None:
+        raise ConfigError("give --mtbf-hours (a node's) or --failures-per-day (the job's), not both")
+    given = {"step_s": args.step_s, "save_s": args.save_s, "restart_s": args.restart_s}
+    for flag, value in (("--mtbf-hours", args.mtbf_hours), ("--failures-per-day", args.failures_per_day),
+                        *((f"--{k.replace('_', '-')}", v) for k, v in given.items())):  # fmt: skip
+        if value is not None and not 0 < value < float("inf"):
+            raise ConfigError(f"{flag} {value} must be a positive number")
+    mtbf = job_mtbf_s(args.mtbf_hours, cfg.slurm.nodes, args.failures_per_day)
+    estimated = planner.step_time_estimate(cfg, dims, args.peak_tflops * 1e12)
+    try:
+        return failure_plan(mtbf, given, cfg.run_dir, estimated, cfg.checkpoint.interval)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_fits(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -705,6 +736,12 @@ def build_parser() -> argparse.ArgumentParser:
     low_bit = "--search: also layouts that fit only with 8-bit or 4-bit AdamW moments (which change the numerics)"
     plan.add_argument("--allow-rule-change", action="store_true", help=low_bit)
     plan.add_argument("--json", action="store_true")
+    plan.add_argument("--mtbf-hours", type=float, help="a node's mean time between failures: the checkpoint "
+                      "interval and goodput it calls for (Daly)")  # fmt: skip
+    plan.add_argument("--failures-per-day", type=float, help="the job's failures a day, instead of --mtbf-hours")
+    plan.add_argument("--save-s", type=float, help="what a save blocks training for (default: the run's measured)")
+    plan.add_argument("--restart-s", type=float, help="a failure to training again (default: measured, else 300)")
+    plan.add_argument("--step-s", type=float, help="a step's time (default: measured, else the planner's)")
     ckpt = sub.add_parser("ckpt", help="list, verify (checksums), inspect or convert a run's checkpoints")
     ckpt.add_argument("ckpt_command", choices=["list", "verify", "inspect", "convert"])
     ckpt.add_argument("run_dir", help="a run directory or its checkpoints directory")

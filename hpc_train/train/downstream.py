@@ -67,10 +67,12 @@ def score_requests(model: ParallelModel, requests: Requests, t: TrainConfig, dat
         start = (n * dp + dp_rank) * per_rank
         indices = np.split(np.arange(start, start + per_rank), t.grad_accum)
         mine = row_scores(model, rank_micro_batches(requests, indices, model.device, model.hooks, data))
+        if dp == 1:
+            scores.append(mine)
+            continue
         gathered = [torch.empty_like(mine) for _ in range(dp)]
-        if dp > 1:
-            dist.all_gather(gathered, mine, group=model.mesh.group("dp"))
-        scores += gathered if dp > 1 else [mine]
+        dist.all_gather(gathered, mine, group=model.mesh.group("dp"))
+        scores += gathered
     return torch.cat(scores)[: len(requests)].cpu()
 
 
