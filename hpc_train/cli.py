@@ -177,7 +177,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           **({"failures": failure_figures(failures)} if failures else {})}, indent=1))  # fmt: skip
     else:
         print(planner.format_estimate(cfg, dims, plan, gpu_mem), *[planner.format_fix(fix, plan.total)] * (not fits),
-              *[format_failure_plan(failures)] * bool(failures), sep="\n")  # fmt: skip
+              *([format_failure_plan(failures)] if failures else []), sep="\n")  # fmt: skip
     if not fits:
         sys.exit(1)
 
