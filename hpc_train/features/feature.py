@@ -27,7 +27,7 @@ from typing import Any
 @dataclass(frozen=True)
 class Memory:
     """Bytes a feature adds on one rank (negative: removes), by where they sit in the planner's model of a step
-    (planner.py `estimate`): `block`, alive while one block runs (an exchange's buffers); `static`, alive
+    (planner/memory.py `estimate`): `block`, alive while one block runs (an exchange's buffers); `static`, alive
     through the step; `working`, a block backward's transient working set; `host`, in host memory (not in the
     device total). What a feature changes in the activations kept for backward is its `activations`."""
 
