@@ -201,7 +201,8 @@ def _failure_plan(args: argparse.Namespace, cfg: JobConfig, dims: ParallelDims) 
     mtbf = job_mtbf_s(args.mtbf_hours, cfg.slurm.nodes, args.failures_per_day)
     estimated = planner.step_time_estimate(cfg, dims, args.peak_tflops * 1e12)
     try:
-        return failure_plan(mtbf, given, cfg.run_dir, estimated, cfg.checkpoint.interval)
+        interval = cfg.checkpoint.interval if isinstance(cfg.checkpoint.interval, int) else 0  # auto: none given
+        return failure_plan(mtbf, given, cfg.run_dir, estimated, interval)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

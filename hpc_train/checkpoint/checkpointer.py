@@ -72,11 +72,13 @@ from hpc_train.config import MEMORY_DIR, CheckpointConfig
 from hpc_train.distributed.agree import raise_together
 from hpc_train.distributed.hooks import StepHooks
 from hpc_train.optim.nvme import FileRegion, snapshot
+from hpc_train.resilience.failures import daly_interval
 from hpc_train.resilience.faults import fault_point
 
 # of the per-rank files; format 1 (hpc_train 08c1275) kept the sampler's count at top level, formats 1 and
 # 2 the numpy RNG key as a numpy array (3: a tensor, so the files load with weights_only=True alone)
 FORMAT = 3
+AUTO_FIRST = 10  # checkpoint.interval=auto: a process's first save, these steps in, measures what a save costs
 
 
 def rank_file(rank: int) -> str:
@@ -135,6 +137,8 @@ class Checkpointer:
         self.hooks = hooks  # the features' parts in every step: told when a restore replaced the weights
         self.store = CheckpointStore(checkpoint.dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.nodes = max(1, self.world // ranks_per_node)
+        self.next_save: int | None = None  # checkpoint.interval=auto: the step of the next save
         # async saves: host buffers reused across saves, and a group of their own for the background
         # writes and commits, created collectively up front
         self.stager, self.async_group = None, None
@@ -206,8 +210,30 @@ class Checkpointer:
 
     # ---- save -------------------------------------------------------------------------------------
     def should_save(self, step: int, stop_requested: bool) -> bool:
+        """A save at `step`: on a stop, every checkpoint.interval steps and at the end; with interval=auto, at
+        the step `plan_next_save` set (the first AUTO_FIRST steps into this process's training, to measure
+        what a save costs)."""
         interval = self.options.interval
+        if interval == "auto":
+            if self.next_save is None:
+                self.next_save = step - 1 + AUTO_FIRST
+            return stop_requested or step >= self.next_save or step == self.steps
         return stop_requested or bool(interval and (step % interval == 0 or step == self.steps))
+
+    def plan_next_save(self, step: int, blocked_s: float, step_s: float) -> dict[str, float] | None:
+        """checkpoint.interval=auto, after the save of `step`: the next one Daly's interval later, for the
+        slowest rank's time blocked by this save and its step time (one MAX all-reduce: every rank agrees)
+        and the job's MTBF (a node's over the job's nodes). Returns the figures it used (None: not auto)."""
+        if self.options.interval != "auto":
+            return None
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        measured = torch.tensor([blocked_s, step_s], dtype=torch.float64, device=device)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        save_s, step_s = measured.tolist()
+        mtbf_s = self.options.mtbf_hours * 3600 / self.nodes
+        steps = max(1, round(daly_interval(save_s, mtbf_s) / step_s))
+        self.next_save = step + steps
+        return {"save_s": save_s, "step_s": step_s, "mtbf_s": mtbf_s, "steps": steps}
 
     def should_save_local(self, step: int, saving: bool = False) -> bool:
         """A node-local save at `step`: on disk where no shared save is `saving` (that one is newer), in

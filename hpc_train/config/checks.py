@@ -103,6 +103,13 @@ def _value_problems(cfg: JobConfig) -> list[str]:
                         "checkpoint: set checkpoint.interval (e.g. 100) and checkpoint.resume=true, or "
                         "parallel.max_restarts=0")  # fmt: skip
     c = cfg.checkpoint
+    if c.interval != "auto" and (not isinstance(c.interval, int) or c.interval < 0):
+        problems.append(f"checkpoint.interval={c.interval!r} must be a number of steps (0: only when stopped) or "
+                        "auto (Daly's interval for checkpoint.mtbf_hours)")  # fmt: skip
+    if (c.interval == "auto") != (c.mtbf_hours is not None):
+        problems.append(f"checkpoint.interval={c.interval} and checkpoint.mtbf_hours={c.mtbf_hours}: auto saves at "
+                        "the interval a failure rate calls for, and only it reads the MTBF: give both (a node's MTBF "
+                        "in hours: checkpoint.interval=auto checkpoint.mtbf_hours=5000) or neither")  # fmt: skip
     if c.memory_interval and (c.local_dir or c.local_interval):
         problems.append(f"checkpoint.memory_interval={c.memory_interval} with checkpoint.local_dir/local_interval: "
                         "both are node-local checkpoints, one in host memory, one on local disk: keep one")  # fmt: skip

@@ -229,7 +229,10 @@ class CheckpointConfig:
     """Sharded, verified checkpoints. A run resumes from the newest one that verifies in `dir`."""
 
     dir: str = "${run_dir}/checkpoints"
-    interval: int = non_negative(0)  # save every N steps (and at the end); 0 = only when preempted
+    # save every N steps (and at the end); 0 = only when preempted; auto = Daly's interval for checkpoint.mtbf_hours,
+    # from the run's own save cost and step time (resilience/failures.py; `plan --mtbf-hours` prints it)
+    interval: int | str = 0
+    mtbf_hours: float | None = positive(None)  # a node's mean time between failures, for interval=auto
     keep_last: int = non_negative(3)  # committed checkpoints kept (the newest complete one is never deleted)
     keep_every: int = non_negative(0)  # also keep every K-th step forever; 0 = off
     # write in the background while training continues: auto = where each of a node's ranks has a core free

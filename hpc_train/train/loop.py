@@ -391,6 +391,8 @@ def _train(
                 record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
                 if stop_level or step == t.steps:  # the last save: nothing to overlap; its commit on this record
                     record["checkpoint"].update(run.checkpointer.wait() or {})
+                elif auto := run.checkpointer.plan_next_save(step, record["checkpoint"]["blocked_s"], elapsed):
+                    record["checkpoint"]["auto_interval"] = auto  # checkpoint.interval=auto: the next save
         if committed := run.checkpointer.poll():  # an async save committed during this interval
             record["checkpoint_committed"] = committed
         if ledger is not None:  # the steps recorded, each one's time, and what the loop spent saving and evaluating
