@@ -159,6 +159,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     world = args.world or planner.plan_world(cfg)
     gpu_mem = args.gpu_mem * 2**30 if args.gpu_mem else cfg.slurm.gpu_mem_gb * 2**30
     if args.search:
+        if any(v is not None for v in (args.mtbf_hours, args.failures_per_day, args.save_s, args.restart_s,
+                                       args.step_s)):  # fmt: skip
+            raise ConfigError("--mtbf-hours and the failure options plan one layout's checkpoints: drop --search")
         check_values(cfg)  # check_job's rules for every key; the layout is what --search varies
         host_mem = args.host_mem * 2**30 if args.host_mem else None
         report = planner.search_report(cfg, world, gpu_mem, args.peak_tflops * 1e12, host_mem, args.allow_rule_change)
@@ -198,7 +201,8 @@ def _failure_plan(args: argparse.Namespace, cfg: JobConfig, dims: ParallelDims) 
                         *((f"--{k.replace('_', '-')}", v) for k, v in given.items())):  # fmt: skip
         if value is not None and not 0 < value < float("inf"):
             raise ConfigError(f"{flag} {value} must be a positive number")
-    mtbf = job_mtbf_s(args.mtbf_hours, cfg.slurm.nodes, args.failures_per_day)
+    nodes = math.ceil(dims.world_size / cfg.slurm.tasks_per_node) if cfg.slurm.gpus_per_node else 1
+    mtbf = job_mtbf_s(args.mtbf_hours, nodes, args.failures_per_day)
     estimated = planner.step_time_estimate(cfg, dims, args.peak_tflops * 1e12)
     try:
         interval = cfg.checkpoint.interval if isinstance(cfg.checkpoint.interval, int) else 0  # auto: none given

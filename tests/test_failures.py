@@ -88,26 +88,29 @@ def test_plan_gives_the_interval_for_a_runs_measured_costs(tmp_path):
 def test_auto_interval_saves_where_dalys_interval_falls_for_the_measured_costs(tmp_path):
     """checkpoint.interval=auto on two ranks: the first save 10 steps in; after each, the next comes Daly's
     interval later, in whole steps of the measured step time, for the slowest rank's measured save and the
-    MTBF given (a node's, here one node's); the last step is saved too. auto without an MTBF, an MTBF without
-    auto, and an interval that is neither steps nor auto are refused before any rank starts."""
+    MTBF given (a node's, here one node's); keep_every's step and the last step are saved too. auto without an
+    MTBF, an MTBF without auto, and an interval that is neither steps nor auto are refused before any rank
+    starts."""
     run = tmp_path / "run"
     config = ["configs/tiny.yaml", *TINY_MODEL, "parallel.nproc=2", "train.steps=30", f"run_dir={run}"]
-    trained = run_cli("train", *config, "checkpoint.interval=auto", "checkpoint.mtbf_hours=0.00002")
+    trained = run_cli("train", *config, "checkpoint.interval=auto", "checkpoint.mtbf_hours=0.00002",
+                      "checkpoint.keep_every=25")  # fmt: skip
     assert trained.returncode == 0, trained.stderr
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     saved = [r["step"] for r in records if "checkpoint" in r]
-    assert saved[0] == 10 and saved[-1] == 30 and len(saved) >= 3, saved
+    assert saved[0] == 10 and saved[-1] == 30 and len(saved) >= 3 and 25 in saved, saved
     for record in records:
         if "auto_interval" not in record.get("checkpoint", {}):
             continue
         auto = record["checkpoint"]["auto_interval"]
         assert auto["mtbf_s"] == pytest.approx(0.00002 * 3600)
         assert auto["steps"] == max(1, round(daly_interval(auto["save_s"], auto["mtbf_s"]) / auto["step_s"]))
-        assert min(record["step"] + auto["steps"], 30) == next(s for s in saved if s > record["step"])
+        kept = 25 if record["step"] < 25 else 30  # keep_every's step, which is saved whatever the interval
+        assert min(record["step"] + auto["steps"], kept, 30) == next(s for s in saved if s > record["step"])
     assert "auto_interval" not in records[-1]["checkpoint"]  # the last save: none after it
     refusals = {"checkpoint.interval=auto": "checkpoint.interval=auto and checkpoint.mtbf_hours=None",
                 "checkpoint.mtbf_hours=5": "checkpoint.interval=0 and checkpoint.mtbf_hours=5.0",
-                "checkpoint.interval=soon": "checkpoint.interval='soon' must be a number of steps"}  # fmt: skip
+                "checkpoint.interval=soon": "checkpoint.interval='soon' must be >= 0 (steps between saves"}  # fmt: skip
     for override, message in refusals.items():
         refused = run_cli("train", *config, override)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr

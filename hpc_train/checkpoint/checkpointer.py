@@ -152,6 +152,7 @@ class Checkpointer:
             self.async_group = dist.new_group(backend="gloo")
         self.staging: Future | None = None  # an async save's copy to host memory, until it is done
         self.staging_wait_s = 0.0  # how long the training waited for it
+        self.last_staging_wait_s = 0.0
         self.pending: tuple[int, Future] | None = None  # an async save in flight: its step, its end
         self.pruning: Future | None = None  # rank 0: older checkpoints being deleted after a commit
         self.finished: dict[str, Any] | None = None  # the figures of the last async save, until polled
@@ -211,26 +212,31 @@ class Checkpointer:
     # ---- save -------------------------------------------------------------------------------------
     def should_save(self, step: int, stop_requested: bool) -> bool:
         """A save at `step`: on a stop, every checkpoint.interval steps and at the end; with interval=auto, at
-        the step `plan_next_save` set (the first AUTO_FIRST steps into this process's training, to measure
-        what a save costs)."""
-        interval = self.options.interval
+        the step `plan_next_save` set (the first AUTO_FIRST steps into this process's training, `begin`, to
+        measure what a save costs) and at every multiple of keep_every (the checkpoints kept for good)."""
+        interval, every = self.options.interval, self.options.keep_every
         if interval == "auto":
-            if self.next_save is None:
-                self.next_save = step - 1 + AUTO_FIRST
-            return stop_requested or step >= self.next_save or step == self.steps
+            due = self.next_save is not None and step >= self.next_save or bool(every and step % every == 0)
+            return stop_requested or due or step == self.steps
         return stop_requested or bool(interval and (step % interval == 0 or step == self.steps))
 
-    def plan_next_save(self, step: int, blocked_s: float, step_s: float) -> dict[str, float] | None:
+    def begin(self, start_step: int) -> None:
+        """Training starts (or resumes) after `start_step`: interval=auto's first save is AUTO_FIRST steps on."""
+        self.next_save = start_step + AUTO_FIRST if self.options.interval == "auto" else None
+
+    def plan_next_save(self, step: int, blocked_s: float, step_s: float, device: torch.device) -> dict | None:
         """checkpoint.interval=auto, after the save of `step`: the next one Daly's interval later, for the
-        slowest rank's time blocked by this save and its step time (one MAX all-reduce: every rank agrees)
-        and the job's MTBF (a node's over the job's nodes). Returns the figures it used (None: not auto)."""
+        slowest rank's time blocked by a save (this one's, and the previous one's wait for its staging: an
+        asynchronous save's copy to host memory that the next update waited for), its step time and the job's
+        MTBF (a node's over the job's nodes): one MAX all-reduce on `device`, so every rank agrees. Returns
+        the figures it used (None: not auto)."""
         if self.options.interval != "auto":
             return None
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        measured = torch.tensor([blocked_s, step_s], dtype=torch.float64, device=device)
+        measured = torch.tensor([blocked_s + self.last_staging_wait_s, step_s, self.nodes], dtype=torch.float64,
+                                device=device)  # fmt: skip
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-        save_s, step_s = measured.tolist()
-        mtbf_s = self.options.mtbf_hours * 3600 / self.nodes
+        save_s, step_s, nodes = measured.tolist()
+        mtbf_s = self.options.mtbf_hours * 3600 / nodes
         steps = max(1, round(daly_interval(save_s, mtbf_s) / step_s))
         self.next_save = step + steps
         return {"save_s": save_s, "step_s": step_s, "mtbf_s": mtbf_s, "steps": steps}
@@ -281,6 +287,7 @@ class Checkpointer:
         on_disk = snapshot({k: v for k, v in state.items() if isinstance(v, FileRegion)}, self.async_group)
         in_memory, layouts = unplaced({k: v for k, v in state.items() if k not in on_disk})
         staging = self.staging = self.stager.stage(in_memory)
+        self.last_staging_wait_s = self.staging_wait_s  # the previous save's wait, for interval=auto
         self.staging_wait_s = 0.0  # the next update's wait (this one's is in blocked_s)
 
         def write(staging: Future) -> dict[str, Any]:

@@ -104,8 +104,8 @@ def _value_problems(cfg: JobConfig) -> list[str]:
                         "parallel.max_restarts=0")  # fmt: skip
     c = cfg.checkpoint
     if c.interval != "auto" and (not isinstance(c.interval, int) or c.interval < 0):
-        problems.append(f"checkpoint.interval={c.interval!r} must be a number of steps (0: only when stopped) or "
-                        "auto (Daly's interval for checkpoint.mtbf_hours)")  # fmt: skip
+        problems.append(f"checkpoint.interval={c.interval!r} must be >= 0 (steps between saves; 0: only when "
+                        "stopped) or auto (Daly's interval for checkpoint.mtbf_hours)")  # fmt: skip
     if (c.interval == "auto") != (c.mtbf_hours is not None):
         problems.append(f"checkpoint.interval={c.interval} and checkpoint.mtbf_hours={c.mtbf_hours}: auto saves at "
                         "the interval a failure rate calls for, and only it reads the MTBF: give both (a node's MTBF "

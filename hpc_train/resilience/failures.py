@@ -38,7 +38,10 @@ def daly_interval(save_s: float, mtbf_s: float) -> float:
 
 def expected_goodput(interval_s: float, save_s: float, restart_s: float, mtbf_s: float) -> float:
     """The share of the wall time spent on training that is kept, under Daly's model."""
-    segment = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + save_s) / mtbf_s)
+    try:
+        segment = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + save_s) / mtbf_s)
+    except OverflowError:  # segments hundreds of MTBFs long: none completes
+        return 0.0
     return interval_s / segment
 
 
@@ -67,11 +70,15 @@ class FailurePlan:
 
 
 def measured_costs(run_dir: str | Path) -> dict[str, float]:
-    """What a run's metrics.jsonl measured: the median step time, the mean time a save blocked training and
-    the mean restart (an in-job restart's, from the failure until training again); those it has."""
+    """What a run's metrics.jsonl measured: the median step time, the mean time a save blocked training (an
+    asynchronous save's: also the next update's wait for its staging) and the mean restart (an in-job
+    restart's, from the failure until training again); those it has."""
     records = read_records(run_dir)
     steps = [r["step_time_s"] for r in records if "step_time_s" in r and not r.get("skipped")]
-    saves = [r["checkpoint"]["blocked_s"] for r in records if "blocked_s" in r.get("checkpoint", {})]
+    staged = {r["checkpoint_committed"]["step"]: r["checkpoint_committed"].get("staging_wait_s", 0.0)
+              for r in records if "step" in r.get("checkpoint_committed", {})}  # fmt: skip
+    saves = [r["checkpoint"]["blocked_s"] + staged.get(r["step"], 0.0)  # an async save's wait for its staging too
+             for r in records if "blocked_s" in r.get("checkpoint", {})]  # fmt: skip
     restarts = [r["restart"]["restart_s"] for r in records if "restart_s" in r.get("restart", {})]
     figures = {"step_s": statistics.median(steps)} if steps else {}
     figures |= {"save_s": statistics.fmean(saves)} if saves else {}
@@ -83,7 +90,7 @@ def job_mtbf_s(node_mtbf_hours: float | None, nodes: int, failures_per_day: floa
     the job's failures a day."""
     if failures_per_day is not None:
         return 24 * HOUR / failures_per_day, f"{failures_per_day:g} failures a day"
-    return node_mtbf_hours * HOUR / nodes, f"a node's MTBF of {node_mtbf_hours:,.0f} h over {nodes:,} node(s)"
+    return node_mtbf_hours * HOUR / nodes, f"a node's MTBF of {node_mtbf_hours:,g} h over {nodes:,} node(s)"
 
 
 def format_failure_plan(plan: FailurePlan) -> str:

@@ -7,6 +7,7 @@ reports and the end) the pending steps' figures are read -> eval -> metrics -> c
 from __future__ import annotations
 
 import os
+import statistics
 import time
 import traceback
 from dataclasses import dataclass
@@ -233,6 +234,8 @@ def _train(
         if kept is not None and ledger is not None:  # its goodput ledger beside them (goodput.<stamp>.jsonl)
             ledger.set_aside(kept.with_name(kept.name.replace("metrics.", "goodput.", 1)))
     start_step = resumed.step if resumed else 0
+    run.checkpointer.begin(start_step)
+    since_save: list[float] = []  # step times since the last save, a process's first left out (interval=auto)
     downstream = None
     if cfg.eval.tasks:  # lm-eval's tasks, loaded once on rank 0 (the optional extra: imported only here)
         from hpc_train.train.downstream import Downstream
@@ -363,6 +366,7 @@ def _train(
             result.losses.append(f["loss"])
             records.append(r)
         pending.clear()
+        since_save += [r["step_time_s"] for r in records if r["step"] > start_step + 1]
         record = records[-1]
         record.update(evals)
         if slow := monitor.report(step):
@@ -391,8 +395,11 @@ def _train(
                 record["checkpoint"] = run.checkpointer.save(step)  # what the save cost: on its step's record
                 if stop_level or step == t.steps:  # the last save: nothing to overlap; its commit on this record
                     record["checkpoint"].update(run.checkpointer.wait() or {})
-                elif auto := run.checkpointer.plan_next_save(step, record["checkpoint"]["blocked_s"], elapsed):
-                    record["checkpoint"]["auto_interval"] = auto  # checkpoint.interval=auto: the next save
+                else:  # checkpoint.interval=auto: when the next save comes
+                    step_s, blocked = statistics.median(since_save or [elapsed]), record["checkpoint"]["blocked_s"]
+                    if auto := run.checkpointer.plan_next_save(step, blocked, step_s, run.device):
+                        record["checkpoint"]["auto_interval"] = auto
+                since_save = []
         if committed := run.checkpointer.poll():  # an async save committed during this interval
             record["checkpoint_committed"] = committed
         if ledger is not None:  # the steps recorded, each one's time, and what the loop spent saving and evaluating
