@@ -366,7 +366,8 @@ def _train(
             result.losses.append(f["loss"])
             records.append(r)
         pending.clear()
-        since_save += [r["step_time_s"] for r in records if r["step"] > start_step + 1]
+        if cfg.checkpoint.interval == "auto":
+            since_save += [r["step_time_s"] for r in records if r["step"] > start_step + 1]
         record = records[-1]
         record.update(evals)
         if slow := monitor.report(step):
