@@ -152,7 +152,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     cfg = _config_and_overrides(args)
     flags = (("--world", args.world), ("--gpu-mem", args.gpu_mem), ("--host-mem", args.host_mem),
-             ("--peak-tflops", args.peak_tflops))  # fmt: skip
+             ("--peak-tflops", args.peak_tflops), ("--mtbf-hours", args.mtbf_hours),
+             ("--failures-per-day", args.failures_per_day), ("--save-s", args.save_s),
+             ("--restart-s", args.restart_s), ("--step-s", args.step_s))  # fmt: skip
     for flag, value in flags:
         if value is not None and not 0 < value < float("inf"):
             raise ConfigError(f"{flag} {value} must be a positive number")
@@ -196,11 +198,7 @@ def _failure_plan(args: argparse.Namespace, cfg: JobConfig, dims: ParallelDims) 
         return None
     if args.mtbf_hours is not None and args.failures_per_day is not None:
         raise ConfigError("give --mtbf-hours (a node's) or --failures-per-day (the job's), not both")
-    given = {"step_s": args.step_s, "save_s": args.save_s, "restart_s": args.restart_s}
-    for flag, value in (("--mtbf-hours", args.mtbf_hours), ("--failures-per-day", args.failures_per_day),
-                        *((f"--{k.replace('_', '-')}", v) for k, v in given.items())):  # fmt: skip
-        if value is not None and not 0 < value < float("inf"):
-            raise ConfigError(f"{flag} {value} must be a positive number")
+    given = {"step_s": args.step_s, "save_s": args.save_s, "restart_s": args.restart_s}  # checked by cmd_plan
     nodes = math.ceil(dims.world_size / cfg.slurm.tasks_per_node) if cfg.slurm.gpus_per_node else 1
     mtbf = job_mtbf_s(args.mtbf_hours, nodes, args.failures_per_day)
     estimated = planner.step_time_estimate(cfg, dims, args.peak_tflops * 1e12)
@@ -392,18 +390,11 @@ def run_here(base: JobConfig, members: list) -> None:
 
 def _follow_array(base: JobConfig, members: list, jobs: list) -> None:
     """Wait for every task of the array to end; a line per member, and exit 1 where one did not complete."""
-    import time
-
     from hpc_train.launch import slurm
 
-    states: dict[int, str] = {}
-    while len(states) < len(jobs):
-        for i, job in enumerate(jobs):
-            if i not in states and (state := slurm.final_state(job)) is not None:
-                states[i] = state
-                print(f"member {members[i].label} (job {job.job_id}): {state}", flush=True)
-        time.sleep(1)
-    failed = [i for i, state in states.items() if state != "COMPLETED" and slurm.stopped_at(jobs[i]) is None]
+    ended = slurm.wait_for_jobs({f"member {member.label}": job for member, job in zip(members, jobs, strict=True)})
+    states = [ended[f"member {member.label}"] for member in members]
+    failed = [i for i, state in enumerate(states) if state != "COMPLETED" and slurm.stopped_at(jobs[i]) is None]
     for i in failed:
         cfg = members[i].cfg
         print(f"member {members[i].label}:", slurm.failure_report(jobs[i], cfg.slurm.nodes * cfg.slurm.tasks_per_node),

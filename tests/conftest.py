@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -152,6 +153,26 @@ def local_tasks(tmp_path_factory) -> Path:
         data.write_text("".join(json.dumps(row) + "\n" for row in rows[name]))
         (folder / f"{name}.yaml").write_text(LM_EVAL_TASK.format(name=name, data=data, kind=kind, body=body))
     return folder
+
+
+def cluster_nodes_idle() -> bool:
+    """The local Slurm cluster (slurm/local-cluster.sh) is up: its nodes answer sinfo, none down."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return False
+    states = out.stdout.split()
+    return out.returncode == 0 and len(states) >= 2 and all(s.startswith(("idle", "mix", "alloc")) for s in states)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The tests that submit real jobs: skipped without the cluster, failed in CI (which starts it)."""
+    if not cluster_nodes_idle():
+        message = "the local Slurm cluster is not running: `make test` starts it (slurm/local-cluster.sh start)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ cluster (slurm/local-cluster.sh; `make cluster`), no mocks."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from hpc_train.data.prepare import expand_inputs, prepare_data, stdlib_sources
 from hpc_train.launch import prepare_array
 from hpc_train.launch.prepare_array import ArrayOptions, MergeTask, PartTask, make_plan, parts_to_run, split_groups
 from tests.conftest import ROOT, run_cli
-from tests.test_slurm import cluster_nodes_idle, job_count
+from tests.test_slurm import job_count
 
 
 def write_corpus(root: Path) -> str:
@@ -97,15 +96,6 @@ def test_parts_merge_as_one_process_writes_and_a_failed_merge_keeps_them(tmp_pat
     PartTask(empty_only, 0)()
     with pytest.raises(ConfigError, match=r"^the 1 input file\(s\) hold no text: nothing to tokenize$"):
         MergeTask(empty_only)()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    if not cluster_nodes_idle():
-        message = "the local Slurm cluster is not running: `make cluster` starts it (slurm/local-cluster.sh start)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 def test_three_nodes_write_the_dataset_one_process_writes(cluster, tmp_path):

@@ -27,24 +27,6 @@ from hpc_train.train.loop import run_training
 from tests.conftest import ROOT, TINY_MODEL, read_metrics, run_cli, wandb_offline_runs
 
 
-def cluster_nodes_idle() -> bool:
-    try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=20)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return False
-    states = out.stdout.split()
-    return out.returncode == 0 and len(states) >= 2 and all(s.startswith(("idle", "mix", "alloc")) for s in states)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    if not cluster_nodes_idle():
-        message = "the local Slurm cluster is not running: `make test` starts it (slurm/local-cluster.sh start)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 def job_count() -> int:
     """Jobs in accounting over the last day. Without accounting nothing could show that a refused submission
     reached Slurm, so the test does not pass: it is skipped (in CI, where the cluster runs, it fails)."""

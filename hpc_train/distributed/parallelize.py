@@ -264,10 +264,15 @@ def forward_backward(model: ParallelModel, micro_batches: MicroBatches) -> torch
 
 @torch.no_grad()
 def forward_only(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tensor:
+    return sum(_evaluated(model, micro_batches), torch.zeros((), device=model.device))
+
+
+def _evaluated(model: ParallelModel, micro_batches: MicroBatches) -> list[torch.Tensor]:
+    """`_run` forward only, then the hooks' end of an evaluation."""
     parts = _run(model, micro_batches, backward=False)
     for hook in model.hooks:
         hook.after_eval()
-    return sum(parts, torch.zeros((), device=model.device))
+    return parts
 
 
 @torch.no_grad()
@@ -279,11 +284,9 @@ def row_scores(model: ParallelModel, micro_batches: MicroBatches) -> torch.Tenso
     last = model.chunks[-1]
     last.scores_rows = True
     try:
-        parts = _run(model, micro_batches, backward=False)
+        parts = _evaluated(model, micro_batches)
     finally:
         last.scores_rows = False
-    for hook in model.hooks:
-        hook.after_eval()
     rows = sum(b.tokens.shape[0] for b in micro_batches)
     scores = torch.cat(parts) * len(micro_batches) if parts else torch.zeros(rows, 2, dtype=torch.float64,
                                                                              device=model.device)  # fmt: skip

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -49,7 +48,7 @@ from hpc_train.data.tokenizer import tokenizer_json
 from hpc_train.errors import UserError
 from hpc_train.launch.partition import partition_problems
 from hpc_train.launch.queue import slurm_output
-from hpc_train.launch.slurm import ScriptOnlyExecutor, final_state, task_logs
+from hpc_train.launch.slurm import ScriptOnlyExecutor, task_logs, wait_for_jobs
 
 SLURM_KEYS = ("nodes", "partition", "account", "time")
 DEFAULT_TIME = "60"  # minutes each job may run without time=: sbatch's own default is the partition's limit
@@ -388,30 +387,17 @@ def failure(what: str, job: submitit.Job, state: str, lines: int = 12) -> str:
     return f"{what} (job {job.job_id}) ended {state}; its log {log}:\n" + "\n".join(f"  {line}" for line in tail)
 
 
-def wait_for(jobs: dict[str, submitit.Job], poll_s: float = 1.0) -> dict[str, str]:
-    """Each job's final Slurm state, by name, a line printed as each ends."""
-    states: dict[str, str] = {}
-    while len(states) < len(jobs):
-        for name, job in jobs.items():
-            if name not in states and (state := final_state(job)) is not None:
-                states[name] = state
-                print(f"{name} (job {job.job_id}): {state}", flush=True)
-        if len(states) < len(jobs):
-            time.sleep(poll_s)
-    return states
-
-
 def follow(plan: PrepPlan, todo: list[int], array: list[submitit.Job], merge: submitit.Job) -> str | None:
     """Wait for the array, then the merge; None when the dataset is written, else what failed and its log (a
     failed task's merge is cancelled, by Slurm or here)."""
     parts = {f"part {part}": job for part, job in zip(todo, array, strict=True)}
-    failed = {name: state for name, state in wait_for(parts).items() if state != "COMPLETED"}
+    failed = {name: state for name, state in wait_for_jobs(parts).items() if state != "COMPLETED"}
     if failed:
         subprocess.run(["scancel", merge.job_id], capture_output=True)
         return "\n".join(failure(name, parts[name], state) for name, state in failed.items()) + (
             f"\nthe parts that completed are kept in {plan.parts_dir}: submitting the same command again tokenizes "
             "the others alone")  # fmt: skip
-    state = wait_for({"merge": merge})["merge"]
+    state = wait_for_jobs({"merge": merge})["merge"]
     if state != "COMPLETED":
         return failure("the merge", merge, state) + (f"\nno file of {plan.output} was written; the parts are kept in "
                                                      f"{plan.parts_dir}: submitting the same command again merges "

@@ -223,6 +223,20 @@ def final_state(job) -> str | None:
     return state.split()[0] if state.startswith(TERMINAL_STATES) else None
 
 
+def wait_for_jobs(jobs: dict[str, Any], poll_s: float = 1.0) -> dict[str, str]:
+    """Each job's final Slurm state, by its name in `jobs`, a line printed as each ends (`NAME (job ID): STATE`):
+    a sweep's members, a preparation's parts and merge."""
+    states: dict[str, str] = {}
+    while len(states) < len(jobs):
+        for name, job in jobs.items():
+            if name not in states and (state := final_state(job)) is not None:
+                states[name] = state
+                print(f"{name} (job {job.job_id}): {state}", flush=True)
+        if len(states) < len(jobs):
+            time.sleep(poll_s)
+    return states
+
+
 def follow(job, poll_s: float = 1.0, out: TextIO | None = None) -> str:
     """Stream rank 0's stdout (to `out`, or sys.stdout as it is at the call) until the job ends; return its
     final Slurm state."""
